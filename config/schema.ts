@@ -1,0 +1,399 @@
+/**
+ * The one config schema: it gives the TypeScript type (Config), the validation (with messages that name the
+ * accepted values) and the defaults. Durations decode to milliseconds and sizes to bytes through TypeBox
+ * Transform types; secrets stay references (see secrets.ts).
+ *
+ * Annotations used beside JSON Schema: `description` (meaning, also the comment in defaults.yml), `expected`
+ * (accepted values, for messages), `unit` ("duration" | "size" | "secret"), `secret` (never echo the value),
+ * `example` (shown commented out in defaults.yml for optional objects without a default).
+ */
+import { FormatRegistry, type StaticDecode, type TLiteral, type TSchema, Type } from "@sinclair/typebox";
+import {
+  DURATION_FORMAT,
+  formatDuration,
+  formatSize,
+  parseDuration,
+  parseSize,
+  SIZE_FORMAT,
+} from "../lib/units.ts";
+import { SECRET_FORMAT, secretRefProblem } from "./secrets.ts";
+
+export { resolveSecret, secretKind, secretRefProblem } from "./secrets.ts";
+
+function succeeds(fn: () => unknown): boolean {
+  try {
+    fn();
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+const HOST_PORT = /^(\[[0-9a-fA-F:.]+\]|[^\s:[\]]+):(\d{1,5})$/;
+
+// Idempotent: FormatRegistry is TypeBox's process-wide table of string formats.
+FormatRegistry.Set("dc-duration", (v) => succeeds(() => parseDuration(v)));
+FormatRegistry.Set("dc-duration-positive", (v) => {
+  try {
+    return parseDuration(v) > 0;
+  } catch {
+    return false;
+  }
+});
+FormatRegistry.Set("dc-size", (v) => succeeds(() => parseSize(v)));
+FormatRegistry.Set("dc-secret", (v) => secretRefProblem(v) === undefined);
+FormatRegistry.Set("dc-host-port", (v) => {
+  const m = HOST_PORT.exec(v);
+  return m !== null && Number(m[2]) <= 65535;
+});
+FormatRegistry.Set("dc-http-url-or-empty", (v) => {
+  if (v === "") return true;
+  try {
+    const url = new URL(v);
+    return url.protocol === "http:" || url.protocol === "https:";
+  } catch {
+    return false;
+  }
+});
+
+// ---- Building blocks -------------------------------------------------------------------------------------
+
+function Duration(def: string, description: string, opts: { positive?: boolean } = {}) {
+  const positive = opts.positive === true;
+  return Type.Transform(
+    Type.String({
+      format: positive ? "dc-duration-positive" : "dc-duration",
+      default: def,
+      description,
+      unit: "duration",
+      expected: positive ? `${DURATION_FORMAT}, greater than 0` : DURATION_FORMAT,
+    }),
+  )
+    .Decode((v) => parseDuration(v))
+    .Encode((ms) => formatDuration(ms));
+}
+
+function Size(description: string, def?: string | number) {
+  return Type.Transform(
+    Type.Union(
+      [Type.String({ format: "dc-size" }), Type.Integer({ minimum: 0, maximum: Number.MAX_SAFE_INTEGER })],
+      {
+        description,
+        unit: "size",
+        expected: SIZE_FORMAT,
+        ...(def === undefined ? {} : { default: def }),
+      },
+    ),
+  )
+    .Decode((v) => parseSize(v))
+    .Encode((bytes) => formatSize(bytes));
+}
+
+function Secret(description: string) {
+  return Type.String({
+    format: "dc-secret",
+    default: "",
+    description,
+    unit: "secret",
+    secret: true,
+    expected: SECRET_FORMAT,
+  });
+}
+
+function OneOf<const T extends readonly string[]>(values: T, description: string, def?: T[number]) {
+  return Type.Union(values.map((v) => Type.Literal(v)) as TLiteral<T[number]>[], {
+    description,
+    expected: `one of: ${values.join(", ")}`,
+    ...(def === undefined ? {} : { default: def }),
+  });
+}
+
+function Int(def: number | undefined, description: string, minimum: number, maximum?: number) {
+  return Type.Integer({
+    description,
+    minimum,
+    maximum: maximum ?? Number.MAX_SAFE_INTEGER,
+    ...(def === undefined ? {} : { default: def }),
+  });
+}
+
+function Num(def: number | undefined, description: string, minimum: number) {
+  return Type.Number({ description, minimum, ...(def === undefined ? {} : { default: def }) });
+}
+
+function Bool(def: boolean, description: string) {
+  return Type.Boolean({ default: def, description });
+}
+
+function Str(
+  def: string,
+  description: string,
+  opts: { pattern?: string; format?: string; expected?: string } = {},
+) {
+  return Type.String({ default: def, description, ...opts });
+}
+
+function Section<T extends Record<string, TSchema>>(description: string, properties: T) {
+  return Type.Object(properties, { additionalProperties: false, default: {}, description });
+}
+
+// ---- Sections ---------------------------------------------------------------------------------------------
+
+const Database = Section("Where bundles, users and events are stored.", {
+  url: Str(
+    "pglite:./data/pglite",
+    "Database to use: a PostgreSQL URL, or an embedded PGlite database in a directory (or in memory).",
+    {
+      pattern: "^(postgres(ql)?://\\S+|pglite:\\S+)$",
+      expected: "postgres://..., postgresql://..., pglite:<directory> or 'pglite:memory:' (quoted in YAML)",
+    },
+  ),
+  maxConnections: Int(10, "Maximum connections in the PostgreSQL pool.", 1, 1000),
+});
+
+const RestServer = Section("The users' and runners' REST API.", {
+  listen: Str("127.0.0.1:8900", "Address to listen on, host:port.", {
+    format: "dc-host-port",
+    expected: "host:port, e.g. 127.0.0.1:8900 or [::1]:8900 (port 0..65535)",
+  }),
+  publicUrl: Str("", "URL runners and clients use to reach this server; empty = derived from listen.", {
+    format: "dc-http-url-or-empty",
+    expected: "empty or an http:// or https:// URL",
+  }),
+  maxRequestBodySize: Size("Largest request body accepted.", "1MiB"),
+});
+
+const Management = Section("The operators' management API, /metrics and health checks.", {
+  listen: Str("127.0.0.1:8901", "Address to listen on, host:port.", {
+    format: "dc-host-port",
+    expected: "host:port, e.g. 127.0.0.1:8901 or [::1]:8901 (port 0..65535)",
+  }),
+  token: Secret("Bearer token operators must present; empty = the management API answers 403 to everything."),
+});
+
+const Logging = Section("Process logs (on stderr).", {
+  level: OneOf(
+    ["fatal", "error", "warn", "info", "debug", "trace", "silent"] as const,
+    "Lowest level logged.",
+    "info",
+  ),
+  format: OneOf(
+    ["json", "text"] as const,
+    "json: one JSON object per line; text: human-readable lines.",
+    "json",
+  ),
+});
+
+const Dispatcher = Section("Queue and scheduler.", {
+  pollInterval: Duration(
+    "10s",
+    "Queue poll interval; only a fallback, the queue wakes on database notifications.",
+    {
+      positive: true,
+    },
+  ),
+  staleLockTimeout: Duration(
+    "1m",
+    "A starting bundle whose runner has not appeared on its instance for this long is requeued; also how long to wait after a restart before requeueing bundles that run nowhere.",
+  ),
+  defaultMaxAttempts: Int(
+    3,
+    "Attempts a bundle gets when it does not set its own (instance lost, preempted).",
+    1,
+    10,
+  ),
+  reserveExtraRam: Size(
+    "RAM kept free on each instance beyond what bundles ask for (runner, docker, OS).",
+    "550MiB",
+  ),
+  maximumPriceFactor: Num(
+    1.5,
+    "A bundle may run on an instance type up to this many times the price of the cheapest type that fits it.",
+    1,
+  ),
+  preemptiblePriceFactor: Num(
+    0,
+    "If > 0, add a preemptible (spot) variant `<name>.preemptible` of every type, priced at price x this factor; 0 = none.",
+    0,
+  ),
+  alwaysUsePreemptibleInstances: Bool(
+    false,
+    "Run bundles that do not ask for preemptible instances on them anyway.",
+  ),
+  privateKey: Secret("SSH private key the dispatcher uses to reach instances (PEM or OpenSSH format)."),
+  runtimeEngine: OneOf(
+    ["docker", "process"] as const,
+    "How crunch-run runs a bundle: docker, or process (no isolation; only for trying dispatch-cloud out).",
+    "docker",
+  ),
+  schedulingStatusInterval: Duration("2s", "How often queued bundles' schedulingStatus text is refreshed.", {
+    positive: true,
+  }),
+});
+
+const Cloud = Section("Cloud instances: driver, limits and timeouts.", {
+  driver: OneOf(
+    ["local", "stub", "ec2", "azure"] as const,
+    "Cloud driver: local (processes on this machine), stub (simulation), ec2, azure.",
+    "local",
+  ),
+  driverParameters: Type.Record(Type.String(), Type.Unknown(), {
+    default: {},
+    description:
+      "Driver-specific settings (region, subnets, credentials references...); see docs/ for each driver.",
+  }),
+  imageId: Str(
+    "",
+    "Image new instances boot from (AMI id, Azure image URL...); empty = the driver's default.",
+  ),
+  instanceInitCommand: Str(
+    "",
+    "Shell script run as root on each new instance at boot, after the instance secret is written.",
+  ),
+  sshPort: Int(22, "SSH port of instances.", 1, 65535),
+  // Arvados's default is `systemctl is-system-running`; ours is `true` because the local driver's instances have
+  // no systemd. Set it for real VMs.
+  bootProbeCommand: Str(
+    "true",
+    "Command whose exit status 0 means an instance has finished booting (`true` suits the local driver; use e.g. `systemctl is-system-running` on real VMs).",
+  ),
+  probeInterval: Duration("10s", "Minimum time between two probes of one instance.", { positive: true }),
+  maxProbesPerSecond: Int(10, "Probes started per second across all instances; 0 = unlimited.", 0),
+  timeoutSignal: Duration("5s", "Time between repeated SIGTERMs to a bundle being killed."),
+  timeoutStaleRunLock: Duration(
+    "5s",
+    "A runner lock held by a dead process for this long marks the instance broken.",
+  ),
+  timeoutTerm: Duration("2m", "Give up sending SIGTERM after this long and drain the instance."),
+  maxCloudOpsPerSecond: Int(
+    10,
+    "Cloud API calls (create, list, destroy, set tags) per second; 0 = unlimited.",
+    0,
+  ),
+  maxConcurrentInstanceCreateOps: Int(1, "Instance creations in flight at once; 0 = unlimited.", 0),
+  maxInstances: Int(64, "Most instances at once; 0 = unlimited.", 0),
+  maxRunningBundlesPerInstance: Int(0, "Most bundles on one instance; 0 = as many as fit.", 0),
+  initialQuotaEstimate: Int(0, "Starting estimate of the cloud quota, in instances; 0 = maxInstances.", 0),
+  syncInterval: Duration("1m", "Interval between full lists of the cloud's instances.", { positive: true }),
+  timeoutIdle: Duration("1m", "An idle instance is shut down after this long."),
+  timeoutBooting: Duration(
+    "10m",
+    "An instance that has not passed its boot probe after this long is shut down.",
+  ),
+  timeoutProbe: Duration("10m", "A booted instance with no successful probe for this long is shut down."),
+  timeoutShutdown: Duration(
+    "10s",
+    "Repeat the destroy call if an instance is still listed this long after it.",
+  ),
+  deployRunnerBinary: Str(
+    "",
+    "crunch-run artifact copied to instances; empty = the artifact the dispatcher runs from.",
+  ),
+  deployRunnerDirectory: Str("/tmp/dispatch-cloud", "Directory on instances where the runner is installed.", {
+    pattern: "^/",
+    expected: "an absolute path",
+  }),
+  deployPublicKey: Bool(true, "Install the dispatcher's SSH public key on new instances."),
+  resourceTags: Type.Record(Type.String(), Type.String(), {
+    default: {},
+    description: "Tags added to every instance the dispatcher creates (name: value).",
+  }),
+  tagKeyPrefix: Str(
+    "DispatchCloud",
+    "Prefix of the dispatcher's own tag names (<prefix>InstanceSetID ...).",
+    {
+      pattern: "^[A-Za-z0-9_.:-]*$",
+      expected: "letters, digits and _ . : -",
+    },
+  ),
+  instanceSetId: Str(
+    "",
+    "Marks the instances this dispatcher owns (tag <prefix>InstanceSetID); empty = clusterId.",
+    {
+      pattern: "^[A-Za-z0-9_.:-]*$",
+      expected: "letters, digits and _ . : -",
+    },
+  ),
+});
+
+const Gpu = Type.Object(
+  {
+    stack: OneOf(["cuda", "rocm"] as const, "GPU software stack."),
+    driverVersion: Type.String({
+      description: "Driver version (CUDA: the CUDA version the driver supports), compared as a version.",
+      pattern: "^[0-9]+(\\.[0-9]+)*$",
+      expected: 'a version such as "12.4" (digits and dots; quote it in YAML so 11.10 is not read as 11.1)',
+    }),
+    hardwareTarget: Type.String({
+      description: 'CUDA compute capability (e.g. "8.0") or ROCm gfx target (e.g. "gfx90a").',
+      minLength: 1,
+      expected: 'a non-empty string such as "8.0" or "gfx90a" (quote numbers in YAML)',
+    }),
+    deviceCount: Int(undefined, "GPUs per instance.", 1),
+    vram: Size("Memory of each GPU."),
+  },
+  {
+    additionalProperties: false,
+    description: "GPUs of this type (omit for none).",
+    example: { stack: "cuda", driverVersion: "12.4", hardwareTarget: "8.0", deviceCount: 1, vram: "16GiB" },
+  },
+);
+
+const InstanceType = Type.Object(
+  {
+    providerType: Str("", "The cloud's name for this type (e.g. m5.large); empty = the entry's name."),
+    vcpus: Int(undefined, "Virtual CPUs.", 1),
+    ram: Size("Memory."),
+    includedScratch: Size("Local scratch disk that comes with the type.", 0),
+    addedScratch: Size("Extra scratch disk attached at create time.", 0),
+    price: Num(undefined, "Price in dollars per hour (also the maximum bid for preemptible instances).", 0),
+    preemptible: Bool(false, "A preemptible (spot) instance."),
+    gpu: Type.Optional(Gpu),
+  },
+  // The default lets Value.Default fill each entry of the instanceTypes record.
+  { additionalProperties: false, default: {} },
+);
+
+export const INSTANCE_TYPE_NAME = "^[A-Za-z0-9][A-Za-z0-9._-]*$";
+
+export const ConfigSchema = Type.Object(
+  {
+    clusterId: Str("local", "Cluster id: prefix of every bundle and user uuid.", {
+      pattern: "^[a-z0-9]{5}$",
+      expected: "exactly 5 characters a-z, 0-9",
+    }),
+    dataDir: Str(
+      "./data",
+      "Directory where `serve` keeps its state (admin token, PGlite database by default).",
+      {
+        pattern: "^.+$",
+        expected: "a non-empty path",
+      },
+    ),
+    database: Database,
+    restServer: RestServer,
+    management: Management,
+    logging: Logging,
+    dispatcher: Dispatcher,
+    cloud: Cloud,
+    instanceTypes: Type.Record(Type.String({ pattern: INSTANCE_TYPE_NAME }), InstanceType, {
+      additionalProperties: false,
+      minProperties: 1,
+      description: "Instance types bundles may run on, by name. Replaces the default list as a whole.",
+      default: { "local.small": { vcpus: 2, ram: "2GiB", includedScratch: "10GiB", price: 0 } },
+      keyExpected: "letters, digits and . _ -, starting with a letter or digit",
+    }),
+  },
+  { additionalProperties: false },
+);
+
+type DeepReadonly<T> = T extends (infer U)[]
+  ? readonly DeepReadonly<U>[]
+  : T extends object
+    ? { readonly [K in keyof T]: DeepReadonly<T[K]> }
+    : T;
+
+/** The decoded, validated, frozen config: durations in milliseconds, sizes in bytes, secrets as references. */
+export type Config = DeepReadonly<StaticDecode<typeof ConfigSchema>>;
+export type InstanceTypeConfig = Config["instanceTypes"][string];
+export type GpuConfig = NonNullable<InstanceTypeConfig["gpu"]>;

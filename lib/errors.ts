@@ -1,0 +1,111 @@
+/**
+ * Every stable error code of dispatch-cloud, in one table. APIs answer with
+ * `{ error: { code, message, path? } }` and the status given here; the CLI and the config checker print the
+ * same codes. Codes are never renamed once released; docs/errors.md documents each one (a test checks).
+ */
+export const ERROR_CODES = {
+  // Requests to the users', runner and management APIs.
+  "request.invalid_json": { status: 400, description: "The request body is not valid JSON." },
+  "request.invalid_body": {
+    status: 400,
+    description: "A field of the request body is missing, of the wrong type, or out of range.",
+  },
+  "request.unknown_field": {
+    status: 400,
+    description: "The request body has a field the API does not know.",
+  },
+  "request.invalid_query": { status: 400, description: "A query-string parameter is missing or malformed." },
+  "request.invalid_param": { status: 400, description: "A path parameter is malformed." },
+  "request.body_too_large": {
+    status: 413,
+    description: "The request body is larger than the server accepts.",
+  },
+  "request.unsupported_media_type": {
+    status: 415,
+    description: "The request body's content type is not application/json.",
+  },
+  "request.not_found": { status: 404, description: "No route matches the request's method and path." },
+  "auth.missing_token": { status: 401, description: "The request carries no bearer token." },
+  "auth.invalid_token": {
+    status: 401,
+    description: "The bearer token is not valid (unknown, revoked or expired).",
+  },
+  "auth.forbidden": { status: 403, description: "The token is valid but not allowed to do this." },
+  "bundle.not_found": {
+    status: 404,
+    description:
+      "No bundle with that uuid is visible to the caller (other users' bundles are never visible).",
+  },
+  "bundle.invalid_dependency": {
+    status: 400,
+    description: "A dependency names a bundle that does not exist or belongs to another user.",
+  },
+  "bundle.conflict": {
+    status: 409,
+    description: "The bundle's state changed under the request (for example it is already final).",
+  },
+  "runner.not_current": {
+    status: 409,
+    description: "The runner's attempt no longer owns the bundle (it was requeued, killed, or finished).",
+  },
+  "user.exists": { status: 409, description: "A user with that name already exists." },
+  "internal.error": { status: 500, description: "An unexpected server error; the log has the details." },
+  // Configuration (dispatch-cloud config check, and every process at start-up).
+  "config.invalid_yaml": { status: 400, description: "The config file is not valid YAML." },
+  "config.unknown_key": { status: 400, description: "The config has a key the schema does not know." },
+  "config.invalid_value": { status: 400, description: "A config value has the wrong type, format or range." },
+  "config.missing_key": { status: 400, description: "A required config key is missing." },
+  "config.unreadable_file": {
+    status: 400,
+    description: "The config file (or a file:// secret) cannot be read.",
+  },
+  "config.missing_secret": {
+    status: 400,
+    description: "A secret's env: variable or file:// path is not set.",
+  },
+  // Store.
+  "store.invalid_url": {
+    status: 400,
+    description: "database.url is neither postgres://... nor pglite:<dir>.",
+  },
+  "store.migration_failed": {
+    status: 500,
+    description: "A database migration failed; nothing after it ran.",
+  },
+  // CLI.
+  "cli.usage": { status: 400, description: "The command line is malformed." },
+  "cli.no_token": {
+    status: 401,
+    description: "The CLI found no API token (flag, environment or token file).",
+  },
+  "cli.unreachable": { status: 503, description: "The CLI could not reach the REST server." },
+} as const satisfies Record<string, { status: number; description: string }>;
+
+export type ErrorCode = keyof typeof ERROR_CODES;
+
+/** An error a caller can act on: a stable code, an HTTP status, and the path of the bad field if any. */
+export class DispatchCloudError extends Error {
+  readonly code: ErrorCode;
+  readonly status: number;
+  readonly path: string | undefined;
+
+  constructor(code: ErrorCode, message: string, options: { path?: string; cause?: unknown } = {}) {
+    super(message, options.cause === undefined ? undefined : { cause: options.cause });
+    this.name = "DispatchCloudError";
+    this.code = code;
+    this.status = ERROR_CODES[code].status;
+    this.path = options.path;
+  }
+
+  toJSON(): ErrorBody {
+    return errorBody(this.code, this.message, this.path);
+  }
+}
+
+export interface ErrorBody {
+  error: { code: ErrorCode; message: string; path?: string };
+}
+
+export function errorBody(code: ErrorCode, message: string, path?: string): ErrorBody {
+  return { error: path === undefined ? { code, message } : { code, message, path } };
+}

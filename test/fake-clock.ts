@@ -1,0 +1,68 @@
+import type { Clock } from "../lib/clock.ts";
+
+interface Sleeper {
+  at: number;
+  seq: number;
+  resolve: () => void;
+}
+
+/**
+ * A Clock that moves only when a test says so. `advance(ms)` wakes every sleeper due in that span in time
+ * order, letting the promise chains they start run (and schedule further sleeps) before moving on.
+ */
+export class FakeClock implements Clock {
+  private t: number;
+  private seq = 0;
+  private sleepers: Sleeper[] = [];
+
+  constructor(start = Date.UTC(2026, 0, 1)) {
+    this.t = start;
+  }
+
+  now(): number {
+    return this.t;
+  }
+
+  sleep(ms: number, signal?: AbortSignal): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      if (signal?.aborted) {
+        reject(signal.reason);
+        return;
+      }
+      const sleeper: Sleeper = { at: this.t + Math.max(0, ms), seq: this.seq++, resolve };
+      this.sleepers.push(sleeper);
+      signal?.addEventListener(
+        "abort",
+        () => {
+          this.sleepers = this.sleepers.filter((s) => s !== sleeper);
+          reject(signal.reason);
+        },
+        { once: true },
+      );
+    });
+  }
+
+  /** Number of pending sleeps (a test can wait for a component to reach its next sleep). */
+  get pending(): number {
+    return this.sleepers.length;
+  }
+
+  async advance(ms: number): Promise<void> {
+    const end = this.t + ms;
+    for (;;) {
+      await flushMicrotasks();
+      const due = this.sleepers.filter((s) => s.at <= end).sort((a, b) => a.at - b.at || a.seq - b.seq)[0];
+      if (due === undefined) break;
+      this.sleepers = this.sleepers.filter((s) => s !== due);
+      this.t = Math.max(this.t, due.at);
+      due.resolve();
+    }
+    this.t = end;
+    await flushMicrotasks();
+  }
+}
+
+/** Lets already-resolved promise chains run to their next real wait. */
+export async function flushMicrotasks(rounds = 20): Promise<void> {
+  for (let i = 0; i < rounds; i++) await new Promise<void>((r) => setImmediate(r));
+}
