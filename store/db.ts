@@ -1,0 +1,382 @@
+/**
+ * The Db interface every component uses, with two adapters: PostgreSQL (a `pg` Pool) and PGlite (embedded,
+ * single connection). Both retry serialization failures and deadlocks in one place (`withRetries`).
+ *
+ * Queries without parameters go through the simple query protocol on both adapters, so they may hold several
+ * statements (migrations use this); queries with parameters hold exactly one statement.
+ */
+import { mkdirSync } from "node:fs";
+import { PGlite, type Transaction as PGliteTransaction } from "@electric-sql/pglite";
+import pg from "pg";
+import type { Logger } from "pino";
+import { DispatchCloudError } from "../lib/errors.ts";
+
+export interface QueryResult<R> {
+  rows: R[];
+  rowCount: number;
+}
+
+export interface Db {
+  readonly kind: "pg" | "pglite";
+  query<R = Record<string, unknown>>(sql: string, params?: readonly unknown[]): Promise<QueryResult<R>>;
+  /**
+   * Runs fn in a transaction (retried as a whole on serialization failure or deadlock; fn may run more than
+   * once). Inside fn use only `tx`: on PGlite the outer Db waits until the transaction ends. A transaction
+   * started on `tx` is a savepoint.
+   */
+  transaction<T>(fn: (tx: Db) => Promise<T>): Promise<T>;
+  /**
+   * Calls onPayload for each NOTIFY on channel; resolves to an unlisten function. On PostgreSQL a lost
+   * listening connection is re-established; notifications sent while it was down are lost, so listeners
+   * must also poll.
+   */
+  listen(channel: string, onPayload: (payload: string) => void): Promise<() => Promise<void>>;
+  close(): Promise<void>;
+}
+
+export interface OpenDbOptions {
+  maxConnections?: number;
+  logger?: Logger;
+}
+
+/** SQLSTATEs after which re-running the whole transaction is the right reaction. */
+export const RETRYABLE_SQLSTATES: ReadonlySet<string> = new Set([
+  "40001", // serialization_failure
+  "40P01", // deadlock_detected
+]);
+
+/** The SQLSTATE of a database error (both adapters put it in `code`), or undefined. */
+export function sqlState(err: unknown): string | undefined {
+  const code = (err as { code?: unknown } | null)?.code;
+  return typeof code === "string" && /^[0-9A-Z]{5}$/.test(code) ? code : undefined;
+}
+
+/** Runs fn, re-running it after a serialization failure or deadlock (with a short random backoff). */
+export async function withRetries<T>(
+  fn: () => Promise<T>,
+  opts: { attempts?: number; logger?: Logger | undefined } = {},
+): Promise<T> {
+  const attempts = opts.attempts ?? 8;
+  for (let i = 1; ; i++) {
+    try {
+      return await fn();
+    } catch (err) {
+      const state = sqlState(err);
+      if (state === undefined || !RETRYABLE_SQLSTATES.has(state) || i >= attempts) throw err;
+      opts.logger?.debug({ sqlState: state, attempt: i }, "retrying transaction");
+      await new Promise((resolve) => setTimeout(resolve, Math.random() * 10 * 2 ** Math.min(i, 6)));
+    }
+  }
+}
+
+/** `url` with any password replaced, safe for messages and logs. */
+export function redactDbUrl(url: string): string {
+  try {
+    const u = new URL(url);
+    if (u.password) u.password = "***";
+    return u.toString();
+  } catch {
+    // Unparseable: keep only what cannot hold a secret.
+    return `${url.split(/[:/@]/, 1)[0]}:...`;
+  }
+}
+
+export async function openDb(url: string, opts: OpenDbOptions = {}): Promise<Db> {
+  if (/^postgres(ql)?:\/\//.test(url)) {
+    try {
+      new URL(url);
+    } catch {
+      throw invalidUrl(url);
+    }
+    return openPg(url, opts);
+  }
+  if (url.startsWith("pglite:")) {
+    const dir = url.slice("pglite:".length);
+    if (dir === "") throw invalidUrl(url);
+    return openPglite(dir === "memory:" ? undefined : dir, opts);
+  }
+  throw invalidUrl(url);
+}
+
+function invalidUrl(url: string): DispatchCloudError {
+  return new DispatchCloudError(
+    "store.invalid_url",
+    `database url ${JSON.stringify(redactDbUrl(url))} is not valid; use postgres://user@host:port/db, ` +
+      "pglite:<directory> or pglite:memory:",
+    { path: "database.url" },
+  );
+}
+
+function quoteIdent(name: string): string {
+  return `"${name.replaceAll('"', '""')}"`;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// PostgreSQL
+
+/** int8 (count(*), bigserial, change_seq) as JS numbers; all our values are far below 2^53. */
+const pgTypes = {
+  getTypeParser: ((oid: number, format?: "text" | "binary") =>
+    oid === pg.types.builtins.INT8 && format !== "binary"
+      ? (v: string) => Number(v)
+      : pg.types.getTypeParser(oid, format ?? "text")) as typeof pg.types.getTypeParser,
+};
+
+type PgQueryable = Pick<pg.PoolClient, "query">;
+
+async function pgQuery<R>(c: PgQueryable, sql: string, params?: readonly unknown[]): Promise<QueryResult<R>> {
+  const res = (await c.query(sql, params === undefined ? undefined : [...params])) as
+    | pg.QueryResult
+    | pg.QueryResult[];
+  const last = Array.isArray(res) ? res[res.length - 1] : res;
+  const rows = (last?.rows ?? []) as R[];
+  return { rows, rowCount: last?.rowCount ?? rows.length };
+}
+
+function pgTxDb(client: pg.PoolClient, depth: number): Db {
+  const db: Db = {
+    kind: "pg",
+    query: (sql, params) => pgQuery(client, sql, params),
+    async transaction(fn) {
+      const sp = `sp_${depth}`;
+      await client.query(`SAVEPOINT ${sp}`);
+      try {
+        const out = await fn(pgTxDb(client, depth + 1));
+        await client.query(`RELEASE SAVEPOINT ${sp}`);
+        return out;
+      } catch (err) {
+        await client.query(`ROLLBACK TO SAVEPOINT ${sp}`);
+        throw err;
+      }
+    },
+    listen: () => Promise.reject(new Error("listen inside a transaction is not supported")),
+    close: () => Promise.reject(new Error("close inside a transaction is not supported")),
+  };
+  return db;
+}
+
+async function openPg(url: string, opts: OpenDbOptions): Promise<Db> {
+  const logger = opts.logger;
+  const config: pg.PoolConfig = { connectionString: url, types: pgTypes };
+  const pool = new pg.Pool({ ...config, max: opts.maxConnections ?? 10 });
+  pool.on("error", (err) => logger?.warn({ err }, "idle database connection failed"));
+  // Fail fast (with a clear message) when the server cannot be reached.
+  try {
+    const c = await pool.connect();
+    c.release();
+  } catch (err) {
+    await pool.end().catch(() => {});
+    throw new Error(`cannot connect to ${redactDbUrl(url)}: ${(err as Error).message}`, { cause: err });
+  }
+
+  const listener = createPgListener(config, logger);
+
+  return {
+    kind: "pg",
+    query: (sql, params) => withRetries(() => pgQuery(pool, sql, params), { logger }),
+    transaction: (fn) =>
+      withRetries(
+        async () => {
+          const client = await pool.connect();
+          let broken = false;
+          try {
+            await client.query("BEGIN");
+            const out = await fn(pgTxDb(client, 0));
+            await client.query("COMMIT");
+            return out;
+          } catch (err) {
+            try {
+              await client.query("ROLLBACK");
+            } catch {
+              broken = true;
+            }
+            throw err;
+          } finally {
+            client.release(broken);
+          }
+        },
+        { logger },
+      ),
+    listen: (channel, onPayload) => listener.listen(channel, onPayload),
+    async close() {
+      await listener.close();
+      await pool.end();
+    },
+  };
+}
+
+/** One dedicated connection for LISTEN, shared by all channels, reconnecting with backoff when lost. */
+function createPgListener(config: pg.ClientConfig, logger: Logger | undefined) {
+  const handlers = new Map<string, Set<(payload: string) => void>>();
+  let client: pg.Client | null = null;
+  let connecting: Promise<pg.Client> | null = null;
+  let closed = false;
+  let retryTimer: NodeJS.Timeout | null = null;
+
+  const connect = (): Promise<pg.Client> => {
+    if (client) return Promise.resolve(client);
+    if (connecting) return connecting;
+    connecting = (async () => {
+      const c = new pg.Client(config);
+      c.on("notification", (msg) => {
+        for (const h of handlers.get(msg.channel) ?? []) h(msg.payload ?? "");
+      });
+      c.on("error", (err) => {
+        logger?.warn({ err }, "database listen connection failed; reconnecting");
+        lost(c);
+      });
+      c.on("end", () => lost(c));
+      try {
+        await c.connect();
+        for (const ch of handlers.keys()) await c.query(`LISTEN ${quoteIdent(ch)}`);
+      } catch (err) {
+        c.removeAllListeners();
+        c.on("error", () => {});
+        await c.end().catch(() => {});
+        throw err;
+      }
+      if (closed) {
+        await c.end().catch(() => {});
+        throw new Error("database closed");
+      }
+      client = c;
+      return c;
+    })().finally(() => {
+      connecting = null;
+    });
+    return connecting;
+  };
+
+  const lost = (c: pg.Client) => {
+    if (client !== c) return;
+    client = null;
+    c.end().catch(() => {});
+    scheduleReconnect(100);
+  };
+
+  const scheduleReconnect = (delay: number) => {
+    if (closed || retryTimer || handlers.size === 0) return;
+    retryTimer = setTimeout(() => {
+      retryTimer = null;
+      connect().catch((err) => {
+        logger?.warn({ err }, "database listen reconnect failed");
+        scheduleReconnect(Math.min(delay * 2, 5000));
+      });
+    }, delay);
+  };
+
+  return {
+    async listen(channel: string, onPayload: (payload: string) => void): Promise<() => Promise<void>> {
+      if (closed) throw new Error("database closed");
+      let set = handlers.get(channel);
+      const first = set === undefined;
+      if (!set) {
+        set = new Set();
+        handlers.set(channel, set);
+      }
+      set.add(onPayload);
+      try {
+        const c = await connect();
+        // connect() issues LISTEN for channels known when it connected; repeat is harmless.
+        if (first) await c.query(`LISTEN ${quoteIdent(channel)}`);
+      } catch (err) {
+        set.delete(onPayload);
+        if (set.size === 0) handlers.delete(channel);
+        throw err;
+      }
+      return async () => {
+        const s = handlers.get(channel);
+        if (!s?.delete(onPayload) || s.size > 0) return;
+        handlers.delete(channel);
+        await client?.query(`UNLISTEN ${quoteIdent(channel)}`).catch(() => {});
+      };
+    },
+    async close() {
+      closed = true;
+      if (retryTimer) clearTimeout(retryTimer);
+      retryTimer = null;
+      await connecting?.catch(() => {});
+      const c = client;
+      client = null;
+      if (c) {
+        c.removeAllListeners();
+        c.on("error", () => {});
+        await c.end().catch(() => {});
+      }
+    },
+  };
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// PGlite
+
+type PgliteQueryable = Pick<PGliteTransaction, "query" | "exec">;
+
+async function pgliteQuery<R>(
+  c: PgliteQueryable,
+  sql: string,
+  params?: readonly unknown[],
+): Promise<QueryResult<R>> {
+  if (params === undefined || params.length === 0) {
+    const results = await c.exec(sql);
+    const last = results[results.length - 1];
+    const rows = (last?.rows ?? []) as R[];
+    return { rows, rowCount: Math.max(last?.affectedRows ?? 0, rows.length) };
+  }
+  const res = await c.query<R>(sql, [...params]);
+  return { rows: res.rows, rowCount: Math.max(res.affectedRows ?? 0, res.rows.length) };
+}
+
+function pgliteTxDb(tx: PGliteTransaction, depth: number): Db {
+  return {
+    kind: "pglite",
+    query: (sql, params) => pgliteQuery(tx, sql, params),
+    async transaction(fn) {
+      const sp = `sp_${depth}`;
+      await tx.query(`SAVEPOINT ${sp}`);
+      try {
+        const out = await fn(pgliteTxDb(tx, depth + 1));
+        await tx.query(`RELEASE SAVEPOINT ${sp}`);
+        return out;
+      } catch (err) {
+        await tx.query(`ROLLBACK TO SAVEPOINT ${sp}`);
+        throw err;
+      }
+    },
+    listen: () => Promise.reject(new Error("listen inside a transaction is not supported")),
+    close: () => Promise.reject(new Error("close inside a transaction is not supported")),
+  };
+}
+
+/**
+ * PGlite has one connection: every operation (a query, a whole transaction, LISTEN) is queued, so a
+ * transaction never sees, nor is seen by, queries from outside it before it ends.
+ */
+async function openPglite(dir: string | undefined, opts: OpenDbOptions): Promise<Db> {
+  const logger = opts.logger;
+  if (dir !== undefined) mkdirSync(dir, { recursive: true });
+  const pglite = dir === undefined ? await PGlite.create() : await PGlite.create(dir);
+  let tail: Promise<unknown> = Promise.resolve();
+  const exclusive = <T>(fn: () => Promise<T>): Promise<T> => {
+    const run = tail.then(fn, fn);
+    tail = run.catch(() => {});
+    return run;
+  };
+  let closed = false;
+
+  return {
+    kind: "pglite",
+    query: (sql, params) => withRetries(() => exclusive(() => pgliteQuery(pglite, sql, params)), { logger }),
+    transaction: (fn) =>
+      withRetries(() => exclusive(() => pglite.transaction((tx) => fn(pgliteTxDb(tx, 0)))), { logger }),
+    async listen(channel, onPayload) {
+      const unlisten = await exclusive(() => pglite.listen(channel, onPayload));
+      return () => (closed ? Promise.resolve() : exclusive(() => unlisten()));
+    },
+    async close() {
+      if (closed) return;
+      closed = true;
+      await exclusive(() => pglite.close());
+    },
+  };
+}

@@ -1,0 +1,357 @@
+/**
+ * Runtime SQL: one exported function per statement, `(db, args)`, positional parameters only, rows mapped to
+ * the camelCase types of store/types.ts. State changes live in transitions.ts.
+ */
+import { DispatchCloudError } from "../lib/errors.ts";
+import type { Db } from "./db.ts";
+import { sqlState } from "./db.ts";
+import {
+  BUNDLE_CHANNEL,
+  type Bundle,
+  type BundleEvent,
+  type BundleState,
+  FINAL_STATES,
+  type NewBundle,
+  type User,
+} from "./types.ts";
+
+// ---------------------------------------------------------------------------------------------------------
+// Row mapping
+
+export interface BundleRow {
+  uuid: string;
+  owner_uuid: string;
+  name: string;
+  command: string[];
+  image: string;
+  env: Record<string, string>;
+  resources: Bundle["resources"];
+  preemptible: boolean;
+  priority: number;
+  limits: Bundle["limits"];
+  dependencies: Bundle["dependencies"];
+  allow_failed_dependencies: boolean;
+  max_attempts: number;
+  attempt: number;
+  state: BundleState;
+  state_reason: string | null;
+  scheduling_status: string | null;
+  instance_id: string | null;
+  instance_type: string | null;
+  gpu_devices: number[];
+  exit_code: number | null;
+  resource_usage: Record<string, number> | null;
+  cost_dollars: number | null;
+  runner_token_hash: string | null;
+  change_seq: number;
+  created_at: Date;
+  updated_at: Date;
+  staged_at: Date | null;
+  starting_at: Date | null;
+  running_at: Date | null;
+  finished_at: Date | null;
+}
+
+export function bundleFromRow(r: BundleRow): Bundle {
+  return {
+    uuid: r.uuid,
+    ownerUuid: r.owner_uuid,
+    name: r.name,
+    command: r.command,
+    image: r.image,
+    env: r.env,
+    resources: r.resources,
+    preemptible: r.preemptible,
+    priority: r.priority,
+    limits: r.limits,
+    dependencies: r.dependencies,
+    allowFailedDependencies: r.allow_failed_dependencies,
+    maxAttempts: r.max_attempts,
+    attempt: r.attempt,
+    state: r.state,
+    stateReason: r.state_reason,
+    schedulingStatus: r.scheduling_status,
+    instanceId: r.instance_id,
+    instanceType: r.instance_type,
+    gpuDevices: r.gpu_devices,
+    exitCode: r.exit_code,
+    resourceUsage: r.resource_usage,
+    costDollars: r.cost_dollars,
+    changeSeq: Number(r.change_seq),
+    createdAt: r.created_at,
+    updatedAt: r.updated_at,
+    stagedAt: r.staged_at,
+    startingAt: r.starting_at,
+    runningAt: r.running_at,
+    finishedAt: r.finished_at,
+  };
+}
+
+interface UserRow {
+  uuid: string;
+  name: string;
+  is_admin: boolean;
+  created_at: Date;
+}
+
+const userFromRow = (r: UserRow): User => ({
+  uuid: r.uuid,
+  name: r.name,
+  isAdmin: r.is_admin,
+  createdAt: r.created_at,
+});
+
+interface EventRow {
+  id: number;
+  bundle_uuid: string;
+  from_state: BundleState | null;
+  to_state: BundleState;
+  attempt: number;
+  reason: string | null;
+  actor: string;
+  created_at: Date;
+}
+
+const eventFromRow = (r: EventRow): BundleEvent => ({
+  id: Number(r.id),
+  bundleUuid: r.bundle_uuid,
+  fromState: r.from_state,
+  toState: r.to_state,
+  attempt: r.attempt,
+  reason: r.reason,
+  actor: r.actor,
+  createdAt: r.created_at,
+});
+
+// ---------------------------------------------------------------------------------------------------------
+// Users
+
+export async function createUser(
+  db: Db,
+  args: { uuid: string; name: string; isAdmin: boolean; tokenHash: string },
+): Promise<User> {
+  try {
+    const { rows } = await db.query<UserRow>(
+      "INSERT INTO users (uuid, name, is_admin, token_hash) VALUES ($1, $2, $3, $4) RETURNING uuid, name, is_admin, created_at",
+      [args.uuid, args.name, args.isAdmin, args.tokenHash],
+    );
+    return userFromRow(rows[0]!);
+  } catch (err) {
+    if (sqlState(err) === "23505" && (err as { constraint?: string }).constraint === "users_name_key") {
+      throw new DispatchCloudError(
+        "user.exists",
+        `a user named ${JSON.stringify(args.name)} already exists`,
+        {
+          path: "name",
+          cause: err,
+        },
+      );
+    }
+    throw err;
+  }
+}
+
+export async function findUserByTokenHash(db: Db, hash: string): Promise<User | null> {
+  const { rows } = await db.query<UserRow>(
+    "SELECT uuid, name, is_admin, created_at FROM users WHERE token_hash = $1",
+    [hash],
+  );
+  return rows[0] ? userFromRow(rows[0]) : null;
+}
+
+export async function countUsers(db: Db): Promise<number> {
+  const { rows } = await db.query<{ n: number }>("SELECT count(*)::int AS n FROM users");
+  return rows[0]!.n;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Bundles
+
+/**
+ * Inserts a bundle in state `created`, its dependency rows and its first event, and notifies, in one
+ * transaction. Every dependency must be a bundle of the same owner.
+ */
+export async function insertBundle(
+  db: Db,
+  uuid: string,
+  b: NewBundle,
+  initialState: "created",
+): Promise<Bundle> {
+  return db.transaction(async (tx) => {
+    const depUuids = b.dependencies.map((d) => d.bundle);
+    if (depUuids.length > 0) {
+      const { rows } = await tx.query<{ uuid: string }>(
+        "SELECT uuid FROM bundles WHERE uuid = ANY($1::text[]) AND owner_uuid = $2",
+        [depUuids, b.ownerUuid],
+      );
+      const found = new Set(rows.map((r) => r.uuid));
+      const i = depUuids.findIndex((u) => !found.has(u));
+      if (i >= 0) {
+        throw new DispatchCloudError(
+          "bundle.invalid_dependency",
+          `dependency ${JSON.stringify(depUuids[i])} is not one of your bundles`,
+          { path: `dependencies[${i}].bundle` },
+        );
+      }
+    }
+    const { rows } = await tx.query<BundleRow>(
+      `WITH b AS (
+         INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
+           limits, dependencies, allow_failed_dependencies, max_attempts, state)
+         VALUES ($1, $2, $3, $4::jsonb, $5, $6::jsonb, $7::jsonb, $8, $9, $10::jsonb, $11::jsonb, $12, $13, $14)
+         RETURNING *
+       ), d AS (
+         INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
+         SELECT b.uuid, x.ord, x.dep->>'bundle', x.dep->>'subpath', x.dep->>'name'
+         FROM b, jsonb_array_elements($11::jsonb) WITH ORDINALITY AS x(dep, ord)
+       ), e AS (
+         INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+         SELECT uuid, NULL, state, attempt, NULL, $15 FROM b
+       ), n AS (
+         SELECT pg_notify($16, b.uuid || ' ' || b.state || ' ' || b.change_seq) FROM b
+       )
+       SELECT b.* FROM b WHERE (SELECT count(*) FROM n) >= 0`,
+      [
+        uuid,
+        b.ownerUuid,
+        b.name,
+        JSON.stringify(b.command),
+        b.image,
+        JSON.stringify(b.env),
+        JSON.stringify(b.resources),
+        b.preemptible,
+        b.priority,
+        JSON.stringify(b.limits),
+        JSON.stringify(b.dependencies),
+        b.allowFailedDependencies,
+        b.maxAttempts,
+        initialState,
+        `user:${b.ownerUuid}`,
+        BUNDLE_CHANNEL,
+      ],
+    );
+    return bundleFromRow(rows[0]!);
+  });
+}
+
+export async function getBundle(db: Db, uuid: string): Promise<Bundle | null> {
+  const { rows } = await db.query<BundleRow>("SELECT * FROM bundles WHERE uuid = $1", [uuid]);
+  return rows[0] ? bundleFromRow(rows[0]) : null;
+}
+
+export async function getBundleForOwner(db: Db, uuid: string, ownerUuid: string): Promise<Bundle | null> {
+  const { rows } = await db.query<BundleRow>("SELECT * FROM bundles WHERE uuid = $1 AND owner_uuid = $2", [
+    uuid,
+    ownerUuid,
+  ]);
+  return rows[0] ? bundleFromRow(rows[0]) : null;
+}
+
+/** One page of an owner's bundles, newest first; pass the last row's (createdAt, uuid) as `after` for the next. */
+export async function listBundles(
+  db: Db,
+  args: {
+    ownerUuid: string;
+    states?: BundleState[];
+    after?: { createdAt: Date; uuid: string } | null;
+    limit: number;
+  },
+): Promise<Bundle[]> {
+  const params: unknown[] = [args.ownerUuid];
+  let where = "owner_uuid = $1";
+  if (args.states !== undefined) {
+    params.push(args.states);
+    where += ` AND state = ANY($${params.length}::text[])`;
+  }
+  if (args.after) {
+    params.push(args.after.createdAt, args.after.uuid);
+    where += ` AND (created_at, uuid) < ($${params.length - 1}::timestamptz, $${params.length}::text)`;
+  }
+  params.push(args.limit);
+  const { rows } = await db.query<BundleRow>(
+    `SELECT * FROM bundles WHERE ${where} ORDER BY created_at DESC, uuid DESC LIMIT $${params.length}`,
+    params,
+  );
+  return rows.map(bundleFromRow);
+}
+
+export async function listEvents(db: Db, uuid: string): Promise<BundleEvent[]> {
+  const { rows } = await db.query<EventRow>(
+    "SELECT * FROM bundle_events WHERE bundle_uuid = $1 ORDER BY id",
+    [uuid],
+  );
+  return rows.map(eventFromRow);
+}
+
+/** Bundles written after change sequence `seq`, in change order (the dispatcher queue's incremental read). */
+export async function bundlesChangedSince(db: Db, seq: number, limit: number): Promise<Bundle[]> {
+  const { rows } = await db.query<BundleRow>(
+    "SELECT * FROM bundles WHERE change_seq > $1 ORDER BY change_seq LIMIT $2",
+    [seq, limit],
+  );
+  return rows.map(bundleFromRow);
+}
+
+export async function maxChangeSeq(db: Db): Promise<number> {
+  const { rows } = await db.query<{ seq: number }>(
+    "SELECT coalesce(max(change_seq), 0)::bigint AS seq FROM bundles",
+  );
+  return Number(rows[0]!.seq);
+}
+
+/**
+ * Created bundles the bundle manager can decide on now — every dependency final, or at least one failed or
+ * killed — with their dependencies' states, oldest first.
+ */
+export async function createdBundlesReady(
+  db: Db,
+  limit: number,
+): Promise<{ bundle: Bundle; dependencyStates: { uuid: string; state: BundleState }[] }[]> {
+  const { rows } = await db.query<BundleRow & { dependency_states: { uuid: string; state: BundleState }[] }>(
+    `SELECT b.*, coalesce((
+         SELECT jsonb_agg(jsonb_build_object('uuid', d.uuid, 'state', d.state) ORDER BY bd.ordinal)
+         FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
+         WHERE bd.bundle_uuid = b.uuid), '[]'::jsonb) AS dependency_states
+     FROM bundles b
+     WHERE b.state = 'created'
+       AND (NOT EXISTS (
+              SELECT 1 FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
+              WHERE bd.bundle_uuid = b.uuid AND NOT (d.state = ANY($2::text[])))
+         OR EXISTS (
+              SELECT 1 FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
+              WHERE bd.bundle_uuid = b.uuid AND d.state IN ('failed', 'killed')))
+     ORDER BY b.created_at, b.uuid
+     LIMIT $1`,
+    [limit, FINAL_STATES],
+  );
+  return rows.map((r) => ({ bundle: bundleFromRow(r), dependencyStates: r.dependency_states }));
+}
+
+/** uuids of created bundles that depend on `uuid`. */
+export async function dependentsOf(db: Db, uuid: string): Promise<string[]> {
+  const { rows } = await db.query<{ uuid: string }>(
+    `SELECT DISTINCT bd.bundle_uuid AS uuid
+     FROM bundle_dependencies bd JOIN bundles b ON b.uuid = bd.bundle_uuid
+     WHERE bd.dependency_uuid = $1 AND b.state = 'created'
+     ORDER BY 1`,
+    [uuid],
+  );
+  return rows.map((r) => r.uuid);
+}
+
+export async function findBundleByRunnerTokenHash(db: Db, hash: string): Promise<Bundle | null> {
+  const { rows } = await db.query<BundleRow>("SELECT * FROM bundles WHERE runner_token_hash = $1", [hash]);
+  return rows[0] ? bundleFromRow(rows[0]) : null;
+}
+
+/**
+ * Sets the scheduler's human-readable status of a bundle (no event, no NOTIFY; bumps change_seq). Writes only
+ * when the status changes; returns whether it did.
+ */
+export async function setSchedulingStatus(db: Db, uuid: string, status: string | null): Promise<boolean> {
+  const { rowCount } = await db.query(
+    "UPDATE bundles SET scheduling_status = $2 WHERE uuid = $1 AND scheduling_status IS DISTINCT FROM $2",
+    [uuid, status],
+  );
+  return rowCount > 0;
+}

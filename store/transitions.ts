@@ -1,0 +1,285 @@
+/**
+ * The bundle state machine (DESIGN.md §3). Every transition is one guarded statement that updates the row,
+ * writes its bundle_events row and NOTIFYs BUNDLE_CHANNEL (`<uuid> <state> <changeSeq>`), all or nothing.
+ * Zero rows means the guard did not hold (someone else won a race, or the caller is stale): the result says
+ * why and carries the row as it is now. A lost race is never an exception.
+ *
+ * Leaving starting/running clears runner_token_hash, which is what makes a runner token stop working.
+ * Every transition clears scheduling_status (the scheduler sets it again for queued bundles).
+ */
+import type { Db } from "./db.ts";
+import { type BundleRow, bundleFromRow, getBundle } from "./queries.ts";
+import { BUNDLE_CHANNEL, type Bundle, type BundleState, type TransitionResult } from "./types.ts";
+
+const NOW = "date_trunc('milliseconds', now())";
+const NON_FINAL: readonly BundleState[] = ["created", "staged", "starting", "running"];
+
+export interface TransitionSpec {
+  from: readonly BundleState[];
+  /** SQL expression for the new state: a quoted literal like `'staged'`, or a CASE over the old row `b`. */
+  to: string;
+  /** Require this attempt number (the runner's and the pool's view of which attempt they act on). */
+  attempt?: number;
+  /** Extra guard over the old row `b`, e.g. `b.attempt < b.max_attempts`. */
+  guard?: string;
+  /** Why the extra guard rejects `current` (checked after the state and attempt guards). */
+  guardFailed?: (current: Bundle) => boolean;
+  /** Extra assignments (SQL over the old row `b`); parameters from $7 on. */
+  set?: string[];
+  params?: readonly unknown[];
+  /** SQL expression for state_reason (also the event's reason); default the reason parameter $4. */
+  stateReason?: string;
+  reason: string | null;
+  actor: string;
+}
+
+/**
+ * Runs one guarded transition. Parameters: $1 uuid, $2 allowed from-states, $3 actor, $4 reason, $5 channel,
+ * $6 required attempt (or null), $7... spec.params.
+ */
+export async function transition(db: Db, uuid: string, spec: TransitionSpec): Promise<TransitionResult> {
+  const guard =
+    "b.uuid = $1 AND b.state = ANY($2::text[]) AND ($6::int IS NULL OR b.attempt = $6::int)" +
+    (spec.guard ? ` AND (${spec.guard})` : "");
+  const set = [
+    `state = ${spec.to}`,
+    `state_reason = ${spec.stateReason ?? "$4::text"}`,
+    "scheduling_status = NULL",
+    ...(spec.set ?? []),
+  ];
+  const sql = `WITH cur AS (
+      SELECT b.uuid, b.state AS from_state FROM bundles b WHERE ${guard} FOR UPDATE
+    ), upd AS (
+      UPDATE bundles b SET ${set.join(", ")}
+      FROM cur WHERE b.uuid = cur.uuid AND ${guard}
+      RETURNING b.*, cur.from_state AS transition_from_state
+    ), ev AS (
+      INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+      SELECT uuid, transition_from_state, state, attempt, state_reason, $3::text FROM upd
+      RETURNING id
+    ), n AS (
+      SELECT pg_notify($5::text, uuid || ' ' || state || ' ' || change_seq) FROM upd
+    )
+    SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`;
+  const params = [
+    uuid,
+    spec.from,
+    spec.actor,
+    spec.reason,
+    BUNDLE_CHANNEL,
+    spec.attempt ?? null,
+    ...(spec.params ?? []),
+  ];
+  // A retry happens only if the row changed between the statement and the re-read so that it now qualifies.
+  for (let i = 0; i < 3; i++) {
+    const { rows } = await db.query<BundleRow>(sql, params);
+    if (rows[0]) return { ok: true, bundle: bundleFromRow(rows[0]) };
+    const current = await getBundle(db, uuid);
+    if (!current) return { ok: false, reason: "not_found", current: null };
+    if (!spec.from.includes(current.state)) return { ok: false, reason: "wrong_state", current };
+    if (spec.attempt !== undefined && current.attempt !== spec.attempt) {
+      return { ok: false, reason: "wrong_attempt", current };
+    }
+    if (spec.guardFailed?.(current)) return { ok: false, reason: "wrong_attempt", current };
+  }
+  return { ok: false, reason: "wrong_state", current: await getBundle(db, uuid) };
+}
+
+/** created -> staged: every dependency is ready (or failed, with allowFailedDependencies). */
+export function stageBundle(
+  db: Db,
+  uuid: string,
+  args: { actor: string; reason?: string | null },
+): Promise<TransitionResult> {
+  return transition(db, uuid, {
+    from: ["created"],
+    to: "'staged'",
+    set: [`staged_at = ${NOW}`],
+    reason: args.reason ?? null,
+    actor: args.actor,
+  });
+}
+
+/** created -> failed: a dependency failed or was killed. */
+export function failCreated(
+  db: Db,
+  uuid: string,
+  args: { actor: string; reason: string },
+): Promise<TransitionResult> {
+  return transition(db, uuid, {
+    from: ["created"],
+    to: "'failed'",
+    set: [`finished_at = ${NOW}`],
+    reason: args.reason,
+    actor: args.actor,
+  });
+}
+
+/**
+ * staged -> starting: the dispatcher assigned the bundle to an instance. Takes the next attempt number (refused
+ * with "wrong_attempt" once attempts are exhausted) and records the instance and the runner token's hash.
+ */
+export function startBundle(
+  db: Db,
+  uuid: string,
+  args: {
+    instanceId: string;
+    instanceType: string;
+    runnerTokenHash: string;
+    gpuDevices: number[];
+    actor: string;
+  },
+): Promise<TransitionResult> {
+  return transition(db, uuid, {
+    from: ["staged"],
+    to: "'starting'",
+    guard: "b.attempt < b.max_attempts",
+    guardFailed: (b) => b.attempt >= b.maxAttempts,
+    set: [
+      "attempt = b.attempt + 1",
+      "instance_id = $7::text",
+      "instance_type = $8::text",
+      "runner_token_hash = $9::text",
+      "gpu_devices = $10::int[]",
+      `starting_at = ${NOW}`,
+      "running_at = NULL",
+      "exit_code = NULL",
+    ],
+    params: [args.instanceId, args.instanceType, args.runnerTokenHash, args.gpuDevices],
+    reason: null,
+    actor: args.actor,
+  });
+}
+
+/** staged -> failed: no configured instance type can ever run it. */
+export function failStaged(
+  db: Db,
+  uuid: string,
+  args: { actor: string; reason: string },
+): Promise<TransitionResult> {
+  return transition(db, uuid, {
+    from: ["staged"],
+    to: "'failed'",
+    set: [`finished_at = ${NOW}`],
+    reason: args.reason,
+    actor: args.actor,
+  });
+}
+
+/** starting -> running: the runner of this attempt started. */
+export function markRunning(
+  db: Db,
+  uuid: string,
+  attempt: number,
+  args: { actor: string },
+): Promise<TransitionResult> {
+  return transition(db, uuid, {
+    from: ["starting"],
+    to: "'running'",
+    attempt,
+    set: [`running_at = ${NOW}`],
+    reason: null,
+    actor: args.actor,
+  });
+}
+
+const CLEAR_INSTANCE = [
+  "instance_id = NULL",
+  "instance_type = NULL",
+  "runner_token_hash = NULL",
+  "gpu_devices = '{}'",
+];
+
+/** starting -> staged: the runner never appeared, or failed before starting. */
+export function requeueStarting(
+  db: Db,
+  uuid: string,
+  attempt: number,
+  args: { actor: string; reason: string },
+): Promise<TransitionResult> {
+  return transition(db, uuid, {
+    from: ["starting"],
+    to: "'staged'",
+    attempt,
+    set: CLEAR_INSTANCE,
+    reason: args.reason,
+    actor: args.actor,
+  });
+}
+
+/**
+ * running -> ready (exit code 0 and no reason) or failed (non-zero exit, or a reason such as a limit exceeded;
+ * without a reason the state reason says the exit code).
+ */
+export function finishBundle(
+  db: Db,
+  uuid: string,
+  attempt: number,
+  args: {
+    exitCode: number;
+    reason?: string | null;
+    resourceUsage?: Record<string, number> | null;
+    costDollars?: number | null;
+    actor: string;
+  },
+): Promise<TransitionResult> {
+  const ok = args.exitCode === 0 && !args.reason;
+  return transition(db, uuid, {
+    from: ["running"],
+    to: ok ? "'ready'" : "'failed'",
+    attempt,
+    set: [
+      "exit_code = $7::int",
+      "resource_usage = coalesce($8::jsonb, b.resource_usage)",
+      "cost_dollars = coalesce($9::float8, b.cost_dollars)",
+      "runner_token_hash = NULL",
+      `finished_at = ${NOW}`,
+    ],
+    params: [
+      args.exitCode,
+      args.resourceUsage == null ? null : JSON.stringify(args.resourceUsage),
+      args.costDollars ?? null,
+    ],
+    reason: ok ? null : args.reason || `exited with code ${args.exitCode}`,
+    actor: args.actor,
+  });
+}
+
+/**
+ * running -> staged when the instance was lost or preempted and attempts remain; running -> failed (reason
+ * ending "(attempts exhausted: n of m)") when they do not.
+ */
+export function loseBundle(
+  db: Db,
+  uuid: string,
+  attempt: number,
+  args: { actor: string; reason: string },
+): Promise<TransitionResult> {
+  const exhausted = "b.attempt >= b.max_attempts";
+  return transition(db, uuid, {
+    from: ["running"],
+    to: `CASE WHEN ${exhausted} THEN 'failed' ELSE 'staged' END`,
+    attempt,
+    stateReason: `CASE WHEN ${exhausted}
+      THEN $4::text || ' (attempts exhausted: ' || b.attempt || ' of ' || b.max_attempts || ')'
+      ELSE $4::text END`,
+    set: [...CLEAR_INSTANCE, `finished_at = CASE WHEN ${exhausted} THEN ${NOW} ELSE NULL END`],
+    reason: args.reason,
+    actor: args.actor,
+  });
+}
+
+/** any non-final -> killed (user or operator). The instance fields stay, so the dispatcher can stop it. */
+export function killBundle(
+  db: Db,
+  uuid: string,
+  args: { actor: string; reason: string },
+): Promise<TransitionResult> {
+  return transition(db, uuid, {
+    from: NON_FINAL,
+    to: "'killed'",
+    set: ["runner_token_hash = NULL", `finished_at = ${NOW}`],
+    reason: args.reason,
+    actor: args.actor,
+  });
+}

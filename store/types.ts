@@ -1,0 +1,132 @@
+/** Types shared by the store, the REST server, the dispatcher and the CLI. */
+
+export const BUNDLE_STATES = [
+  "created",
+  "staged",
+  "starting",
+  "running",
+  "ready",
+  "failed",
+  "killed",
+] as const;
+export type BundleState = (typeof BUNDLE_STATES)[number];
+export const FINAL_STATES: readonly BundleState[] = ["ready", "failed", "killed"];
+export const isFinalState = (s: BundleState): boolean => FINAL_STATES.includes(s);
+
+export const GPU_STACKS = ["cuda", "rocm"] as const;
+export type GpuStack = (typeof GPU_STACKS)[number];
+
+/** A bundle's GPU request. vram is per device, in bytes (0 = any). */
+export interface GpuRequest {
+  stack: GpuStack;
+  deviceCount: number;
+  vram: number;
+  /** Minimum driver version "X.Y" (compared as a version, not a float), or null for any. */
+  driverVersion: string | null;
+  /** Acceptable hardware targets (CUDA compute capability or ROCm gfx target); empty = any. */
+  hardwareTarget: string[];
+}
+
+/** Normalised resources: sizes in bytes. */
+export interface BundleResources {
+  vcpus: number;
+  ram: number;
+  scratch: number;
+  gpu: GpuRequest | null;
+}
+
+/** Limits enforced by crunch-run. time in milliseconds, disk in bytes; null = none. */
+export interface BundleLimits {
+  time: number | null;
+  disk: number | null;
+  network: boolean;
+}
+
+export interface BundleDependency {
+  /** uuid of the bundle whose output this one reads. */
+  bundle: string;
+  /** Path inside that bundle's output ("" = all of it). */
+  subpath: string;
+  /** Mount name under the bundle's inputs directory (defaults to the dependency's uuid). */
+  name: string;
+}
+
+export interface Bundle {
+  uuid: string;
+  ownerUuid: string;
+  name: string;
+  command: string[];
+  image: string;
+  env: Record<string, string>;
+  resources: BundleResources;
+  preemptible: boolean;
+  priority: number;
+  limits: BundleLimits;
+  dependencies: BundleDependency[];
+  allowFailedDependencies: boolean;
+  maxAttempts: number;
+  attempt: number;
+  state: BundleState;
+  stateReason: string | null;
+  schedulingStatus: string | null;
+  instanceId: string | null;
+  instanceType: string | null;
+  gpuDevices: number[];
+  exitCode: number | null;
+  resourceUsage: Record<string, number> | null;
+  costDollars: number | null;
+  /** Bumped (from one database sequence) by every write to the row. */
+  changeSeq: number;
+  createdAt: Date;
+  updatedAt: Date;
+  stagedAt: Date | null;
+  startingAt: Date | null;
+  runningAt: Date | null;
+  finishedAt: Date | null;
+}
+
+/** What a user submits, already validated and normalised by the REST server. */
+export interface NewBundle {
+  ownerUuid: string;
+  name: string;
+  command: string[];
+  image: string;
+  env: Record<string, string>;
+  resources: BundleResources;
+  preemptible: boolean;
+  priority: number;
+  limits: BundleLimits;
+  dependencies: BundleDependency[];
+  allowFailedDependencies: boolean;
+  maxAttempts: number;
+}
+
+export interface BundleEvent {
+  id: number;
+  bundleUuid: string;
+  fromState: BundleState | null;
+  toState: BundleState;
+  attempt: number;
+  reason: string | null;
+  /** Who caused it: "user:<uuid>", "dispatcher", "runner", "bundle-manager", "operator". */
+  actor: string;
+  createdAt: Date;
+}
+
+export interface User {
+  uuid: string;
+  name: string;
+  isAdmin: boolean;
+  createdAt: Date;
+}
+
+/**
+ * The result of a guarded transition. A lost race is a value, never an exception: `ok: false` says why and
+ * carries the row as it is now (null if the bundle does not exist).
+ */
+export type TransitionResult =
+  | { ok: true; bundle: Bundle }
+  | { ok: false; reason: "not_found" | "wrong_state" | "wrong_attempt"; current: Bundle | null };
+
+/** NOTIFY channel written by every bundle transition; payload `<uuid> <state> <changeSeq>`. */
+export const BUNDLE_CHANNEL = "dispatch_cloud_bundles";
