@@ -1,0 +1,74 @@
+/**
+ * Bearer-token authentication. User tokens (`dcu_...`) identify a user; runner tokens (`dcr_...`)
+ * identify one bundle while it is starting or running (every transition out of those states clears the
+ * stored hash, so an old runner's token stops working by itself). Only token hashes are looked up.
+ */
+import type { FastifyRequest } from "fastify";
+import { DispatchCloudError } from "../lib/errors.ts";
+import type { Db } from "../store/db.ts";
+import { findBundleByRunnerTokenHash, findUserByTokenHash } from "../store/queries.ts";
+import type { Bundle, User } from "../store/types.ts";
+import { hashToken, isTokenShaped, RUNNER_TOKEN_PREFIX, USER_TOKEN_PREFIX } from "./tokens.ts";
+
+declare module "fastify" {
+  interface FastifyRequest {
+    /** The authenticated user (users' API routes only). */
+    caller: User | null;
+    /** The bundle whose runner token authenticated the request (runner API routes only). */
+    runnerBundle: Bundle | null;
+  }
+}
+
+/** The authenticated caller, which the route's onRequest hook has set. */
+export function callerOf(request: FastifyRequest): User {
+  if (request.caller === null) throw new Error("route has no user authentication hook");
+  return request.caller;
+}
+
+/** The runner's bundle, which the route's onRequest hook has set. */
+export function runnerBundleOf(request: FastifyRequest): Bundle {
+  if (request.runnerBundle === null) throw new Error("route has no runner authentication hook");
+  return request.runnerBundle;
+}
+
+/** The bearer token of a request; throws auth.missing_token if there is none. */
+export function bearerToken(request: FastifyRequest): string {
+  const header = request.headers.authorization;
+  if (header === undefined || header.trim() === "") {
+    throw new DispatchCloudError(
+      "auth.missing_token",
+      "this API needs an Authorization: Bearer <token> header",
+    );
+  }
+  const m = /^Bearer[ \t]+(\S+)[ \t]*$/i.exec(header);
+  if (m === null) {
+    throw new DispatchCloudError("auth.missing_token", "the Authorization header must be 'Bearer <token>'");
+  }
+  return m[1]!;
+}
+
+const invalidToken = () => new DispatchCloudError("auth.invalid_token", "the token is not valid");
+
+export async function authenticateUser(db: Db, request: FastifyRequest): Promise<User> {
+  const token = bearerToken(request);
+  if (!isTokenShaped(token, USER_TOKEN_PREFIX)) throw invalidToken();
+  const user = await findUserByTokenHash(db, hashToken(token));
+  if (user === null) throw invalidToken();
+  return user;
+}
+
+export function requireAdmin(user: User): void {
+  if (!user.isAdmin) throw new DispatchCloudError("auth.forbidden", "only an admin user may do this");
+}
+
+/** The bundle a runner token belongs to, while that bundle is starting or running. */
+export async function authenticateRunner(db: Db, request: FastifyRequest): Promise<Bundle> {
+  const token = bearerToken(request);
+  if (!isTokenShaped(token, RUNNER_TOKEN_PREFIX)) throw invalidToken();
+  const bundle = await findBundleByRunnerTokenHash(db, hashToken(token));
+  if (bundle === null) throw invalidToken();
+  if (bundle.state !== "starting" && bundle.state !== "running") {
+    throw new DispatchCloudError("runner.not_current", `bundle ${bundle.uuid} is ${bundle.state}`);
+  }
+  return bundle;
+}

@@ -1,0 +1,217 @@
+/**
+ * The body of `POST /api/v1/bundles`: one TypeBox schema (unknown fields refused, defaults filled), then
+ * normalisation into a NewBundle (sizes in bytes, durations in milliseconds, dependency names filled in).
+ */
+import { type Static, Type } from "@sinclair/typebox";
+import { DispatchCloudError } from "../lib/errors.ts";
+import { parseDuration, parseSize, SIZE_FORMAT } from "../lib/units.ts";
+import { GPU_STACKS, type NewBundle } from "../store/types.ts";
+import { BUNDLE_UUID_PATTERN } from "./tokens.ts";
+import { childPath, invalidBody, validate } from "./validate.ts";
+
+export const MAX_SIZE = 64 * 2 ** 40; // 64TiB
+export const MAX_TIME_LIMIT_MS = 366 * 86_400_000;
+const KIB64 = 64 * 1024;
+
+const Size = (opts: { default?: string | number; description: string }) =>
+  Type.Union(
+    [Type.String({ minLength: 1, maxLength: 64 }), Type.Integer({ minimum: 0, maximum: MAX_SIZE })],
+    {
+      ...opts,
+      errorMessage: `must be ${SIZE_FORMAT}, at most 64TiB`,
+    },
+  );
+
+const Gpu = Type.Object(
+  {
+    stack: Type.Union(
+      GPU_STACKS.map((s) => Type.Literal(s)),
+      { errorMessage: `must be one of ${GPU_STACKS.join(", ")}` },
+    ),
+    deviceCount: Type.Integer({ minimum: 1, maximum: 64 }),
+    vram: Type.Optional(Size({ default: 0, description: "Memory per GPU device (0 = any)." })),
+    driverVersion: Type.Optional(
+      Type.String({
+        pattern: "^[0-9]{1,4}\\.[0-9]{1,4}$",
+        errorMessage: 'must be a version "X.Y", e.g. "12.2"',
+      }),
+    ),
+    hardwareTarget: Type.Optional(
+      Type.Union(
+        [
+          Type.String({ minLength: 1, maxLength: 64 }),
+          Type.Array(Type.String({ minLength: 1, maxLength: 64 }), { maxItems: 64 }),
+        ],
+        { errorMessage: "must be a target name (1-64 characters) or a list of at most 64 of them" },
+      ),
+    ),
+  },
+  { additionalProperties: false },
+);
+
+const Resources = Type.Object(
+  {
+    vcpus: Type.Optional(Type.Number({ exclusiveMinimum: 0, maximum: 1024, default: 1 })),
+    ram: Type.Optional(Size({ default: "256MiB", description: "Memory for the container." })),
+    scratch: Type.Optional(Size({ default: 0, description: "Scratch disk space." })),
+    gpu: Type.Optional(Gpu),
+  },
+  { additionalProperties: false },
+);
+
+const Limits = Type.Object(
+  {
+    time: Type.Optional(
+      Type.String({ minLength: 1, maxLength: 64, description: "Wall-clock limit, e.g. 2h." }),
+    ),
+    disk: Type.Optional(Size({ description: "Disk the container may write." })),
+    network: Type.Optional(Type.Boolean({ default: false })),
+  },
+  { additionalProperties: false },
+);
+
+const Dependency = Type.Object(
+  {
+    bundle: Type.String({
+      pattern: BUNDLE_UUID_PATTERN,
+      errorMessage: "must be a bundle uuid like xxxxx-bndl-xxxxxxxxxxxxxxx",
+    }),
+    subpath: Type.Optional(Type.String({ maxLength: 1024 })),
+    name: Type.Optional(
+      Type.String({
+        pattern: "^[A-Za-z0-9._-]{1,100}$",
+        errorMessage: "must be 1-100 characters from A-Z a-z 0-9 . _ -",
+      }),
+    ),
+  },
+  { additionalProperties: false },
+);
+
+export const BundleRequest = Type.Object(
+  {
+    name: Type.Optional(Type.String({ maxLength: 200, default: "" })),
+    command: Type.Array(Type.String({ maxLength: KIB64 }), { minItems: 1, maxItems: 1000 }),
+    image: Type.String({ minLength: 1, maxLength: 500 }),
+    env: Type.Optional(
+      Type.Record(Type.String(), Type.String({ maxLength: KIB64 }), { maxProperties: 1000 }),
+    ),
+    resources: Type.Optional(Resources),
+    preemptible: Type.Optional(Type.Boolean({ default: false })),
+    priority: Type.Optional(Type.Integer({ minimum: 0, maximum: 1000, default: 500 })),
+    limits: Type.Optional(Limits),
+    dependencies: Type.Optional(Type.Array(Dependency, { maxItems: 1000 })),
+    allowFailedDependencies: Type.Optional(Type.Boolean({ default: false })),
+    maxAttempts: Type.Optional(Type.Integer({ minimum: 1, maximum: 10 })),
+  },
+  { additionalProperties: false },
+);
+export type BundleRequest = Static<typeof BundleRequest>;
+
+const ENV_NAME = /^[A-Za-z_][A-Za-z0-9_]*$/;
+
+function size(value: string | number, path: string): number {
+  let bytes: number;
+  try {
+    bytes = parseSize(value);
+  } catch (err) {
+    if (err instanceof DispatchCloudError) throw invalidBody(path, err.message);
+    throw err;
+  }
+  if (bytes > MAX_SIZE) throw invalidBody(path, "must be at most 64TiB");
+  return bytes;
+}
+
+/** `a/./b/` -> `a/b`; refuses absolute paths and `..`. */
+function normaliseSubpath(subpath: string, path: string): string {
+  if (subpath.startsWith("/")) throw invalidBody(path, "must be a relative path (no leading /)");
+  const parts = subpath.split("/").filter((p) => p !== "" && p !== ".");
+  if (parts.includes("..")) throw invalidBody(path, 'must not contain ".."');
+  return parts.join("/");
+}
+
+/** Validates a request body and turns it into the NewBundle the store inserts. */
+export function parseBundleRequest(body: unknown, ownerUuid: string, defaultMaxAttempts: number): NewBundle {
+  const req = validate(BundleRequest, body);
+
+  const env: Record<string, string> = {};
+  for (const [name, value] of Object.entries(req.env ?? {})) {
+    if (!ENV_NAME.test(name)) {
+      throw invalidBody(
+        childPath("env", name),
+        "environment variable names must match [A-Za-z_][A-Za-z0-9_]*",
+      );
+    }
+    env[name] = value;
+  }
+
+  const r = req.resources ?? {};
+  const gpu = r.gpu;
+  const resources: NewBundle["resources"] = {
+    vcpus: r.vcpus ?? 1,
+    ram: size(r.ram ?? "256MiB", "resources.ram"),
+    scratch: size(r.scratch ?? 0, "resources.scratch"),
+    gpu:
+      gpu === undefined
+        ? null
+        : {
+            stack: gpu.stack,
+            deviceCount: gpu.deviceCount,
+            vram: size(gpu.vram ?? 0, "resources.gpu.vram"),
+            driverVersion: gpu.driverVersion ?? null,
+            hardwareTarget:
+              gpu.hardwareTarget === undefined
+                ? []
+                : typeof gpu.hardwareTarget === "string"
+                  ? [gpu.hardwareTarget]
+                  : [...gpu.hardwareTarget],
+          },
+  };
+
+  const l = req.limits ?? {};
+  let time: number | null = null;
+  if (l.time !== undefined) {
+    try {
+      time = parseDuration(l.time);
+    } catch (err) {
+      if (err instanceof DispatchCloudError) throw invalidBody("limits.time", err.message);
+      throw err;
+    }
+    if (time <= 0) throw invalidBody("limits.time", "must be longer than 0");
+    if (time > MAX_TIME_LIMIT_MS) throw invalidBody("limits.time", "must be at most 366d");
+  }
+  const limits: NewBundle["limits"] = {
+    time,
+    disk: l.disk === undefined ? null : size(l.disk, "limits.disk"),
+    network: l.network ?? false,
+  };
+
+  const names = new Set<string>();
+  const dependencies = (req.dependencies ?? []).map((d, i) => {
+    const name = d.name ?? d.bundle;
+    const path = `dependencies[${i}]`;
+    if (name === "." || name === "..") throw invalidBody(`${path}.name`, 'must not be "." or ".."');
+    if (names.has(name)) {
+      throw invalidBody(
+        `${path}.name`,
+        `mount name "${name}" is used by another dependency of this bundle (give each a distinct name)`,
+      );
+    }
+    names.add(name);
+    return { bundle: d.bundle, subpath: normaliseSubpath(d.subpath ?? "", `${path}.subpath`), name };
+  });
+
+  return {
+    ownerUuid,
+    name: req.name ?? "",
+    command: [...req.command],
+    image: req.image,
+    env,
+    resources,
+    preemptible: req.preemptible ?? false,
+    priority: req.priority ?? 500,
+    limits,
+    dependencies,
+    allowFailedDependencies: req.allowFailedDependencies ?? false,
+    maxAttempts: req.maxAttempts ?? defaultMaxAttempts,
+  };
+}

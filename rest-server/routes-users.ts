@@ -1,0 +1,179 @@
+/** The users' API: bundles (create, list, get, kill, events) and users (admins create them). */
+import { Type } from "@sinclair/typebox";
+import type { FastifyInstance, FastifyRequest } from "fastify";
+import { DispatchCloudError } from "../lib/errors.ts";
+import { createUser, getBundleForOwner, insertBundle, listBundles, listEvents } from "../store/queries.ts";
+import { killBundle } from "../store/transitions.ts";
+import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
+import { authenticateUser, callerOf, requireAdmin } from "./auth.ts";
+import { parseBundleRequest } from "./bundle-request.ts";
+import type { RouteContext } from "./server.ts";
+import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "./tokens.ts";
+import { validate } from "./validate.ts";
+import { bundleView, decodeCursor, encodeCursor, eventView, type ListCursor } from "./views.ts";
+
+export const DEFAULT_LIST_LIMIT = 50;
+export const MAX_LIST_LIMIT = 500;
+
+const KillRequest = Type.Object(
+  { reason: Type.Optional(Type.String({ minLength: 1, maxLength: 1000 })) },
+  { additionalProperties: false },
+);
+
+const UserRequest = Type.Object(
+  {
+    name: Type.String({
+      pattern: "^[A-Za-z0-9][A-Za-z0-9._@-]{0,99}$",
+      errorMessage: "must be 1-100 characters from A-Z a-z 0-9 . _ @ -, starting with a letter or digit",
+    }),
+    isAdmin: Type.Optional(Type.Boolean({ default: false })),
+  },
+  { additionalProperties: false },
+);
+
+const BUNDLE_UUID = new RegExp(BUNDLE_UUID_PATTERN);
+
+function uuidParam(request: FastifyRequest): string {
+  const uuid = (request.params as Record<string, string | undefined>)["uuid"] ?? "";
+  if (!BUNDLE_UUID.test(uuid)) {
+    throw new DispatchCloudError(
+      "request.invalid_param",
+      `uuid: not a bundle uuid: ${JSON.stringify(uuid)}`,
+      {
+        path: "uuid",
+      },
+    );
+  }
+  return uuid;
+}
+
+const notFound = (uuid: string) => new DispatchCloudError("bundle.not_found", `no bundle ${uuid}`);
+
+export interface ListQuery {
+  states: BundleState[] | undefined;
+  limit: number;
+  after: ListCursor | null;
+}
+
+/** `?state=a,b&limit=N&cursor=...`; repeated parameters are joined; anything else is refused. */
+export function parseListQuery(query: unknown): ListQuery {
+  const out: ListQuery = { states: undefined, limit: DEFAULT_LIST_LIMIT, after: null };
+  const bad = (path: string, message: string) =>
+    new DispatchCloudError("request.invalid_query", `${path}: ${message}`, { path });
+  for (const [key, raw] of Object.entries((query ?? {}) as Record<string, unknown>)) {
+    const value = Array.isArray(raw) ? raw.map(String).join(",") : String(raw);
+    if (key === "state") {
+      const states = value
+        .split(",")
+        .map((s) => s.trim())
+        .filter((s) => s !== "");
+      for (const s of states) {
+        if (!(BUNDLE_STATES as readonly string[]).includes(s)) {
+          throw bad(
+            "state",
+            `unknown state ${JSON.stringify(s.slice(0, 40))}; one of ${BUNDLE_STATES.join(", ")}`,
+          );
+        }
+      }
+      out.states = [...new Set(states as BundleState[])];
+    } else if (key === "limit") {
+      if (!/^[0-9]{1,4}$/.test(value) || Number(value) < 1 || Number(value) > MAX_LIST_LIMIT) {
+        throw bad("limit", `must be a whole number from 1 to ${MAX_LIST_LIMIT}`);
+      }
+      out.limit = Number(value);
+    } else if (key === "cursor") {
+      out.after = value === "" ? null : decodeCursor(value);
+    } else {
+      throw bad(key, "unknown query parameter; known: state, limit, cursor");
+    }
+  }
+  return out;
+}
+
+const userView = (u: User) => ({
+  uuid: u.uuid,
+  name: u.name,
+  isAdmin: u.isAdmin,
+  createdAt: u.createdAt.toISOString(),
+});
+
+export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): void {
+  const { db } = ctx;
+  const onRequest = async (request: FastifyRequest) => {
+    request.caller = await authenticateUser(db, request);
+  };
+  const view = (b: Bundle) => bundleView(b, ctx.nowMs());
+  const ownBundle = async (request: FastifyRequest): Promise<Bundle> => {
+    const uuid = uuidParam(request);
+    const bundle = await getBundleForOwner(db, uuid, callerOf(request).uuid);
+    if (bundle === null) throw notFound(uuid);
+    return bundle;
+  };
+
+  app.post("/api/v1/bundles", { onRequest }, async (request, reply) => {
+    const caller = callerOf(request);
+    const newBundle = parseBundleRequest(request.body, caller.uuid, ctx.defaultMaxAttempts);
+    const bundle = await insertBundle(db, newBundleUuid(ctx.clusterId), newBundle, "created");
+    return reply.code(201).send(view(bundle));
+  });
+
+  app.get("/api/v1/bundles", { onRequest }, async (request) => {
+    const q = parseListQuery(request.query);
+    const rows = await listBundles(db, {
+      ownerUuid: callerOf(request).uuid,
+      ...(q.states === undefined ? {} : { states: q.states }),
+      after: q.after,
+      limit: q.limit + 1,
+    });
+    const items = rows.slice(0, q.limit);
+    const last = items[items.length - 1];
+    const nextCursor = rows.length > q.limit && last !== undefined ? encodeCursor(last) : null;
+    return { items: items.map(view), nextCursor };
+  });
+
+  app.get("/api/v1/bundles/:uuid", { onRequest }, async (request) => view(await ownBundle(request)));
+
+  app.post("/api/v1/bundles/:uuid/kill", { onRequest }, async (request) => {
+    const bundle = await ownBundle(request);
+    const body =
+      request.body === undefined || request.body === null ? {} : validate(KillRequest, request.body);
+    const conflict = (b: Bundle) =>
+      new DispatchCloudError(
+        "bundle.conflict",
+        `bundle ${b.uuid} is already ${b.state}; it cannot be killed`,
+      );
+    if (isFinalState(bundle.state)) throw conflict(bundle);
+    const caller = callerOf(request);
+    const result = await killBundle(db, bundle.uuid, {
+      actor: `user:${caller.uuid}`,
+      reason: body.reason ?? `killed by ${caller.name}`,
+    });
+    if (!result.ok) {
+      if (result.current === null) throw notFound(bundle.uuid);
+      throw conflict(result.current);
+    }
+    return view(result.bundle);
+  });
+
+  app.get("/api/v1/bundles/:uuid/events", { onRequest }, async (request) => {
+    const bundle = await ownBundle(request);
+    const events = await listEvents(db, bundle.uuid);
+    return { items: events.map(eventView) };
+  });
+
+  app.get("/api/v1/users/current", { onRequest }, async (request) => userView(callerOf(request)));
+
+  app.post("/api/v1/users", { onRequest }, async (request, reply) => {
+    requireAdmin(callerOf(request));
+    const body = validate(UserRequest, request.body);
+    const token = newUserToken();
+    const user = await createUser(db, {
+      uuid: newUserUuid(ctx.clusterId),
+      name: body.name,
+      isAdmin: body.isAdmin ?? false,
+      tokenHash: hashToken(token),
+    });
+    // The only time the token is ever shown; the database keeps its hash.
+    return reply.code(201).send({ ...userView(user), token });
+  });
+}

@@ -1,0 +1,83 @@
+/**
+ * Request validation: TypeBox schemas checked with no coercion and no stripping, first error reported with
+ * a stable code and the field's path in dotted form (`resources.ram`, `dependencies[2].bundle`).
+ */
+import type { Static, TSchema } from "@sinclair/typebox";
+import { Value, ValueErrorType } from "@sinclair/typebox/value";
+import { DispatchCloudError } from "../lib/errors.ts";
+
+/** Bodies nest a few levels; anything deeper is junk and is refused before any recursive walk. */
+const MAX_DEPTH = 16;
+
+/** `/dependencies/2/bundle` -> `dependencies[2].bundle`; `/env/A.B` -> `env["A.B"]`. */
+export function pointerToPath(pointer: string): string {
+  if (pointer === "") return "";
+  let out = "";
+  for (const raw of pointer.slice(1).split("/")) {
+    const seg = raw.replace(/~1/g, "/").replace(/~0/g, "~");
+    if (/^(0|[1-9]\d*)$/.test(seg)) out += `[${seg}]`;
+    else if (/^[A-Za-z_$][A-Za-z0-9_$]*$/.test(seg)) out += out === "" ? seg : `.${seg}`;
+    else out += `[${JSON.stringify(seg)}]`;
+  }
+  return out;
+}
+
+/** Joins a dotted path and a child key or index. */
+export function childPath(parent: string, key: string | number): string {
+  if (typeof key === "number") return `${parent}[${key}]`;
+  if (/^[A-Za-z_$][A-Za-z0-9_$]*$/.test(key)) return parent === "" ? key : `${parent}.${key}`;
+  return `${parent}[${JSON.stringify(key)}]`;
+}
+
+export function invalidBody(path: string, message: string): DispatchCloudError {
+  const where = path === "" ? "the body" : path;
+  return new DispatchCloudError("request.invalid_body", `${where}: ${message}`, path === "" ? {} : { path });
+}
+
+/**
+ * Refuses what no schema here would accept and what could hurt the layers below: nesting deeper than
+ * MAX_DEPTH, `__proto__` keys, and NUL characters (PostgreSQL text and jsonb cannot hold them).
+ */
+export function checkJsonShape(value: unknown): void {
+  const stack: { v: unknown; path: string; depth: number }[] = [{ v: value, path: "", depth: 0 }];
+  while (stack.length > 0) {
+    const { v, path, depth } = stack.pop()!;
+    if (typeof v === "string") {
+      if (v.includes("\u0000")) throw invalidBody(path, "must not contain NUL characters");
+      continue;
+    }
+    if (v === null || typeof v !== "object") continue;
+    if (depth >= MAX_DEPTH) throw invalidBody(path, `is nested more than ${MAX_DEPTH} levels deep`);
+    if (Array.isArray(v)) {
+      v.forEach((item, i) => {
+        stack.push({ v: item, path: childPath(path, i), depth: depth + 1 });
+      });
+      continue;
+    }
+    for (const [key, item] of Object.entries(v)) {
+      const p = childPath(path, key);
+      if (key === "__proto__" || key.includes("\u0000")) throw invalidBody(p, "is not an allowed field name");
+      stack.push({ v: item, path: p, depth: depth + 1 });
+    }
+  }
+}
+
+/** Fills defaults (in place) and checks `value` against `schema`; throws the first problem found. */
+export function validate<S extends TSchema>(schema: S, value: unknown): Static<S> {
+  checkJsonShape(value);
+  const filled: unknown = Value.Default(schema, value);
+  for (const error of Value.Errors(schema, filled)) {
+    const path = pointerToPath(error.path);
+    if (error.type === ValueErrorType.ObjectAdditionalProperties) {
+      throw new DispatchCloudError("request.unknown_field", `unknown field ${path}`, { path });
+    }
+    const custom = (error.schema as { errorMessage?: unknown }).errorMessage;
+    const message = typeof custom === "string" ? custom : lowerFirst(error.message);
+    throw invalidBody(path, message);
+  }
+  return filled as Static<S>;
+}
+
+function lowerFirst(s: string): string {
+  return s.charAt(0).toLowerCase() + s.slice(1);
+}
