@@ -1,0 +1,59 @@
+import { runConfigCheck, runConfigDefaults } from "../config/check.ts";
+import { bundlesCommand } from "./commands/bundles.ts";
+import { migrateCommand, serveCommand } from "./commands/serve.ts";
+import { submitCommand } from "./commands/submit.ts";
+import { usersCommand } from "./commands/users.ts";
+import { type CliIo, type Command, EXIT_OK, reportError, usageError } from "./io.ts";
+
+const USAGE = `dispatch-cloud — runs batch containers ("bundles") on cloud VMs it creates and destroys on demand
+
+usage: dispatch-cloud COMMAND [ARGS]
+
+processes:
+  serve [--config F]            REST server + dispatcher in one process (embedded default: PGlite, local VMs)
+  rest-server [--config F]      the users' REST API alone (PostgreSQL)
+  migrate [--config F]          bring the database schema up to date
+configuration:
+  config check FILE             validate a config file; every problem with its key path
+  config defaults               print the annotated defaults
+users and bundles (clients of the REST server: --api-url URL, token from DISPATCH_CLOUD_TOKEN,
+--token-file F, or <data dir>/admin-token):
+  users create NAME [--admin]   create a user (admin only); prints its token once
+  submit [FILE] [flags] -- CMD  submit a bundle; --wait follows it until it is final
+  bundles list|show|kill|events
+
+'dispatch-cloud COMMAND --help' tells more where a command has options.`;
+
+const config: Command = async (io) => {
+  const [sub, ...rest] = io.argv;
+  if (sub === "check" && rest.length === 1) return runConfigCheck(rest[0]!, io.out);
+  if (sub === "defaults" && rest.length === 0) return runConfigDefaults(io.out);
+  throw usageError("usage: dispatch-cloud config check FILE | dispatch-cloud config defaults");
+};
+
+export const COMMANDS: Record<string, Command> = {
+  serve: (io) => serveCommand(io, "serve"),
+  "rest-server": (io) => serveCommand(io, "rest-server"),
+  migrate: migrateCommand,
+  config,
+  users: usersCommand,
+  submit: submitCommand,
+  bundles: bundlesCommand,
+};
+
+/** Runs one command line; returns the exit code. Every error is printed with its stable code. */
+export async function runCli(io: CliIo): Promise<number> {
+  const [name, ...rest] = io.argv;
+  if (name === undefined || name === "help" || name === "--help" || name === "-h") {
+    io.out(USAGE);
+    return name === undefined ? 2 : EXIT_OK;
+  }
+  const command = COMMANDS[name];
+  try {
+    if (command === undefined)
+      throw usageError(`unknown command "${name}"; 'dispatch-cloud help' lists them`);
+    return await command({ ...io, argv: rest });
+  } catch (err) {
+    return reportError(io, err);
+  }
+}

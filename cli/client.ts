@@ -1,0 +1,87 @@
+import { readFile } from "node:fs/promises";
+import { resolve } from "node:path";
+import { DispatchCloudError, ERROR_CODES, type ErrorCode } from "../lib/errors.ts";
+import type { CliIo } from "./io.ts";
+
+export const DEFAULT_API_URL = "http://127.0.0.1:8900";
+
+export interface ClientOptions {
+  apiUrl: string;
+  token: string;
+}
+
+/**
+ * Finds the API token: `--token-file`, then DISPATCH_CLOUD_TOKEN, then DISPATCH_CLOUD_TOKEN_FILE, then the
+ * admin token `serve` wrote to `<data dir>/admin-token`. The token itself never goes on a command line.
+ */
+export async function findToken(io: CliIo, flags: { tokenFile?: string; dataDir?: string }): Promise<string> {
+  const fromEnv = io.env["DISPATCH_CLOUD_TOKEN"];
+  if (flags.tokenFile === undefined && fromEnv !== undefined && fromEnv !== "") return fromEnv.trim();
+  const candidates = [
+    flags.tokenFile,
+    io.env["DISPATCH_CLOUD_TOKEN_FILE"],
+    resolve(io.cwd, flags.dataDir ?? io.env["DISPATCH_CLOUD_DATA_DIR"] ?? "./data", "admin-token"),
+  ].filter((p): p is string => p !== undefined && p !== "");
+  for (const path of candidates) {
+    try {
+      const text = (await readFile(resolve(io.cwd, path), "utf8")).trim();
+      if (text !== "") return text;
+    } catch (err) {
+      if (path === flags.tokenFile) {
+        throw new DispatchCloudError("cli.no_token", `cannot read token file ${path}`, { cause: err });
+      }
+    }
+  }
+  throw new DispatchCloudError(
+    "cli.no_token",
+    "no API token: set DISPATCH_CLOUD_TOKEN, pass --token-file FILE, or run where `serve` wrote data/admin-token",
+  );
+}
+
+/** A small client of the users' REST API; API errors come back as DispatchCloudError with the server's code. */
+export class ApiClient {
+  constructor(
+    private readonly opts: ClientOptions,
+    private readonly signal?: AbortSignal,
+  ) {}
+
+  async request<T>(method: string, path: string, body?: unknown): Promise<T> {
+    const url = new URL(path, this.opts.apiUrl.endsWith("/") ? this.opts.apiUrl : `${this.opts.apiUrl}/`);
+    let res: Response;
+    try {
+      res = await fetch(url, {
+        method,
+        headers: {
+          authorization: `Bearer ${this.opts.token}`,
+          ...(body === undefined ? {} : { "content-type": "application/json" }),
+        },
+        ...(body === undefined ? {} : { body: JSON.stringify(body) }),
+        ...(this.signal === undefined ? {} : { signal: this.signal }),
+      });
+    } catch (err) {
+      throw new DispatchCloudError(
+        "cli.unreachable",
+        `cannot reach the REST server at ${this.opts.apiUrl} (is \`dispatch-cloud serve\` running? --api-url sets the address)`,
+        { cause: err },
+      );
+    }
+    const text = await res.text();
+    let parsed: unknown;
+    try {
+      parsed = text === "" ? undefined : JSON.parse(text);
+    } catch {
+      parsed = undefined;
+    }
+    if (!res.ok) {
+      const e = (parsed as { error?: { code?: string; message?: string; path?: string } } | undefined)?.error;
+      const code: ErrorCode =
+        e?.code !== undefined && e.code in ERROR_CODES ? (e.code as ErrorCode) : "internal.error";
+      throw new DispatchCloudError(
+        code,
+        e?.message ?? `HTTP ${res.status} from ${url.pathname}`,
+        e?.path === undefined ? {} : { path: e.path },
+      );
+    }
+    return parsed as T;
+  }
+}

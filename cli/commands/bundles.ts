@@ -1,0 +1,130 @@
+import { CLIENT_OPTIONS, parse } from "../args.ts";
+import { type CliIo, EXIT_FAILED, EXIT_OK, usageError } from "../io.ts";
+import { type ApiBundle, connect, table } from "./client-common.ts";
+
+const USAGE = `usage: dispatch-cloud bundles list [--state S[,S]] [--limit N] [--all] [--json]
+       dispatch-cloud bundles show UUID [--json]
+       dispatch-cloud bundles kill UUID... [--reason TEXT]
+       dispatch-cloud bundles events UUID [--json]`;
+
+export async function bundlesCommand(io: CliIo): Promise<number> {
+  const [sub, ...rest] = io.argv;
+  switch (sub) {
+    case "list":
+      return list(io, rest);
+    case "show":
+      return show(io, rest);
+    case "kill":
+      return kill(io, rest);
+    case "events":
+      return events(io, rest);
+    default:
+      throw usageError(sub === undefined ? USAGE : `unknown bundles command "${sub}"\n${USAGE}`);
+  }
+}
+
+async function list(io: CliIo, argv: string[]): Promise<number> {
+  const { values } = parse(
+    argv,
+    { ...CLIENT_OPTIONS, state: { type: "string" }, limit: { type: "string" }, all: { type: "boolean" } },
+    false,
+  );
+  const limit = values.limit === undefined ? 50 : Number(values.limit);
+  if (!Number.isInteger(limit) || limit < 1 || limit > 500)
+    throw usageError("--limit takes an integer 1..500");
+  const api = await connect(io, values);
+  const items: ApiBundle[] = [];
+  let cursor: string | null = null;
+  do {
+    const q = new URLSearchParams({ limit: String(limit) });
+    if (values.state !== undefined) q.set("state", values.state);
+    if (cursor !== null) q.set("cursor", cursor);
+    const page: { items: ApiBundle[]; nextCursor: string | null } = await api.request(
+      "GET",
+      `api/v1/bundles?${q}`,
+    );
+    items.push(...page.items);
+    cursor = values.all === true ? page.nextCursor : null;
+  } while (cursor !== null);
+  if (values.json === true) {
+    io.out(JSON.stringify(items, null, 2));
+    return EXIT_OK;
+  }
+  const rows = [["UUID", "STATE", "CREATED", "NAME", "IMAGE"]];
+  for (const b of items) rows.push([b.uuid, b.state, b.createdAt, b.name, b.image]);
+  for (const line of table(rows)) io.out(line);
+  return EXIT_OK;
+}
+
+async function show(io: CliIo, argv: string[]): Promise<number> {
+  const { values, positionals } = parse(argv, CLIENT_OPTIONS);
+  if (positionals.length !== 1) throw usageError("bundles show takes one UUID");
+  const api = await connect(io, values);
+  const b = await api.request<ApiBundle>("GET", `api/v1/bundles/${encodeURIComponent(positionals[0]!)}`);
+  if (values.json === true) {
+    io.out(JSON.stringify(b, null, 2));
+    return EXIT_OK;
+  }
+  const rows: string[][] = [
+    ["uuid", b.uuid],
+    ["name", b.name],
+    ["state", b.state + (b.stateReason ? ` (${b.stateReason})` : "")],
+    ["status", b.schedulingStatus ?? ""],
+    ["image", b.image],
+    ["command", JSON.stringify(b.command)],
+    ["priority", String(b.priority)],
+    ["attempt", `${b.attempt} of ${b.maxAttempts}`],
+    ["instance type", b.instanceType ?? ""],
+    ["exit code", b.exitCode === null ? "" : String(b.exitCode)],
+    ["created", b.createdAt],
+  ];
+  for (const line of table(rows.map(([k, v]) => [`${k}:`, v ?? ""]))) io.out(line);
+  return EXIT_OK;
+}
+
+async function kill(io: CliIo, argv: string[]): Promise<number> {
+  const { values, positionals } = parse(argv, { ...CLIENT_OPTIONS, reason: { type: "string" } });
+  if (positionals.length === 0) throw usageError("bundles kill takes one or more UUIDs");
+  const api = await connect(io, values);
+  let failed = 0;
+  for (const uuid of positionals) {
+    try {
+      const body = values.reason === undefined ? {} : { reason: values.reason };
+      const b = await api.request<ApiBundle>("POST", `api/v1/bundles/${encodeURIComponent(uuid)}/kill`, body);
+      io.out(`${uuid}: ${b.state}`);
+    } catch (err) {
+      failed++;
+      io.out(`${uuid}: error: ${err instanceof Error ? err.message : String(err)}`);
+    }
+  }
+  return failed === 0 ? EXIT_OK : EXIT_FAILED;
+}
+
+interface ApiEvent {
+  fromState: string | null;
+  toState: string;
+  attempt: number;
+  reason: string | null;
+  actor: string;
+  createdAt: string;
+}
+
+async function events(io: CliIo, argv: string[]): Promise<number> {
+  const { values, positionals } = parse(argv, CLIENT_OPTIONS);
+  if (positionals.length !== 1) throw usageError("bundles events takes one UUID");
+  const api = await connect(io, values);
+  const res = await api.request<{ items: ApiEvent[] }>(
+    "GET",
+    `api/v1/bundles/${encodeURIComponent(positionals[0]!)}/events`,
+  );
+  if (values.json === true) {
+    io.out(JSON.stringify(res.items, null, 2));
+    return EXIT_OK;
+  }
+  const rows = [["TIME", "FROM", "TO", "ATTEMPT", "ACTOR", "REASON"]];
+  for (const e of res.items) {
+    rows.push([e.createdAt, e.fromState ?? "-", e.toState, String(e.attempt), e.actor, e.reason ?? ""]);
+  }
+  for (const line of table(rows)) io.out(line);
+  return EXIT_OK;
+}

@@ -1,0 +1,125 @@
+import { chmod, mkdir, writeFile } from "node:fs/promises";
+import { join, resolve } from "node:path";
+import { loadConfig } from "../../config/load.ts";
+import type { Config } from "../../config/schema.ts";
+import { DispatchCloudError } from "../../lib/errors.ts";
+import { createLogger, type Logger } from "../../lib/logger.ts";
+import { createBundleManager } from "../../rest-server/bundle-manager.ts";
+import { createRestServer } from "../../rest-server/server.ts";
+import { hashToken, newUserToken, newUserUuid } from "../../rest-server/tokens.ts";
+import type { Db } from "../../store/db.ts";
+import { openDb } from "../../store/db.ts";
+import { migrate } from "../../store/migrate.ts";
+import { countUsers, createUser } from "../../store/queries.ts";
+import { parse } from "../args.ts";
+import { type CliIo, EXIT_OK } from "../io.ts";
+
+const OPTIONS = { config: { type: "string", short: "c" } } as const;
+
+/** Loads and validates the config named by --config (or DISPATCH_CLOUD_CONFIG); none = the embedded defaults. */
+export function configFromArgs(io: CliIo, argv: string[]): Config {
+  const { values } = parse(argv, OPTIONS, false);
+  const path = values.config ?? io.env["DISPATCH_CLOUD_CONFIG"];
+  return loadConfig(path === undefined || path === "" ? undefined : resolve(io.cwd, path));
+}
+
+/** Opens the database and brings its schema up to date, logging what was applied. */
+async function openMigrated(config: Config, logger: Logger): Promise<Db> {
+  const db = await openDb(config.database.url, { maxConnections: config.database.maxConnections, logger });
+  try {
+    const { applied } = await migrate(db);
+    if (applied.length > 0) logger.info({ applied }, "database migrations applied");
+  } catch (err) {
+    await db.close();
+    throw err;
+  }
+  return db;
+}
+
+export async function migrateCommand(io: CliIo): Promise<number> {
+  const config = configFromArgs(io, io.argv);
+  const logger = createLogger(config.logging);
+  const db = await openDb(config.database.url, { maxConnections: 1, logger });
+  try {
+    const { applied } = await migrate(db);
+    io.out(applied.length === 0 ? "database is up to date" : `applied: ${applied.join(", ")}`);
+  } finally {
+    await db.close();
+  }
+  return EXIT_OK;
+}
+
+/**
+ * The first start of a database creates an admin user and writes its token to `<dataDir>/admin-token`
+ * (mode 0600), where the CLI looks by default. The token is never logged.
+ */
+export async function ensureAdmin(db: Db, config: Config, logger: Logger): Promise<void> {
+  if ((await countUsers(db)) > 0) return;
+  const token = newUserToken();
+  const user = await createUser(db, {
+    uuid: newUserUuid(config.clusterId),
+    name: "admin",
+    isAdmin: true,
+    tokenHash: hashToken(token),
+  });
+  const dir = resolve(config.dataDir);
+  await mkdir(dir, { recursive: true, mode: 0o700 });
+  const file = join(dir, "admin-token");
+  await writeFile(file, `${token}\n`, { mode: 0o600 });
+  await chmod(file, 0o600);
+  logger.info({ user: user.uuid, tokenFile: file }, "created the admin user; its token is in the token file");
+}
+
+function splitListen(listen: string, key: string): { host: string; port: number } {
+  const m = /^(.*):(\d+)$/.exec(listen);
+  if (m === null)
+    throw new DispatchCloudError("config.invalid_value", `${listen} is not host:port`, { path: key });
+  return { host: m[1]!.replace(/^\[(.*)\]$/, "$1"), port: Number(m[2]) };
+}
+
+/**
+ * `serve` (everything in one process, the embedded default) and `rest-server` (the users' API alone, on
+ * PostgreSQL). Runs until SIGINT or SIGTERM, or until io.signal aborts.
+ */
+export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Promise<number> {
+  const config = configFromArgs(io, io.argv);
+  if (mode === "rest-server" && config.database.url.startsWith("pglite:")) {
+    throw new DispatchCloudError(
+      "config.invalid_value",
+      "rest-server runs apart from the dispatcher and needs PostgreSQL (postgres://...); PGlite is for `serve` only",
+      { path: "database.url" },
+    );
+  }
+  const logger = createLogger(config.logging);
+  const db = await openMigrated(config, logger);
+  await ensureAdmin(db, config, logger);
+  const app = await createRestServer({
+    db,
+    logger: logger.child({ component: "rest-server" }),
+    clusterId: config.clusterId,
+    maxRequestBodySize: config.restServer.maxRequestBodySize,
+    defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
+  });
+  const manager = createBundleManager({
+    db,
+    logger: logger.child({ component: "bundle-manager" }),
+    pollInterval: config.dispatcher.pollInterval,
+  });
+  await manager.start();
+  const { host, port } = splitListen(config.restServer.listen, "restServer.listen");
+  const address = await app.listen({ host, port });
+  logger.info({ address, mode, database: config.database.url.split(":")[0] }, "dispatch-cloud is serving");
+  io.progress(`dispatch-cloud ${mode}: REST API at ${address}/api/v1 (Ctrl-C stops it)`);
+
+  await new Promise<void>((done) => {
+    const stop = () => done();
+    process.once("SIGINT", stop);
+    process.once("SIGTERM", stop);
+    io.signal?.addEventListener("abort", stop, { once: true });
+  });
+  logger.info("shutting down");
+  await app.close();
+  await manager.stop();
+  await db.close();
+  return EXIT_OK;
+}

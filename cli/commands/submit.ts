@@ -1,0 +1,162 @@
+import { readFile } from "node:fs/promises";
+import { resolve } from "node:path";
+import { setTimeout as sleep } from "node:timers/promises";
+import { parse as parseYaml } from "yaml";
+import { CLIENT_OPTIONS, parse } from "../args.ts";
+import type { ApiClient } from "../client.ts";
+import { type CliIo, EXIT_FAILED, EXIT_OK, usageError } from "../io.ts";
+import { type ApiBundle, connect, FINAL } from "./client-common.ts";
+
+const USAGE = `usage: dispatch-cloud submit [FILE.json|FILE.yml] [flags] [--] COMMAND [ARG...]
+  --image IMAGE            container image (required unless in FILE)
+  --name NAME              a name for the bundle
+  --vcpus N --ram SIZE --scratch SIZE
+  --gpus N [--gpu-stack cuda|rocm] [--gpu-vram SIZE] [--gpu-driver X.Y]
+  --env NAME=VALUE         (repeatable)
+  --priority N             0..1000 (default 500)
+  --preemptible            allow a preemptible (spot) instance
+  --time-limit DURATION --disk-limit SIZE --network
+  --depends-on UUID[:SUBPATH[:NAME]]   (repeatable) read UUID's output, mounted read-only as NAME
+  --allow-failed-dependencies  --max-attempts N
+  --wait                   show progress until the bundle is final; exit 0 only if it is ready`;
+
+const OPTIONS = {
+  ...CLIENT_OPTIONS,
+  image: { type: "string" },
+  name: { type: "string" },
+  vcpus: { type: "string" },
+  ram: { type: "string" },
+  scratch: { type: "string" },
+  gpus: { type: "string" },
+  "gpu-stack": { type: "string" },
+  "gpu-vram": { type: "string" },
+  "gpu-driver": { type: "string" },
+  env: { type: "string", multiple: true },
+  priority: { type: "string" },
+  preemptible: { type: "boolean" },
+  "time-limit": { type: "string" },
+  "disk-limit": { type: "string" },
+  network: { type: "boolean" },
+  "depends-on": { type: "string", multiple: true },
+  "allow-failed-dependencies": { type: "boolean" },
+  "max-attempts": { type: "string" },
+  wait: { type: "boolean" },
+} as const;
+
+type Body = Record<string, unknown>;
+
+/** A number flag stays a number if it looks like one; the server validates ranges and reports the field. */
+const num = (s: string): number | string => (/^-?\d+(\.\d+)?$/.test(s) ? Number(s) : s);
+
+export async function submitCommand(io: CliIo): Promise<number> {
+  const { values: v, positionals } = parse(io.argv, OPTIONS);
+  if (v.help === true) {
+    io.out(USAGE);
+    return EXIT_OK;
+  }
+  let body: Body = {};
+  let command = positionals;
+  const first = positionals[0];
+  if (first !== undefined && /\.(json|ya?ml)$/i.test(first) && !io.argv.includes("--")) {
+    body = await readSpecFile(resolve(io.cwd, first));
+    command = positionals.slice(1);
+  }
+  if (command.length > 0) body["command"] = command;
+  if (v.image !== undefined) body["image"] = v.image;
+  if (v.name !== undefined) body["name"] = v.name;
+  const resources = { ...((body["resources"] as Body | undefined) ?? {}) };
+  if (v.vcpus !== undefined) resources["vcpus"] = num(v.vcpus);
+  if (v.ram !== undefined) resources["ram"] = num(v.ram);
+  if (v.scratch !== undefined) resources["scratch"] = num(v.scratch);
+  if (v.gpus !== undefined) {
+    resources["gpu"] = {
+      stack: v["gpu-stack"] ?? "cuda",
+      deviceCount: num(v.gpus),
+      ...(v["gpu-vram"] === undefined ? {} : { vram: num(v["gpu-vram"]) }),
+      ...(v["gpu-driver"] === undefined ? {} : { driverVersion: v["gpu-driver"] }),
+    };
+  }
+  if (Object.keys(resources).length > 0) body["resources"] = resources;
+  if (v.env !== undefined) {
+    const env = { ...((body["env"] as Body | undefined) ?? {}) };
+    for (const pair of v.env) {
+      const eq = pair.indexOf("=");
+      if (eq < 1) throw usageError(`--env takes NAME=VALUE, got "${pair}"`);
+      env[pair.slice(0, eq)] = pair.slice(eq + 1);
+    }
+    body["env"] = env;
+  }
+  if (v.priority !== undefined) body["priority"] = num(v.priority);
+  if (v.preemptible === true) body["preemptible"] = true;
+  const limits = { ...((body["limits"] as Body | undefined) ?? {}) };
+  if (v["time-limit"] !== undefined) limits["time"] = v["time-limit"];
+  if (v["disk-limit"] !== undefined) limits["disk"] = num(v["disk-limit"]);
+  if (v.network === true) limits["network"] = true;
+  if (Object.keys(limits).length > 0) body["limits"] = limits;
+  if (v["depends-on"] !== undefined) {
+    const deps = [...((body["dependencies"] as unknown[] | undefined) ?? [])];
+    for (const spec of v["depends-on"]) {
+      const [bundle, subpath, name] = spec.split(":");
+      deps.push({
+        bundle,
+        ...(subpath ? { subpath } : {}),
+        ...(name ? { name } : {}),
+      });
+    }
+    body["dependencies"] = deps;
+  }
+  if (v["allow-failed-dependencies"] === true) body["allowFailedDependencies"] = true;
+  if (v["max-attempts"] !== undefined) body["maxAttempts"] = num(v["max-attempts"]);
+  if (body["command"] === undefined) throw usageError(`no command given\n${USAGE}`);
+  if (body["image"] === undefined) throw usageError("--image is required (or an image in the spec file)");
+
+  const api = await connect(io, v);
+  const created = await api.request<ApiBundle>("POST", "api/v1/bundles", body);
+  io.out(created.uuid);
+  if (v.wait !== true) return EXIT_OK;
+  const final = await waitForFinal(io, api, created);
+  return final.state === "ready" ? EXIT_OK : EXIT_FAILED;
+}
+
+async function readSpecFile(path: string): Promise<Body> {
+  let text: string;
+  try {
+    text = await readFile(path, "utf8");
+  } catch (err) {
+    throw usageError(`cannot read ${path}: ${err instanceof Error ? err.message : String(err)}`);
+  }
+  let spec: unknown;
+  try {
+    spec = parseYaml(text);
+  } catch (err) {
+    throw usageError(
+      `${path} is not valid JSON or YAML: ${err instanceof Error ? err.message : String(err)}`,
+    );
+  }
+  if (spec === null || typeof spec !== "object" || Array.isArray(spec)) {
+    throw usageError(`${path} must hold one object (the bundle's fields)`);
+  }
+  return spec as Body;
+}
+
+/** Polls the bundle, printing each change of state or scheduling status with the time since submit. */
+export async function waitForFinal(
+  io: CliIo,
+  api: ApiClient,
+  bundle: ApiBundle,
+  intervalMs = 500,
+): Promise<ApiBundle> {
+  const started = Date.now();
+  let last = "";
+  let b = bundle;
+  for (;;) {
+    const line = `${b.state}${b.stateReason ? ` (${b.stateReason})` : ""}${b.schedulingStatus && !FINAL.has(b.state) ? `: ${b.schedulingStatus}` : ""}`;
+    if (line !== last) {
+      io.progress(`[${((Date.now() - started) / 1000).toFixed(1)}s] ${b.uuid} ${line}`);
+      last = line;
+    }
+    if (FINAL.has(b.state)) return b;
+    await sleep(intervalMs, undefined, io.signal === undefined ? {} : { signal: io.signal });
+    b = await api.request<ApiBundle>("GET", `api/v1/bundles/${encodeURIComponent(b.uuid)}`);
+  }
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs (if missing) and starts the services the test suite needs, then prints `export` lines for them.
+# Usage: eval "$(bash scripts/test-services.sh)"   (run as root on Debian; idempotent)
+set -euo pipefail
+log() { echo "test-services: $*" >&2; }
+
+PG_PORT=${DISPATCH_CLOUD_TEST_PG_PORT:-55432}
+PG_DIR=${DISPATCH_CLOUD_TEST_PG_DIR:-/tmp/dispatch-cloud-test-pg}
+
+need_apt=()
+pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+[ -n "$pg_bin" ] && [ -x "$pg_bin/initdb" ] || need_apt+=(postgresql)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    log "missing Debian packages: ${need_apt[*]}; install them as root: apt-get install -y ${need_apt[*]}"
+    exit 1
+  fi
+  log "installing ${need_apt[*]} (apt-get)"
+  apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >&2
+  pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+fi
+
+# PostgreSQL: a private cluster for tests, trust auth on loopback, owned by the postgres user.
+as_pg() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/sh -c "$*"; else sh -c "$*"; fi; }
+if ! "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT"; then
+  if [ ! -f "$PG_DIR/PG_VERSION" ]; then
+    log "initdb $PG_DIR"
+    mkdir -p "$PG_DIR"
+    [ "$(id -u)" = 0 ] && chown postgres: "$PG_DIR"
+    as_pg "'$pg_bin/initdb' -D '$PG_DIR' -U postgres --auth=trust -E UTF8 >/dev/null"
+  fi
+  log "starting PostgreSQL on 127.0.0.1:$PG_PORT"
+  as_pg "'$pg_bin/pg_ctl' -D '$PG_DIR' -l '$PG_DIR/server.log' -w -t 60 \
+    -o \"-p $PG_PORT -k /tmp -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off \
+    -c synchronous_commit=off -c full_page_writes=off\" start >/dev/null"
+fi
+echo "export DISPATCH_CLOUD_TEST_PG_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
