@@ -103,7 +103,10 @@ describe("dispatch-cloud serve and the CLI, as real processes", () => {
   });
 
   it("submits from a YAML file and reports API errors with code and path", async () => {
-    await writeFile(join(serve.dir, "spec.yml"), "image: busybox\ncommand: ['true']\nresources: {ram: 4XB}\n");
+    await writeFile(
+      join(serve.dir, "spec.yml"),
+      "image: busybox\ncommand: ['true']\nresources: {ram: 4XB}\n",
+    );
     const bad = await cli(serve, ["submit", "spec.yml", "--data-dir", "data"]);
     expect(bad.code).toBe(1);
     expect(bad.err.join("\n")).toMatch(/resources\.ram/);
