@@ -1,5 +1,6 @@
 import { execFile } from "node:child_process";
-import { readFile, stat, writeFile } from "node:fs/promises";
+import { mkdtemp, readFile, stat, writeFile } from "node:fs/promises";
+import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -167,16 +168,14 @@ describe("bin/dispatch-cloud config", () => {
   it("config defaults prints a file that config check accepts", async () => {
     const { stdout } = await run(BIN, ["config", "defaults"]);
     expect(stdout).toContain("maxInstances");
-    const dir = join(import.meta.dirname, "..", "data");
-    await import("node:fs/promises").then((fs) => fs.mkdir(dir, { recursive: true }));
-    const file = join(dir, `defaults-${process.pid}.yml`);
+    const file = join(await mkdtemp(join(tmpdir(), "dc-config-")), "defaults.yml");
     await writeFile(file, stdout);
     const checked = await run(BIN, ["config", "check", file]);
     expect(checked.stdout + checked.stderr).not.toMatch(/error/i);
   });
 
   it("config check names cloud.timeoutIdle and suggests maxInstances, exiting non-zero", async () => {
-    const file = join(import.meta.dirname, "..", "data", `bad-${process.pid}.yml`);
+    const file = join(await mkdtemp(join(tmpdir(), "dc-config-")), "bad.yml");
     await writeFile(file, 'cloud: {timeoutIdle: "abc", maxInstnces: 3}\n');
     const failed = await run(BIN, ["config", "check", file]).then(
       () => null,

@@ -95,14 +95,14 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
   await ensureAdmin(db, config, logger);
   const app = await createRestServer({
     db,
-    logger: logger.child({ component: "rest-server" }),
+    logger,
     clusterId: config.clusterId,
     maxRequestBodySize: config.restServer.maxRequestBodySize,
     defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
   });
   const manager = createBundleManager({
     db,
-    logger: logger.child({ component: "bundle-manager" }),
+    logger,
     pollInterval: config.dispatcher.pollInterval,
   });
   await manager.start();
