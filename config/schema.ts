@@ -7,7 +7,14 @@
  * (accepted values, for messages), `unit` ("duration" | "size" | "secret"), `secret` (never echo the value),
  * `example` (shown commented out in defaults.yml for optional objects without a default).
  */
-import { FormatRegistry, type StaticDecode, type TLiteral, type TSchema, Type } from "@sinclair/typebox";
+import {
+  FormatRegistry,
+  type StaticDecode,
+  type TLiteral,
+  type TSchema,
+  type TUnsafe,
+  Type,
+} from "@sinclair/typebox";
 import {
   DURATION_FORMAT,
   formatDuration,
@@ -101,11 +108,13 @@ function Secret(description: string) {
 }
 
 function OneOf<const T extends readonly string[]>(values: T, description: string, def?: T[number]) {
+  // A union built from an array (not a tuple) would be typed `never`; the schema is the union, typed as the
+  // literal union it validates.
   return Type.Union(values.map((v) => Type.Literal(v)) as TLiteral<T[number]>[], {
     description,
     expected: `one of: ${values.join(", ")}`,
     ...(def === undefined ? {} : { default: def }),
-  });
+  }) as unknown as TUnsafe<T[number]>;
 }
 
 function Int(def: number | undefined, description: string, minimum: number, maximum?: number) {
