@@ -63,6 +63,47 @@ export const ERROR_CODES = {
     status: 400,
     description: "A secret's env: variable or file:// path is not set.",
   },
+  // Cloud drivers (cloud-drivers/errors.ts): classified by how the caller reacts.
+  "cloud.rate_limit": {
+    status: 503,
+    description: "The cloud refused a call for its rate limit; no calls until the error's earliestRetry.",
+  },
+  "cloud.quota": { status: 503, description: "The cloud account is at an instance or resource quota." },
+  "cloud.capacity": {
+    status: 503,
+    description: "The cloud has no capacity for an instance type, a quota group, or at all, for now.",
+  },
+  "cloud.error": {
+    status: 502,
+    description: "A cloud call failed for another reason (the cause has the details).",
+  },
+  "cloud.unknown_driver": { status: 400, description: "cloud.driver names no registered driver." },
+  "cloud.invalid_parameters": {
+    status: 400,
+    description: "cloud.driverParameters are wrong for the driver.",
+  },
+  "cloud.instance_gone": { status: 404, description: "The instance no longer exists in the cloud." },
+  // SSH executor (dispatcher/sshexec).
+  "ssh.connect_failed": {
+    status: 502,
+    description: "Could not connect or authenticate to the instance's SSH server.",
+  },
+  "ssh.timeout": {
+    status: 504,
+    description: "A command on the instance ran past its timeout and was abandoned.",
+  },
+  "ssh.host_mismatch": {
+    status: 502,
+    description:
+      "The instance's secret file does not match its tag: the host is not ours; nothing more is sent to it.",
+  },
+  "ssh.not_ready": {
+    status: 503,
+    description:
+      "The instance's SSH server answered but its secret file is not written yet (still booting); try again later.",
+  },
+  "ssh.closed": { status: 502, description: "The SSH connection closed while a command was running." },
+  "ssh.invalid_key": { status: 400, description: "The dispatcher's SSH private key cannot be parsed." },
   // Store.
   "store.invalid_url": {
     status: 400,
