@@ -10,6 +10,8 @@ PG_DIR=${DISPATCH_CLOUD_TEST_PG_DIR:-/tmp/dispatch-cloud-test-pg}
 need_apt=()
 pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
 [ -n "$pg_bin" ] && [ -x "$pg_bin/initdb" ] || need_apt+=(postgresql)
+[ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
+command -v unshare >/dev/null || need_apt+=(util-linux)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     log "missing Debian packages: ${need_apt[*]}; install them as root: apt-get install -y ${need_apt[*]}"
@@ -35,4 +37,12 @@ if ! "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT"; then
     -o \"-p $PG_PORT -k /tmp -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off \
     -c synchronous_commit=off -c full_page_writes=off\" start >/dev/null"
 fi
+# The user local VMs in openssh mode log in as: not root (root's shell start-up is slow on these machines),
+# with /bin/sh as its shell.
+VM_USER=${DISPATCH_CLOUD_TEST_VM_USER:-dcvm}
+if [ "$(id -u)" = 0 ] && ! id "$VM_USER" >/dev/null 2>&1; then
+  log "creating user $VM_USER (shell /bin/sh) for local VMs"
+  useradd --create-home --shell /bin/sh "$VM_USER"
+fi
+echo "export DISPATCH_CLOUD_TEST_VM_USER=$VM_USER"
 echo "export DISPATCH_CLOUD_TEST_PG_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
