@@ -1,0 +1,24 @@
+/**
+ * The contract between the dispatcher and an instance: run a command, get its output and exit status.
+ * `createSshExecutor` (executor.ts) implements it over SSH; the stub driver's stub executor implements it in
+ * process.
+ */
+export interface ExecOptions {
+  stdin?: Buffer | string | NodeJS.ReadableStream;
+  timeoutMs?: number;
+}
+// No env option: secrets travel on stdin, never in a command line.
+
+export interface ExecResult {
+  stdout: Buffer;
+  stderr: Buffer;
+  exitCode: number | null;
+  signal: string | null;
+}
+
+export interface Executor {
+  /** Runs `command` with `sh -c` semantics on the instance. Rejects with SshError on transport failure,
+   *  timeout (code "ssh.timeout"), or identity mismatch ("ssh.host_mismatch"); a non-zero exit is NOT an error. */
+  execute(command: string, opts?: ExecOptions): Promise<ExecResult>;
+  close(): Promise<void>;
+}

@@ -1,0 +1,3 @@
+import { sshExecutorSuite } from "./sshexec-suite.ts";
+
+sshExecutorSuite("openssh");
