@@ -1,5 +1,6 @@
 import { runConfigCheck, runConfigDefaults } from "../config/check.ts";
 import { bundlesCommand } from "./commands/bundles.ts";
+import { cloudtestCommand } from "./commands/cloudtest.ts";
 import { migrateCommand, serveCommand } from "./commands/serve.ts";
 import { submitCommand } from "./commands/submit.ts";
 import { usersCommand } from "./commands/users.ts";
@@ -13,6 +14,7 @@ processes:
   serve [--config F]            REST server + dispatcher in one process (embedded default: PGlite, local VMs)
   rest-server [--config F]      the users' REST API alone (PostgreSQL)
   migrate [--config F]          bring the database schema up to date
+  cloudtest [--config F]        create, reach, probe and destroy one instance with the configured cloud
 configuration:
   config check FILE             validate a config file; every problem with its key path
   config defaults               print the annotated defaults
@@ -36,6 +38,7 @@ export const COMMANDS: Record<string, Command> = {
   "rest-server": (io) => serveCommand(io, "rest-server"),
   migrate: migrateCommand,
   config,
+  cloudtest: cloudtestCommand,
   users: usersCommand,
   submit: submitCommand,
   bundles: bundlesCommand,
