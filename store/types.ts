@@ -51,8 +51,8 @@ export interface BundleDependency {
   name: string;
 }
 
-export interface Bundle {
-  uuid: string;
+/** What a user submits, already validated and normalised by the REST server. */
+export interface NewBundle {
   ownerUuid: string;
   name: string;
   command: string[];
@@ -65,6 +65,11 @@ export interface Bundle {
   dependencies: BundleDependency[];
   allowFailedDependencies: boolean;
   maxAttempts: number;
+}
+
+/** A stored bundle: what was submitted, plus its state and what the dispatcher and runner recorded. */
+export interface Bundle extends NewBundle {
+  uuid: string;
   attempt: number;
   state: BundleState;
   stateReason: string | null;
@@ -83,22 +88,6 @@ export interface Bundle {
   startingAt: Date | null;
   runningAt: Date | null;
   finishedAt: Date | null;
-}
-
-/** What a user submits, already validated and normalised by the REST server. */
-export interface NewBundle {
-  ownerUuid: string;
-  name: string;
-  command: string[];
-  image: string;
-  env: Record<string, string>;
-  resources: BundleResources;
-  preemptible: boolean;
-  priority: number;
-  limits: BundleLimits;
-  dependencies: BundleDependency[];
-  allowFailedDependencies: boolean;
-  maxAttempts: number;
 }
 
 export interface BundleEvent {
