@@ -31,7 +31,20 @@ export interface Db {
    * must also poll.
    */
   listen(channel: string, onPayload: (payload: string) => void): Promise<() => Promise<void>>;
+  /**
+   * Takes the session-level advisory lock named by key without waiting: the lock, or null when another
+   * session holds it. On PostgreSQL the lock lives on a dedicated connection (outside the pool) that stays
+   * open until release(); on PGlite (one process) it is an entry in this Db's lock table.
+   */
+  tryAdvisoryLock(key: string): Promise<AdvisoryLock | null>;
   close(): Promise<void>;
+}
+
+export interface AdvisoryLock {
+  /** Gives the lock up (closing its connection on PostgreSQL). Idempotent. */
+  release(): Promise<void>;
+  /** Resolves once the lock is no longer held: released, or its connection died (another may take it). */
+  readonly lost: Promise<void>;
 }
 
 export interface OpenDbOptions {
@@ -150,6 +163,7 @@ function pgTxDb(client: pg.PoolClient, depth: number): Db {
       }
     },
     listen: () => Promise.reject(new Error("listen inside a transaction is not supported")),
+    tryAdvisoryLock: () => Promise.reject(new Error("advisory locks inside a transaction are not supported")),
     close: () => Promise.reject(new Error("close inside a transaction is not supported")),
   };
   return db;
@@ -198,9 +212,71 @@ async function openPg(url: string, opts: OpenDbOptions): Promise<Db> {
         { logger },
       ),
     listen: (channel, onPayload) => listener.listen(channel, onPayload),
+    tryAdvisoryLock: (key) => pgTryAdvisoryLock(config, key, logger),
     async close() {
       await listener.close();
       await pool.end();
+    },
+  };
+}
+
+/** How often a held lock's connection is checked, so a silently dead connection is noticed. */
+const LOCK_HEARTBEAT_MS = 5000;
+
+/**
+ * pg_try_advisory_lock on a connection of its own, kept open while the lock is held: PostgreSQL releases a
+ * session lock when its session ends, so a crashed holder frees it by itself.
+ */
+async function pgTryAdvisoryLock(
+  config: pg.ClientConfig,
+  key: string,
+  logger: Logger | undefined,
+): Promise<AdvisoryLock | null> {
+  const client = new pg.Client({ ...config, keepAlive: true });
+  client.on("error", () => {});
+  await client.connect();
+  let ok = false;
+  try {
+    const { rows } = await client.query<{ ok: boolean }>(
+      "SELECT pg_try_advisory_lock(hashtext($1)::bigint) AS ok",
+      [key],
+    );
+    ok = rows[0]?.ok === true;
+  } finally {
+    if (!ok) await client.end().catch(() => {});
+  }
+  if (!ok) return null;
+
+  let done = false;
+  let resolveLost!: () => void;
+  const lost = new Promise<void>((resolve) => {
+    resolveLost = resolve;
+  });
+  const end = (why: string | null, err?: unknown) => {
+    if (done) return;
+    done = true;
+    clearInterval(heartbeat);
+    if (why !== null) logger?.warn({ err, lockKey: key }, why);
+    client.end().catch(() => {});
+    resolveLost();
+  };
+  client.on("error", (err) => end("advisory lock connection failed; the lock is lost", err));
+  client.on("end", () => end("advisory lock connection closed; the lock is lost"));
+  const heartbeat = setInterval(() => {
+    client
+      .query("SELECT 1")
+      .catch((err: unknown) => end("advisory lock connection failed; the lock is lost", err));
+  }, LOCK_HEARTBEAT_MS);
+  heartbeat.unref();
+  return {
+    lost,
+    async release() {
+      if (done) return;
+      done = true;
+      clearInterval(heartbeat);
+      client.removeAllListeners("end");
+      await client.end().catch(() => {});
+      resolveLost();
     },
   };
 }
@@ -344,6 +420,7 @@ function pgliteTxDb(tx: PGliteTransaction, depth: number): Db {
       }
     },
     listen: () => Promise.reject(new Error("listen inside a transaction is not supported")),
+    tryAdvisoryLock: () => Promise.reject(new Error("advisory locks inside a transaction are not supported")),
     close: () => Promise.reject(new Error("close inside a transaction is not supported")),
   };
 }
@@ -363,6 +440,8 @@ async function openPglite(dir: string | undefined, opts: OpenDbOptions): Promise
     return run;
   };
   let closed = false;
+  // One process holds every session: advisory locks are entries here, released on release() or close().
+  const locks = new Map<string, () => void>();
 
   return {
     kind: "pglite",
@@ -373,9 +452,25 @@ async function openPglite(dir: string | undefined, opts: OpenDbOptions): Promise
       const unlisten = await exclusive(() => pglite.listen(channel, onPayload));
       return () => (closed ? Promise.resolve() : exclusive(() => unlisten()));
     },
+    async tryAdvisoryLock(key) {
+      if (closed) throw new Error("database closed");
+      if (locks.has(key)) return null;
+      let resolveLost!: () => void;
+      const lost = new Promise<void>((resolve) => {
+        resolveLost = resolve;
+      });
+      const drop = () => {
+        if (locks.get(key) !== drop) return;
+        locks.delete(key);
+        resolveLost();
+      };
+      locks.set(key, drop);
+      return { lost, release: async () => drop() };
+    },
     async close() {
       if (closed) return;
       closed = true;
+      for (const drop of [...locks.values()]) drop();
       await exclusive(() => pglite.close());
     },
   };

@@ -349,9 +349,54 @@ export async function findBundleByRunnerTokenHash(db: Db, hash: string): Promise
  * when the status changes; returns whether it did.
  */
 export async function setSchedulingStatus(db: Db, uuid: string, status: string | null): Promise<boolean> {
+  // Only a queued bundle has a scheduling status: a sentence computed just before the bundle started (whose
+  // transition cleared it) must not land afterwards.
   const { rowCount } = await db.query(
-    "UPDATE bundles SET scheduling_status = $2 WHERE uuid = $1 AND scheduling_status IS DISTINCT FROM $2",
+    `UPDATE bundles SET scheduling_status = $2
+     WHERE uuid = $1 AND state IN ('created', 'staged') AND scheduling_status IS DISTINCT FROM $2`,
     [uuid, status],
   );
   return rowCount > 0;
+}
+
+/** Active bundles (staged, starting, running) with uuid > afterUuid, by uuid (the dispatcher queue's full read). */
+export async function activeBundlesPage(db: Db, afterUuid: string, limit: number): Promise<Bundle[]> {
+  const { rows } = await db.query<BundleRow>(
+    `SELECT * FROM bundles WHERE state IN ('staged', 'starting', 'running') AND uuid > $1
+     ORDER BY uuid LIMIT $2`,
+    [afterUuid, limit],
+  );
+  return rows.map(bundleFromRow);
+}
+
+/**
+ * Bundles changed after sequence `seq` except those whose change_seq is in `except` (rows the caller has
+ * already read), in change order.
+ */
+export async function bundlesChangedSinceExcept(
+  db: Db,
+  seq: number,
+  except: readonly number[],
+  limit: number,
+): Promise<Bundle[]> {
+  const { rows } = await db.query<BundleRow>(
+    `SELECT * FROM bundles WHERE change_seq > $1 AND change_seq <> ALL($2::bigint[])
+     ORDER BY change_seq LIMIT $3`,
+    [seq, except, limit],
+  );
+  return rows.map(bundleFromRow);
+}
+
+/**
+ * The change sequence of the newest bundle row last written at least ageMs ago by the database's clock (0 if
+ * none): a lower bound below which every writing transaction has long committed.
+ */
+export async function changeSeqOlderThan(db: Db, ageMs: number): Promise<number> {
+  const { rows } = await db.query<{ seq: number }>(
+    `SELECT coalesce((SELECT change_seq FROM bundles
+       WHERE updated_at < now() - $1::double precision * interval '1 millisecond'
+       ORDER BY change_seq DESC LIMIT 1), 0)::bigint AS seq`,
+    [ageMs],
+  );
+  return Number(rows[0]!.seq);
 }

@@ -105,6 +105,7 @@ export async function openTestDb(kind: DbKind): Promise<TestDb> {
     query: (sql, params) => db.query(sql, params),
     transaction: (fn) => db.transaction(fn),
     listen: (channel, onPayload) => db.listen(channel, onPayload),
+    tryAdvisoryLock: (key) => db.tryAdvisoryLock(key),
     async close() {
       await db.close();
       const a = await adminClient(url);

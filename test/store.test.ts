@@ -310,6 +310,10 @@ describeEachDb("store", (getDb) => {
       expect(await setSchedulingStatus(db(), b.uuid, null)).toBe(true);
       expect((await getBundle(db(), b.uuid))!.schedulingStatus).toBeNull();
       expect(await setSchedulingStatus(db(), testBundleUuid(), "x")).toBe(false);
+      // Once the bundle has left the queue, a late sentence does not land on it.
+      const running = await bundleIn(db(), owner, "running");
+      expect(await setSchedulingStatus(db(), running.uuid, "waiting in queue at position 1")).toBe(false);
+      expect((await getBundle(db(), running.uuid))!.schedulingStatus).toBeNull();
     });
 
     it("createdBundlesReady lists created bundles that can be decided, with their dependencies' states", async () => {
