@@ -1,0 +1,281 @@
+/**
+ * The dispatcher's in-memory view of every active bundle (staged, starting, running): the whole queue, no
+ * cut-off. Loaded once (paged by uuid), then read incrementally by change_seq, woken by NOTIFY on
+ * BUNDLE_CHANNEL with `pollInterval` as the fallback, plus a slow full re-read as a safety net.
+ *
+ * Late commits: change_seq values are taken before commit, so a transaction can commit after a reader has
+ * already seen a higher number. The queue therefore never reads from the highest sequence it has seen, but
+ * from `safeSeq`: the highest sequence S such that every row with change_seq <= S has been read. A sequence
+ * seen at time t becomes safe after a read that started at least `watermarkDelay` after t (every transaction
+ * is assumed to commit within that delay of taking its number). Rows already read above safeSeq are excluded
+ * by their change_seq, so the re-read window costs little. Every row is applied idempotently: only when its
+ * change_seq is higher than the one known for its uuid.
+ */
+import type { Clock } from "../../lib/clock.ts";
+import type { Logger } from "../../lib/logger.ts";
+import type { Db } from "../../store/db.ts";
+import {
+  activeBundlesPage,
+  bundlesChangedSinceExcept,
+  changeSeqOlderThan,
+  maxChangeSeq,
+} from "../../store/queries.ts";
+import { BUNDLE_CHANNEL, type Bundle, type BundleState } from "../../store/types.ts";
+import type { QueueView } from "../types.ts";
+
+export interface BundleQueue extends QueueView {
+  /** Incremental read by change_seq; returns the number of rows applied (that changed the queue). */
+  refresh(): Promise<number>;
+  /** Initial load (active bundles only, paged) + LISTEN + the fallback poll loop. */
+  start(): Promise<void>;
+  stop(): Promise<void>;
+  /** fn runs after any refresh or apply that changed something; returns an unsubscribe function. */
+  subscribe(fn: () => void): () => void;
+  readonly size: number;
+}
+
+export interface BundleQueueOptions {
+  db: Db;
+  clock: Clock;
+  logger: Logger;
+  /** Fallback poll interval (ms) when no NOTIFY arrives. */
+  pollInterval: number;
+  /** Rows per query of the initial load, full re-reads and incremental reads. Default 5000. */
+  pageSize?: number;
+  /** How long a transaction may take between taking its change_seq and committing (ms). Default 2 s. */
+  watermarkDelay?: number;
+  /** Interval of the full re-read of active rows (ms). Default 5 min. */
+  fullReloadInterval?: number;
+}
+
+const ACTIVE: ReadonlySet<BundleState> = new Set(["staged", "starting", "running"]);
+
+export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
+  const { db, clock } = opts;
+  const logger = opts.logger.child({ component: "queue" });
+  const pageSize = opts.pageSize ?? 5000;
+  const delay = opts.watermarkDelay ?? 2000;
+  const fullReloadInterval = opts.fullReloadInterval ?? 5 * 60_000;
+
+  const bundles = new Map<string, Bundle>();
+  /** change_seq at which a uuid left the queue, kept only while a read is in flight (it may hold older rows). */
+  const tombstones = new Map<string, number>();
+  const listeners = new Set<() => void>();
+  /** Every row with change_seq <= safeSeq has been read. */
+  let safeSeq = 0;
+  /** Sequences already read above safeSeq (excluded from the next reads). */
+  const readSeqs = new Set<number>();
+  /** (time, highest sequence seen by then): each becomes safe `delay` after its time. */
+  let history: { at: number; seq: number }[] = [];
+  let maxSeen = 0;
+
+  let tail: Promise<unknown> = Promise.resolve();
+  let reading = false;
+  /** uuids passed to apply() during a full re-read (kept even if the re-read did not see them). */
+  let touched: Set<string> | null = null;
+
+  let started = false;
+  let stopped = false;
+  let woken = false;
+  let wake: AbortController | null = null;
+  let loopDone: Promise<void> | null = null;
+  let unlisten: (() => Promise<void>) | null = null;
+  let nextFullReload = 0;
+
+  /**
+   * Runs reads one at a time. While one runs, rows that leave the queue through apply() are remembered
+   * (tombstones), so an older row of that same read cannot bring them back.
+   */
+  const serial = <T>(fn: () => Promise<T>): Promise<T> => {
+    const run = tail.then(async () => {
+      tombstones.clear();
+      reading = true;
+      try {
+        return await fn();
+      } finally {
+        reading = false;
+        tombstones.clear();
+      }
+    });
+    tail = run.catch(() => {});
+    return run;
+  };
+
+  /** Applies one row if it is newer than what is known of its uuid; returns whether the queue changed. */
+  function applyRow(b: Bundle): boolean {
+    const cur = bundles.get(b.uuid);
+    const known = cur?.changeSeq ?? tombstones.get(b.uuid) ?? -1;
+    if (b.changeSeq <= known) return false;
+    if (ACTIVE.has(b.state)) {
+      bundles.set(b.uuid, b);
+      return true;
+    }
+    if (reading) tombstones.set(b.uuid, b.changeSeq);
+    return bundles.delete(b.uuid);
+  }
+
+  function notify(): void {
+    for (const fn of [...listeners]) {
+      try {
+        fn();
+      } catch (err) {
+        logger.error({ err }, "queue listener failed");
+      }
+    }
+  }
+
+  /** Reads every active row, paged by uuid; applies them; returns [rows applied, uuids seen]. */
+  async function readActive(): Promise<[number, Set<string>]> {
+    const seen = new Set<string>();
+    let applied = 0;
+    let after = "";
+    for (;;) {
+      const rows = await activeBundlesPage(db, after, pageSize);
+      for (const row of rows) {
+        seen.add(row.uuid);
+        if (applyRow(row)) applied++;
+      }
+      const last = rows[rows.length - 1];
+      if (last === undefined || rows.length < pageSize) return [applied, seen];
+      after = last.uuid;
+    }
+  }
+
+  function load(): Promise<number> {
+    return serial(async () => {
+      const t0 = clock.now();
+      const top = await maxChangeSeq(db);
+      // Rows written long enough ago (database clock) are committed and thus in the load below.
+      const lower = Math.min(top, await changeSeqOlderThan(db, 2 * delay));
+      const [applied] = await readActive();
+      safeSeq = lower;
+      readSeqs.clear();
+      maxSeen = top;
+      history = [{ at: clock.now(), seq: top }];
+      nextFullReload = clock.now() + fullReloadInterval;
+      logger.info({ bundles: bundles.size, ms: clock.now() - t0 }, "queue loaded");
+      if (applied > 0) notify();
+      return applied;
+    });
+  }
+
+  function fullReload(): Promise<number> {
+    return serial(async () => {
+      touched = new Set();
+      try {
+        let [changed, seen] = await readActive();
+        for (const uuid of bundles.keys()) {
+          // Not active when its page was read (so final now), and not applied since: it left the queue.
+          if (!seen.has(uuid) && !touched.has(uuid)) {
+            bundles.delete(uuid);
+            changed++;
+          }
+        }
+        nextFullReload = clock.now() + fullReloadInterval;
+        logger.debug({ bundles: bundles.size, changed }, "queue re-read");
+        if (changed > 0) notify();
+        return changed;
+      } finally {
+        touched = null;
+      }
+    });
+  }
+
+  function refresh(): Promise<number> {
+    return serial(async () => {
+      const start = clock.now();
+      let applied = 0;
+      let cursor = safeSeq;
+      const except = [...readSeqs];
+      for (;;) {
+        const rows = await bundlesChangedSinceExcept(db, cursor, except, pageSize);
+        for (const row of rows) {
+          if (applyRow(row)) applied++;
+          readSeqs.add(row.changeSeq);
+          cursor = row.changeSeq;
+        }
+        if (rows.length < pageSize) break;
+      }
+      // Sequences seen at least `delay` before this read started are now safe: see the file comment.
+      while (history[0] !== undefined && history[0].at <= start - delay) {
+        safeSeq = Math.max(safeSeq, history.shift()!.seq);
+      }
+      for (const seq of readSeqs) if (seq <= safeSeq) readSeqs.delete(seq);
+      if (cursor > maxSeen) {
+        maxSeen = cursor;
+        history.push({ at: clock.now(), seq: cursor });
+      }
+      if (applied > 0) notify();
+      return applied;
+    });
+  }
+
+  async function waitForWake(): Promise<void> {
+    const ms = Math.min(opts.pollInterval, nextFullReload - clock.now());
+    if (!woken && ms > 0) {
+      wake = new AbortController();
+      await clock.sleep(ms, wake.signal).catch(() => {});
+      wake = null;
+    }
+    woken = false;
+  }
+
+  async function loop(): Promise<void> {
+    while (!stopped) {
+      await waitForWake();
+      if (stopped) break;
+      try {
+        if (clock.now() >= nextFullReload) await fullReload();
+        await refresh();
+      } catch (err) {
+        logger.warn({ err }, "reading the bundle queue failed; retrying at the next wake-up");
+      }
+    }
+  }
+
+  const wakeUp = () => {
+    woken = true;
+    wake?.abort();
+  };
+
+  return {
+    all: () => bundles.values(),
+    get: (uuid) => bundles.get(uuid),
+    apply(bundle) {
+      touched?.add(bundle.uuid);
+      if (applyRow(bundle)) notify();
+    },
+    refresh,
+    async start() {
+      if (started) throw new Error("queue already started");
+      started = true;
+      // LISTEN first, so nothing written after the load goes unnoticed.
+      unlisten = await db.listen(BUNDLE_CHANNEL, wakeUp);
+      try {
+        await load();
+      } catch (err) {
+        await unlisten();
+        unlisten = null;
+        throw err;
+      }
+      woken = true;
+      loopDone = loop();
+    },
+    async stop() {
+      stopped = true;
+      wake?.abort();
+      await loopDone;
+      await unlisten?.();
+      unlisten = null;
+    },
+    subscribe(fn) {
+      listeners.add(fn);
+      return () => {
+        listeners.delete(fn);
+      };
+    },
+    get size() {
+      return bundles.size;
+    },
+  };
+}

@@ -1,0 +1,72 @@
+/**
+ * Views the dispatcher's parts share (dispatcher/README.md). Each consumer declares the interface it calls
+ * next to itself (the scheduler's `SchedulerPool`, sync's `SyncPool`); these are the values that cross them.
+ */
+import type { InstanceType } from "../cloud-drivers/types.ts";
+import type { Bundle } from "../store/types.ts";
+import type { IdleBehavior } from "./pool/bootstrap.ts";
+
+export const WORKER_STATES = ["unknown", "booting", "idle", "running", "shutdown"] as const;
+export type WorkerState = (typeof WORKER_STATES)[number];
+
+/** What the pool knows of one runner on a worker. */
+export interface RunnerView {
+  uuid: string;
+  /**
+   * `starting`: the pool sent `--detach` (or is about to) and has not yet seen it in a `--list`;
+   * `running`: listed by the last `--list`; `stale`: listed as stale (its holder died).
+   */
+  state: "starting" | "running" | "stale";
+  /** GPU device indices the pool assigned (empty when the bundle asked for none). */
+  gpuDevices: readonly number[];
+  /** When the pool first knew of it (ms since the epoch). */
+  since: number;
+}
+
+/** One instance as the pool sees it; placeholders for creates in flight have ids `creating-<n>`. */
+export interface WorkerView {
+  readonly id: string;
+  readonly instanceType: InstanceType;
+  readonly state: WorkerState;
+  readonly idleBehavior: IdleBehavior;
+  /** True for a create still in flight (no cloud instance id yet). */
+  readonly placeholder: boolean;
+  readonly address: string;
+  readonly runners: ReadonlyMap<string, RunnerView>;
+  /** Time of the last successful probe (null before the first). */
+  readonly probedAt: number | null;
+  /** When it entered its current state. */
+  readonly stateSince: number;
+  /** Last time it had a runner (or its creation time). */
+  readonly lastBusy: number;
+  /** `--list` said broken, a secret mismatch, or a failed runner deployment; it gets no new bundles. */
+  readonly broken: boolean;
+}
+
+/** Why the pool would not create an instance now. */
+export type CreateRefusal =
+  | { kind: "quota"; message: string; instances: number; max: number | null; until: number | null }
+  | { kind: "capacity"; message: string; until: number }
+  | { kind: "rate_limit"; message: string; until: number }
+  | { kind: "max_concurrent"; message: string; inFlight: number };
+
+export type CreateResult = { ok: true; worker: WorkerView } | { ok: false; refusal: CreateRefusal };
+
+/** The queue the scheduler and sync read: every active bundle (staged, starting, running). */
+export interface QueueView {
+  /** Active bundles, in no particular order. */
+  all(): Iterable<Bundle>;
+  get(uuid: string): Bundle | undefined;
+  /** Applies a row this process just wrote (newer changeSeq wins), so a pass need not wait for NOTIFY. */
+  apply(bundle: Bundle): void;
+}
+
+/** A bundle's resource demand on an instance, after reserveExtraRam and the 95 % rule. */
+export interface Demand {
+  vcpus: number;
+  /** Bytes: (ram + reserveExtraRam) x 100/95. */
+  ram: number;
+  scratch: number;
+  gpu: Bundle["resources"]["gpu"];
+  preemptible: boolean;
+}

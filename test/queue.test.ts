@@ -1,0 +1,347 @@
+import pg from "pg";
+import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from "vitest";
+import { type BundleQueue, createBundleQueue } from "../dispatcher/queue/queue.ts";
+import { createLogger } from "../lib/logger.ts";
+import type { Db } from "../store/db.ts";
+import { changeSeqOlderThan, getBundle } from "../store/queries.ts";
+import { killBundle, stageBundle, startBundle } from "../store/transitions.ts";
+import type { Bundle, User } from "../store/types.ts";
+import { createTestBundle, createTestUser, describeEachDb, openTestDb, type TestDb } from "./db.ts";
+import { FakeClock } from "./fake-clock.ts";
+
+const logger = createLogger({ level: "silent", format: "json" });
+const HOUR = 3_600_000;
+const actor = "dispatcher";
+
+async function clearBundles(db: Db): Promise<void> {
+  await db.query("DELETE FROM bundle_events; DELETE FROM bundle_dependencies; DELETE FROM bundles");
+}
+
+/** A staged bundle (created, then staged by a real transition). */
+async function stagedBundle(db: Db, owner: User, priority = 500): Promise<Bundle> {
+  const b = await createTestBundle(db, owner.uuid, { priority });
+  const r = await stageBundle(db, b.uuid, { actor });
+  if (!r.ok) throw new Error(`could not stage ${b.uuid}: ${r.reason}`);
+  return r.bundle;
+}
+
+/** Inserts n bundles in one statement, cycling staged, starting, running, ready; returns the active count. */
+async function insertMany(db: Db, owner: User, n: number): Promise<number> {
+  await db.query(
+    `INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority, limits,
+       dependencies, allow_failed_dependencies, max_attempts, state)
+     SELECT 'zzzzz-bndl-' || lpad(i::text, 15, '0'), $1, 'b' || i, '["true"]', 'busybox', '{}',
+       '{"vcpus": 1, "ram": 1048576, "scratch": 0, "gpu": null}', false, 1,
+       '{"time": null, "disk": null, "network": true}', '[]', false, 3,
+       (ARRAY['staged', 'starting', 'running', 'ready'])[i % 4 + 1]
+     FROM generate_series(1, $2::int) AS i`,
+    [owner.uuid, n],
+  );
+  return n - Math.floor((n + 1) / 4);
+}
+
+/** Resolves once pred() holds after a queue change (checked at once, then after each notification). */
+function when(queue: BundleQueue, pred: () => boolean): Promise<void> {
+  return new Promise((resolve) => {
+    if (pred()) {
+      resolve();
+      return;
+    }
+    const off = queue.subscribe(() => {
+      if (pred()) {
+        off();
+        resolve();
+      }
+    });
+  });
+}
+
+describeEachDb("bundle queue", (getDb) => {
+  let owner: User;
+  let queue: BundleQueue | undefined;
+  let clock: FakeClock;
+
+  beforeAll(async () => {
+    owner = await createTestUser(getDb());
+  });
+  beforeEach(async () => {
+    await clearBundles(getDb());
+    clock = new FakeClock();
+  });
+  afterEach(async () => {
+    await queue?.stop();
+    queue = undefined;
+  });
+
+  const newQueue = (over: { pageSize?: number; fullReloadInterval?: number } = {}) => {
+    queue = createBundleQueue({ db: getDb(), clock, logger, pollInterval: HOUR, ...over });
+    return queue;
+  };
+
+  it("loads every active bundle, over several pages, and none of the others", async () => {
+    const db = getDb();
+    const active = await insertMany(db, owner, 12_000);
+    expect(active).toBe(9_000);
+    const q = newQueue();
+    await q.start();
+    expect(q.size).toBe(9_000);
+    const states = new Map<string, number>();
+    for (const b of q.all()) states.set(b.state, (states.get(b.state) ?? 0) + 1);
+    expect(Object.fromEntries(states)).toEqual({ staged: 3_000, starting: 3_000, running: 3_000 });
+    expect(q.get("zzzzz-bndl-000000000000001")?.state).toBe("starting");
+    expect(q.get("zzzzz-bndl-000000000000003")).toBeUndefined(); // ready
+    // Re-reading changes nothing.
+    expect(await q.refresh()).toBe(0);
+    expect(q.size).toBe(9_000);
+  });
+
+  it("applies incremental changes: updates, new active bundles, final and created ones left out", async () => {
+    const db = getDb();
+    const [a, b, c] = [
+      await stagedBundle(db, owner),
+      await stagedBundle(db, owner),
+      await stagedBundle(db, owner),
+    ];
+    const created = await createTestBundle(db, owner.uuid);
+    const laterCreated = await createTestBundle(db, owner.uuid);
+    // Not started (no loop, no NOTIFY): only these explicit reads change it; the first reads from scratch.
+    const q = newQueue();
+    expect(await q.refresh()).toBe(3);
+    expect([...q.all()].map((x) => x.uuid).sort()).toEqual([a!.uuid, b!.uuid, c!.uuid].sort());
+    let notified = 0;
+    q.subscribe(() => notified++);
+
+    await db.query("UPDATE bundles SET priority = 7 WHERE uuid = $1", [a!.uuid]);
+    await db.query("UPDATE bundles SET state = 'ready' WHERE uuid = $1", [b!.uuid]);
+    await db.query("UPDATE bundles SET state = 'staged' WHERE uuid = $1", [created.uuid]);
+    await db.query("UPDATE bundles SET priority = 8 WHERE uuid = $1", [laterCreated.uuid]);
+    expect(await q.refresh()).toBe(3);
+    expect(notified).toBe(1);
+    expect(q.get(a!.uuid)?.priority).toBe(7);
+    expect(q.get(b!.uuid)).toBeUndefined();
+    expect(q.get(created.uuid)?.state).toBe("staged");
+    expect(q.get(laterCreated.uuid)).toBeUndefined();
+    expect(q.size).toBe(3);
+
+    // Idempotent: nothing new, nothing applied, no notification.
+    expect(await q.refresh()).toBe(0);
+    expect(notified).toBe(1);
+
+    // Transitions: starting stays, killed leaves.
+    const started = await startBundle(db, c!.uuid, {
+      instanceId: "i-1",
+      instanceType: "t.small",
+      runnerTokenHash: "a".repeat(64),
+      gpuDevices: [],
+      actor,
+    });
+    expect(started.ok).toBe(true);
+    await killBundle(db, a!.uuid, { actor, reason: "test" });
+    await q.refresh();
+    expect(q.get(c!.uuid)?.state).toBe("starting");
+    expect(q.get(a!.uuid)).toBeUndefined();
+    expect(q.size).toBe(2);
+  });
+
+  it("is woken by NOTIFY alone (poll interval 1 h, clock never advanced)", async () => {
+    const db = getDb();
+    const a = await stagedBundle(db, owner);
+    const q = newQueue();
+    await q.start();
+    await q.refresh();
+    const t = clock.now();
+
+    const started = when(q, () => q.get(a.uuid)?.state === "starting");
+    const r = await startBundle(db, a.uuid, {
+      instanceId: "i-1",
+      instanceType: "t.small",
+      runnerTokenHash: "b".repeat(64),
+      gpuDevices: [0],
+      actor,
+    });
+    expect(r.ok).toBe(true);
+    await started;
+    expect(q.get(a.uuid)?.gpuDevices).toEqual([0]);
+
+    const gone = when(q, () => q.get(a.uuid) === undefined);
+    await killBundle(db, a.uuid, { actor, reason: "test" });
+    await gone;
+
+    const b = await createTestBundle(db, owner.uuid);
+    const added = when(q, () => q.get(b.uuid) !== undefined);
+    await stageBundle(db, b.uuid, { actor });
+    await added;
+    expect(clock.now()).toBe(t);
+  });
+
+  it("apply(): a newer row wins at once, an older one is ignored, a final one removes", async () => {
+    const db = getDb();
+    const a = await stagedBundle(db, owner);
+    const q = newQueue();
+    await q.start();
+    await q.refresh();
+    let notified = 0;
+    q.subscribe(() => notified++);
+
+    const r = await startBundle(db, a.uuid, {
+      instanceId: "i-2",
+      instanceType: "t.small",
+      runnerTokenHash: "c".repeat(64),
+      gpuDevices: [],
+      actor,
+    });
+    if (!r.ok) throw new Error(r.reason);
+    q.apply(r.bundle);
+    expect(q.get(a.uuid)?.state).toBe("starting");
+    expect(notified).toBe(1);
+
+    q.apply(a); // the older staged row
+    expect(q.get(a.uuid)?.state).toBe("starting");
+    expect(notified).toBe(1);
+
+    const k = await killBundle(db, a.uuid, { actor, reason: "test" });
+    if (!k.ok) throw new Error(k.reason);
+    q.apply(k.bundle);
+    expect(q.get(a.uuid)).toBeUndefined();
+    expect(notified).toBe(2);
+    q.apply(r.bundle); // stale again: stays out once a read has settled
+    await q.refresh();
+    expect(q.get(a.uuid)).toBeUndefined();
+  });
+
+  it("a slow full re-read drops a row the incremental reads cannot see", async () => {
+    const db = getDb();
+    const a = await stagedBundle(db, owner);
+    const b = await stagedBundle(db, owner);
+    const q = newQueue({ fullReloadInterval: 300_000 });
+    await q.start();
+    await q.refresh();
+    expect(q.size).toBe(2);
+    // Without the trigger, change_seq stays put: no incremental read will ever see this change.
+    await db.query("ALTER TABLE bundles DISABLE TRIGGER bundles_touch");
+    try {
+      await db.query("UPDATE bundles SET state = 'failed' WHERE uuid = $1", [a.uuid]);
+    } finally {
+      await db.query("ALTER TABLE bundles ENABLE TRIGGER bundles_touch");
+    }
+    await q.refresh();
+    expect(q.get(a.uuid)?.state).toBe("staged");
+
+    const dropped = when(q, () => q.get(a.uuid) === undefined);
+    await clock.advance(300_000);
+    await dropped;
+    expect(q.get(b.uuid)?.state).toBe("staged");
+    expect(q.size).toBe(1);
+  });
+
+  it("changeSeqOlderThan: the newest change_seq written at least that long ago", async () => {
+    const db = getDb();
+    const a = await stagedBundle(db, owner);
+    const b = await stagedBundle(db, owner);
+    expect(await changeSeqOlderThan(db, 60_000)).toBe(0);
+    await db.query("ALTER TABLE bundles DISABLE TRIGGER bundles_touch");
+    try {
+      await db.query("UPDATE bundles SET updated_at = now() - interval '1 hour' WHERE uuid = $1", [a.uuid]);
+    } finally {
+      await db.query("ALTER TABLE bundles ENABLE TRIGGER bundles_touch");
+    }
+    expect(await changeSeqOlderThan(db, 60_000)).toBe(a.changeSeq);
+    expect(await changeSeqOlderThan(db, 2 * HOUR)).toBe(0);
+    expect(b.changeSeq).toBeGreaterThan(a.changeSeq);
+  });
+
+  it("stops: no reads after stop()", async () => {
+    const db = getDb();
+    const a = await stagedBundle(db, owner);
+    const q = newQueue();
+    await q.start();
+    await q.refresh();
+    await q.stop();
+    let notified = 0;
+    q.subscribe(() => notified++);
+    await killBundle(db, a.uuid, { actor, reason: "test" });
+    await clock.advance(2 * HOUR);
+    expect(notified).toBe(0);
+    expect(q.get(a.uuid)?.state).toBe("staged");
+  });
+});
+
+// A transaction that took a lower change_seq but commits after a higher one was read only happens with
+// concurrent connections, which PGlite (one connection) cannot have.
+describe("bundle queue: late-committing transactions [pg]", () => {
+  let db: TestDb | undefined;
+  let setupError: unknown;
+  beforeAll(async () => {
+    try {
+      db = await openTestDb("pg");
+    } catch (err) {
+      setupError = err;
+    }
+  });
+  afterAll(async () => {
+    await db?.close();
+  });
+
+  it("does not miss a row whose transaction commits after a higher change_seq was read", async () => {
+    if (!db) throw setupError;
+    const owner = await createTestUser(db);
+    const a = await stagedBundle(db, owner, 1);
+    const b = await stagedBundle(db, owner, 1);
+    const clock = new FakeClock();
+    const q = createBundleQueue({ db, clock, logger, pollInterval: HOUR, watermarkDelay: 2000 });
+    const other = new pg.Client({ connectionString: db.url });
+    await other.connect();
+    try {
+      await q.start();
+      await clock.advance(3000);
+      await q.refresh();
+
+      for (const round of [1, 2]) {
+        await other.query("BEGIN");
+        await other.query("UPDATE bundles SET priority = $2 WHERE uuid = $1", [a.uuid, 100 + round]);
+        await db.query("UPDATE bundles SET priority = $2 WHERE uuid = $1", [b.uuid, 200 + round]);
+        await q.refresh();
+        expect(q.get(b.uuid)?.priority).toBe(200 + round);
+        expect(q.get(a.uuid)?.priority).not.toBe(100 + round);
+        await other.query("COMMIT");
+        const seqA = (await getBundle(db, a.uuid))!.changeSeq;
+        const seqB = (await getBundle(db, b.uuid))!.changeSeq;
+        expect(seqA).toBeLessThan(seqB);
+
+        await clock.advance(3000);
+        await q.refresh();
+        expect(q.get(a.uuid)?.priority).toBe(100 + round);
+        expect(q.get(a.uuid)?.changeSeq).toBe(seqA);
+      }
+    } finally {
+      await q.stop();
+      await other.end();
+    }
+  });
+
+  it("does not miss a row whose transaction commits after the initial load", async () => {
+    if (!db) throw setupError;
+    const owner = await createTestUser(db);
+    const a = await stagedBundle(db, owner, 1);
+    const b = await stagedBundle(db, owner, 1);
+    const clock = new FakeClock();
+    const q = createBundleQueue({ db, clock, logger, pollInterval: HOUR, watermarkDelay: 2000 });
+    const other = new pg.Client({ connectionString: db.url });
+    await other.connect();
+    try {
+      await other.query("BEGIN");
+      await other.query("UPDATE bundles SET priority = 42 WHERE uuid = $1", [a.uuid]);
+      await db.query("UPDATE bundles SET priority = 43 WHERE uuid = $1", [b.uuid]);
+      await q.start(); // loads A as it was, B as it is now
+      expect(q.get(a.uuid)?.priority).toBe(1);
+      expect(q.get(b.uuid)?.priority).toBe(43);
+      await other.query("COMMIT");
+      await clock.advance(3000);
+      await q.refresh();
+      expect(q.get(a.uuid)?.priority).toBe(42);
+    } finally {
+      await q.stop();
+      await other.end();
+    }
+  });
+});
