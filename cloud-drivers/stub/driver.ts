@@ -222,9 +222,13 @@ export class StubCloud extends EventEmitter<StubCloudEvents> implements StubExec
     return out;
   }
 
-  /** An Executor that runs commands on the instance's stub VM. */
-  executorFor(instance: Pick<Instance, "id"> | string): StubExecutor {
-    return new StubExecutor(this, typeof instance === "string" ? instance : instance.id);
+  /**
+   * An Executor that runs commands on the instance's stub VM. With `expectedSecret`, it proves the VM's
+   * identity on its first connection as the SSH executor does: no secret file yet -> ssh.not_ready (try
+   * again later); a different secret -> ssh.host_mismatch, and every later command is refused too.
+   */
+  executorFor(instance: Pick<Instance, "id"> | string, opts: { expectedSecret?: string } = {}): StubExecutor {
+    return new StubExecutor(this, typeof instance === "string" ? instance : instance.id, opts.expectedSecret);
   }
 
   quotaGroup(type: InstanceType): string {

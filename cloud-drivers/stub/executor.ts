@@ -1,6 +1,6 @@
 import { posix } from "node:path";
 import type { ExecOptions, ExecResult, Executor } from "../../dispatcher/sshexec/types.ts";
-import { SshError } from "../../dispatcher/sshexec/util.ts";
+import { SshError, secretsEqual } from "../../dispatcher/sshexec/util.ts";
 import type { Clock } from "../../lib/clock.ts";
 import { type CommandList, type Pipeline, parseShell, type Redirect, ShellSyntaxError } from "./shell.ts";
 import type { StubVm } from "./vm.ts";
@@ -34,14 +34,21 @@ const EMPTY = Buffer.alloc(0);
  */
 export class StubExecutor implements Executor {
   private closed = false;
+  private verified: boolean;
+  private refused: SshError | null = null;
 
+  /** `expectedSecret`: prove the VM's identity on the first connection (see StubCloud.executorFor). */
   constructor(
     private readonly host: StubExecHost,
     readonly vmId: string,
-  ) {}
+    private readonly expectedSecret?: string,
+  ) {
+    this.verified = expectedSecret === undefined;
+  }
 
   async execute(command: string, opts: ExecOptions = {}): Promise<ExecResult> {
     if (this.closed) throw new SshError("ssh.closed", `executor for stub VM ${this.vmId} is closed`);
+    if (this.refused !== null) throw this.refused;
     const vm = this.host.vm(this.vmId);
     const now = this.host.clock.now();
     if (vm === undefined || vm.destroyed) {
@@ -53,6 +60,7 @@ export class StubExecutor implements Executor {
         `stub VM ${this.vmId} (${vm.address}): connection refused (not booted yet)`,
       );
     }
+    if (!this.verified) this.verify(vm);
     const run = new Run(this.host, vm, opts, now);
     const exitCode = await run.main(command);
     const result: ExecResult = {
@@ -67,6 +75,23 @@ export class StubExecutor implements Executor {
 
   async close(): Promise<void> {
     this.closed = true;
+  }
+
+  /** The identity check the SSH executor runs on connect, against the VM's secret file. */
+  private verify(vm: StubVm): void {
+    const found = vm.secret;
+    if (found === undefined || found === "") {
+      throw new SshError("ssh.not_ready", `stub VM ${this.vmId} has no secret file yet (still booting?)`);
+    }
+    if (!secretsEqual(found, this.expectedSecret ?? "")) {
+      this.refused = new SshError(
+        "ssh.host_mismatch",
+        `the host at ${vm.address} is not instance ${this.vmId}: its secret file does not match its tag; ` +
+          "nothing more is sent to it",
+      );
+      throw this.refused;
+    }
+    this.verified = true;
   }
 }
 

@@ -1,0 +1,149 @@
+/**
+ * One probe of one instance (dispatcher/README.md, "Instance states"): for a booting or unknown instance the
+ * boot probe, the runner deployment (skipped when the hash matches) and `--list`; for a booted one `--list`.
+ * The executor proves the instance's identity on connect, so the first command may fail with
+ * ssh.not_ready (still booting) or ssh.host_mismatch (not our instance). Probes only report; the pool decides.
+ */
+import type { Executor } from "../sshexec/types.ts";
+import { checksumMatches, type ListedRunners, parseList, type RunnerCommands } from "./runner-commands.ts";
+
+/** Bounds on one command of a probe (the real SSH executor also bounds connecting). */
+export const PROBE_COMMAND_TIMEOUT_MS = 60_000;
+export const DEPLOY_TIMEOUT_MS = 5 * 60_000;
+
+export type ProbeStage = "connect" | "boot" | "deploy" | "list";
+
+export type ProbeResult =
+  | {
+      ok: true;
+      listed: ListedRunners;
+      /** When `--list` was sent: runners started before then and alive would be in `listed`. */
+      listSentAt: number;
+      /** The runner was copied by this probe. */
+      deployed: boolean;
+      /** The boot probe passed (always true for a probe of a booted instance). */
+      booted: boolean;
+    }
+  | {
+      ok: false;
+      stage: ProbeStage;
+      message: string;
+      /** The instance answered at least one command (SSH is up). */
+      answered: boolean;
+      /** The executor refused the host: its secret is not the one we gave our instance. */
+      mismatch: boolean;
+    };
+
+export interface ProbeTarget {
+  exec: Executor;
+  cmds: RunnerCommands;
+  runner: { content: Buffer; sha256: string };
+  bootProbeCommand: string;
+  now(): number;
+}
+
+class StageFailed extends Error {
+  constructor(
+    readonly stage: ProbeStage,
+    message: string,
+  ) {
+    super(message);
+  }
+}
+
+/**
+ * Probes a booting (or, after a restart, unknown) instance. `runnerPresent`: this pool already found the
+ * runner in place, so the checksum is skipped. An unknown instance whose boot probe fails is still listed:
+ * a busy instance found after a restart may not pass a boot probe, but its runners are real.
+ */
+export async function probeBooting(
+  t: ProbeTarget,
+  opts: { unknown: boolean; runnerPresent: boolean },
+): Promise<ProbeResult> {
+  let answered = false;
+  const run = async (
+    stage: ProbeStage,
+    command: string,
+    stdin?: Buffer,
+    timeoutMs = PROBE_COMMAND_TIMEOUT_MS,
+  ) => {
+    const res = await t.exec.execute(command, { timeoutMs, ...(stdin === undefined ? {} : { stdin }) });
+    answered = true;
+    if (res.exitCode !== 0)
+      throw new StageFailed(stage, `${stage} command ${describeExit(res)}: ${tail(res.stderr)}`);
+    return res;
+  };
+  try {
+    let booted = true;
+    if (t.bootProbeCommand.trim() !== "") {
+      try {
+        await run("boot", t.bootProbeCommand);
+      } catch (err) {
+        if (!(err instanceof StageFailed) || !opts.unknown) throw err;
+        booted = false;
+      }
+    }
+    let deployed = false;
+    if (booted && !opts.runnerPresent) {
+      const sum = await t.exec.execute(t.cmds.checksum, { timeoutMs: PROBE_COMMAND_TIMEOUT_MS });
+      answered = true;
+      if (sum.exitCode !== 0 || !checksumMatches(sum.stdout.toString("utf8"), t.runner.sha256)) {
+        await run("deploy", t.cmds.deploy, t.runner.content, DEPLOY_TIMEOUT_MS);
+        deployed = true;
+      }
+    }
+    const listSentAt = t.now();
+    const res = await run("list", t.cmds.list);
+    const listed = parseList(res.stdout.toString("utf8"));
+    if (!booted && listed.runners.size === 0) {
+      return { ok: false, stage: "boot", message: "boot probe failed", answered, mismatch: false };
+    }
+    return { ok: true, listed, listSentAt, deployed, booted };
+  } catch (err) {
+    return failure(err, answered);
+  }
+}
+
+/** Probes a booted instance: `--list`. */
+export async function probeList(t: ProbeTarget): Promise<ProbeResult> {
+  const listSentAt = t.now();
+  try {
+    const res = await t.exec.execute(t.cmds.list, { timeoutMs: PROBE_COMMAND_TIMEOUT_MS });
+    if (res.exitCode !== 0) {
+      return {
+        ok: false,
+        stage: "list",
+        message: `list command ${describeExit(res)}: ${tail(res.stderr)}`,
+        answered: true,
+        mismatch: false,
+      };
+    }
+    return {
+      ok: true,
+      listed: parseList(res.stdout.toString("utf8")),
+      listSentAt,
+      deployed: false,
+      booted: true,
+    };
+  } catch (err) {
+    return failure(err, false);
+  }
+}
+
+function failure(err: unknown, answered: boolean): ProbeResult {
+  if (err instanceof StageFailed)
+    return { ok: false, stage: err.stage, message: err.message, answered, mismatch: false };
+  const code = (err as { code?: unknown }).code;
+  const message = err instanceof Error ? err.message : String(err);
+  return { ok: false, stage: "connect", message, answered, mismatch: code === "ssh.host_mismatch" };
+}
+
+function describeExit(res: { exitCode: number | null; signal: string | null }): string {
+  return res.exitCode === null ? `was killed by ${res.signal ?? "a signal"}` : `exited ${res.exitCode}`;
+}
+
+/** The end of a command's stderr, short enough for a log line. */
+export function tail(stderr: Buffer, max = 300): string {
+  const text = stderr.toString("utf8").trim();
+  return text.length > max ? `...${text.slice(-max)}` : text;
+}

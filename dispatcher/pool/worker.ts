@@ -1,0 +1,104 @@
+/**
+ * One instance as the pool keeps it: the WorkerView every other part reads, plus the pool's own bookkeeping.
+ * Only the pool (pool.ts) changes these fields.
+ */
+import type { Instance, InstanceType } from "../../cloud-drivers/types.ts";
+import type { Logger } from "../../lib/logger.ts";
+import type { Executor } from "../sshexec/types.ts";
+import type { RunnerView, WorkerState, WorkerView } from "../types.ts";
+import type { IdleBehavior } from "./bootstrap.ts";
+
+export interface PoolRunner extends RunnerView {
+  state: RunnerView["state"];
+  gpuDevices: readonly number[];
+  since: number;
+  /** When `--list` first showed it stale (null while it is not). */
+  staleSince: number | null;
+  /** Set by killRunner: when the first TERM went out, when the last one did, and whether we gave up. */
+  killing: { since: number; lastSent: number; reason: string; gaveUp: boolean } | null;
+  /** When `--detach` returned success (runners found by `--list` count as detached when found). */
+  detachedAt: number | null;
+}
+
+export class Worker implements WorkerView {
+  id: string;
+  instance: Instance | null;
+  instanceType: InstanceType;
+  state: WorkerState;
+  idleBehavior: IdleBehavior;
+  placeholder: boolean;
+  readonly runners = new Map<string, PoolRunner>();
+  /** When the `--list` of the last successful probe was sent. */
+  probedAt: number | null = null;
+  stateSince: number;
+  lastBusy: number;
+  /** The InstanceSecret tag: what the executor checks on connect. */
+  readonly secret: string;
+  /** Created by this pool (boot metrics and outcomes are only counted for these). */
+  readonly created: boolean;
+  /** The create call's time, or when this pool first listed the instance. */
+  readonly since: number;
+  /** The `creating-<n>` id this worker had before its create call returned (null if it never had one). */
+  placeholderId: string | null = null;
+  /** Order in which the pool learned the instance's id (sync forgets only instances known before its list). */
+  knownSeq = 0;
+  listBroken = false;
+  secretMismatch = false;
+  deployFailed = false;
+  /** The runner binary was found or put in place by this pool. */
+  runnerPresent = false;
+  bootDone = false;
+  sshSeen = false;
+  probing = false;
+  nextProbeAt = 0;
+  lastProbeError: string | null = null;
+  shutdownReason: string | null = null;
+  lastDestroyAt: number | null = null;
+  destroying = false;
+  executor: Executor | null = null;
+  /** Probes and starts run one after another on a worker. */
+  chain: Promise<void> = Promise.resolve();
+  private readonly parentLogger: Logger;
+  private logger: { id: string; log: Logger } | null = null;
+
+  constructor(init: {
+    id: string;
+    instance: Instance | null;
+    instanceType: InstanceType;
+    state: WorkerState;
+    idleBehavior: IdleBehavior;
+    secret: string;
+    created: boolean;
+    now: number;
+    parentLogger: Logger;
+  }) {
+    this.id = init.id;
+    this.instance = init.instance;
+    this.placeholder = init.instance === null;
+    this.instanceType = init.instanceType;
+    this.state = init.state;
+    this.idleBehavior = init.idleBehavior;
+    this.secret = init.secret;
+    this.created = init.created;
+    this.since = init.now;
+    this.stateSince = init.now;
+    this.lastBusy = init.now;
+    this.parentLogger = init.parentLogger;
+  }
+
+  get address(): string {
+    return this.instance?.address ?? "";
+  }
+
+  get broken(): boolean {
+    return this.listBroken || this.secretMismatch || this.deployFailed;
+  }
+
+  /** A child logger naming the instance (renewed when a placeholder gets its real id). */
+  get log(): Logger {
+    if (this.logger?.id !== this.id) {
+      this.logger = { id: this.id, log: this.parentLogger.child({ instanceId: this.id }) };
+    }
+    return this.logger.log;
+  }
+}
