@@ -1,0 +1,66 @@
+/**
+ * The `schedulingStatus` sentences a queued bundle carries (dispatcher/README.md "A bundle's way"). One builder
+ * per situation, so the scheduler, its tests and the docs say the same words. Times are HH:MM UTC.
+ */
+import type { CreateRefusal } from "../types.ts";
+
+/** HH:MM in UTC of a time in milliseconds since the epoch. */
+export function hhmm(ms: number): string {
+  const d = new Date(ms);
+  return `${String(d.getUTCHours()).padStart(2, "0")}:${String(d.getUTCMinutes()).padStart(2, "0")}`;
+}
+
+/** Every sentence of a bundle that is still waiting starts with its place in the queue (1 = next). */
+export const inQueue = (position: number, sentence: string): string =>
+  `waiting in queue at position ${position}: ${sentence}`;
+
+/** A second clause that says what else could run the bundle (see waitingForIdle, onlyHeld). */
+export const withHint = (sentence: string, hint: string | null): string =>
+  hint === null ? sentence : `${sentence}; ${hint}`;
+
+/** Planned on an instance that is booting (or not yet probed). */
+export const waitingForBoot = (instanceId: string, typeName: string): string =>
+  `waiting for instance ${instanceId} (${typeName}) to boot`;
+
+/** Planned on an instance whose create call is still in flight. */
+export const waitingForNewInstance = (typeName: string): string =>
+  `waiting for a new ${typeName} instance to boot`;
+
+/** The pool may not create instances: `max` is null when the cloud said so without a configured limit. */
+export const atQuota = (instances: number, max: number | null): string =>
+  max === null
+    ? `at quota: the cloud refuses more instances (${instances} now)`
+    : `at quota: ${instances} of ${max} instances`;
+
+/** Every eligible type is blocked by a capacity error. */
+export function noTypeAvailable(blocked: readonly { typeName: string; until: number }[]): string {
+  const shown = blocked.slice(0, 3).map((b) => `${b.typeName} at capacity until ${hhmm(b.until)}`);
+  const more = blocked.length > 3 ? `, and ${blocked.length - 3} more` : "";
+  return `no instance type is available: ${shown.join(", ")}${more}`;
+}
+
+/** The pool refuses creates for a while (rate limit, too many creates in flight). */
+export function waitingToCreate(refusal: CreateRefusal): string {
+  switch (refusal.kind) {
+    case "rate_limit":
+      return `waiting to create an instance: the cloud API is rate-limited until ${hhmm(refusal.until)}`;
+    case "max_concurrent":
+      return `waiting to create an instance: ${refusal.inFlight} instance ${
+        refusal.inFlight === 1 ? "create is" : "creates are"
+      } in flight`;
+    case "capacity":
+      return `waiting to create an instance: ${refusal.message}`;
+    case "quota":
+      return atQuota(refusal.instances, refusal.max);
+  }
+}
+
+/** Hint: an instance of an eligible type exists but has no room now. */
+export const waitingForIdle = (typeName: string): string =>
+  `waiting for an idle instance of type ${typeName}`;
+
+/** Hint: the only instances of an eligible type are held (they get no new bundles). */
+export const onlyHeld = (typeName: string): string => `only held instances of type ${typeName} could run it`;
+
+/** The bundle was just handed to an instance (kept in memory: the transition clears the stored status). */
+export const startingOn = (instanceId: string): string => `starting on ${instanceId}`;
