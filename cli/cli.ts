@@ -1,6 +1,7 @@
 import { runConfigCheck, runConfigDefaults } from "../config/check.ts";
 import { bundlesCommand } from "./commands/bundles.ts";
 import { cloudtestCommand } from "./commands/cloudtest.ts";
+import { dispatcherCommand } from "./commands/dispatcher.ts";
 import { migrateCommand, serveCommand } from "./commands/serve.ts";
 import { submitCommand } from "./commands/submit.ts";
 import { usersCommand } from "./commands/users.ts";
@@ -13,6 +14,7 @@ usage: dispatch-cloud COMMAND [ARGS]
 processes:
   serve [--config F]            REST server + dispatcher in one process (embedded default: PGlite, local VMs)
   rest-server [--config F]      the users' REST API alone (PostgreSQL)
+  dispatcher [--config F]       the dispatcher alone (PostgreSQL; a second one waits as a standby)
   migrate [--config F]          bring the database schema up to date
   cloudtest [--config F]        create, reach, probe and destroy one instance with the configured cloud
 configuration:
@@ -36,6 +38,7 @@ const config: Command = async (io) => {
 export const COMMANDS: Record<string, Command> = {
   serve: (io) => serveCommand(io, "serve"),
   "rest-server": (io) => serveCommand(io, "rest-server"),
+  dispatcher: dispatcherCommand,
   migrate: migrateCommand,
   config,
   cloudtest: cloudtestCommand,

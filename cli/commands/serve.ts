@@ -2,6 +2,8 @@ import { chmod, mkdir, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
 import { loadConfig } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
+import { createDispatcher } from "../../dispatcher/main.ts";
+import { systemClock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { createLogger, type Logger } from "../../lib/logger.ts";
 import { createBundleManager } from "../../rest-server/bundle-manager.ts";
@@ -24,7 +26,7 @@ export function configFromArgs(io: CliIo, argv: string[]): Config {
 }
 
 /** Opens the database and brings its schema up to date, logging what was applied. */
-async function openMigrated(config: Config, logger: Logger): Promise<Db> {
+export async function openMigrated(config: Config, logger: Logger): Promise<Db> {
   const db = await openDb(config.database.url, { maxConnections: config.database.maxConnections, logger });
   try {
     const { applied } = await migrate(db);
@@ -108,6 +110,18 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
   await manager.start();
   const { host, port } = splitListen(config.restServer.listen, "restServer.listen");
   const address = await app.listen({ host, port });
+  // `serve` runs the dispatcher in-process; it deploys a placeholder runner until crunch-run exists.
+  const dispatcher =
+    mode === "serve"
+      ? await createDispatcher({
+          config,
+          db,
+          clock: systemClock,
+          logger,
+          runnerApiUrl: config.restServer.publicUrl !== "" ? config.restServer.publicUrl : address,
+        })
+      : null;
+  await dispatcher?.start();
   logger.info({ address, mode, database: config.database.url.split(":")[0] }, "dispatch-cloud is serving");
   io.progress(`dispatch-cloud ${mode}: REST API at ${address}/api/v1 (Ctrl-C stops it)`);
 
@@ -118,6 +132,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     io.signal?.addEventListener("abort", stop, { once: true });
   });
   logger.info("shutting down");
+  await dispatcher?.stop();
   await app.close();
   await manager.stop();
   await db.close();

@@ -1,0 +1,352 @@
+/**
+ * `npm run bench:scheduler`: the time of one scheduler pass with 100,000 staged bundles and 10,000 instances.
+ *
+ * Set-up (not timed): a StubCloud with 10,000 VMs of mixed types (GPU types included), tagged as the pool's
+ * own; stub runners on most of them for 20,000-odd running bundles; the REAL worker pool lists and probes them
+ * all (runner deployment, `--list`), so it sees running, idle and booting instances; an in-memory queue view
+ * holds the running bundles and 100,000 staged ones of mixed shapes (GPUs included) and priorities.
+ *
+ * Timed: N `runOnce()` passes of the real scheduler. Neither the scheduler nor the pool reaches a database:
+ * both get a Db that answers every statement with no rows, so status writes cost nothing and a start the
+ * scheduler asks for is refused in the background (the pool drops the runner), which keeps every pass at
+ * the same, largest, workload: 100,000 bundles to order, place or explain ("at quota: 10000 of 10000").
+ *
+ * Prints the median and maximum pass time and the process's peak RSS. Targets: median <= 100 ms, RSS <= 1 GiB.
+ */
+
+import { pino } from "pino";
+import { Registry } from "prom-client";
+import { createDefaultRegistry, openInstanceSet } from "../cloud-drivers/registry.ts";
+import { StubCloud } from "../cloud-drivers/stub/driver.ts";
+import type { InstanceType } from "../cloud-drivers/types.ts";
+import { parseConfig } from "../config/load.ts";
+import type { Config } from "../config/schema.ts";
+import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
+import { placeholderRunner } from "../dispatcher/main.ts";
+import { initScript, instanceTags, newInstanceSecret } from "../dispatcher/pool/bootstrap.ts";
+import { createWorkerPool } from "../dispatcher/pool/pool.ts";
+import { demandOf, eligibleTypes } from "../dispatcher/scheduler/eligible.ts";
+import { createScheduler } from "../dispatcher/scheduler/scheduler.ts";
+import type { QueueView } from "../dispatcher/types.ts";
+import type { Db } from "../store/db.ts";
+import type { Bundle, BundleResources, BundleState } from "../store/types.ts";
+import { FakeClock } from "../test/fake-clock.ts";
+
+const BUNDLES = Number(process.env["BENCH_BUNDLES"] ?? 100_000);
+const INSTANCES = Number(process.env["BENCH_INSTANCES"] ?? 10_000);
+const PASSES = Number(process.env["BENCH_PASSES"] ?? 20);
+const GiB = 2 ** 30;
+
+const config = (() => {
+  const { config, problems } = parseConfig(`clusterId: bench
+dataDir: /nonexistent
+dispatcher: {reserveExtraRam: 256MiB, maximumPriceFactor: 1.5}
+cloud:
+  driver: stub
+  maxInstances: ${INSTANCES}
+  maxProbesPerSecond: 0
+  maxCloudOpsPerSecond: 0
+  maxConcurrentInstanceCreateOps: 4
+  deployPublicKey: false
+instanceTypes:
+  c2: {vcpus: 2, ram: 4GiB, includedScratch: 50GiB, price: 0.08}
+  c4: {vcpus: 4, ram: 8GiB, includedScratch: 100GiB, price: 0.16}
+  c8: {vcpus: 8, ram: 16GiB, includedScratch: 200GiB, price: 0.32}
+  m8: {vcpus: 8, ram: 64GiB, includedScratch: 200GiB, price: 0.5}
+  m16: {vcpus: 16, ram: 128GiB, includedScratch: 400GiB, price: 1.0}
+  m32: {vcpus: 32, ram: 256GiB, includedScratch: 800GiB, price: 2.0}
+  g1: {vcpus: 8, ram: 32GiB, includedScratch: 200GiB, price: 1.2, gpu: {stack: cuda, driverVersion: "12.4", hardwareTarget: "8.0", deviceCount: 1, vram: 24GiB}}
+  g4: {vcpus: 32, ram: 128GiB, includedScratch: 800GiB, price: 4.5, gpu: {stack: cuda, driverVersion: "12.4", hardwareTarget: "8.0", deviceCount: 4, vram: 24GiB}}
+  r2: {vcpus: 16, ram: 64GiB, includedScratch: 400GiB, price: 3.0, gpu: {stack: rocm, driverVersion: "6.1", hardwareTarget: "gfx90a", deviceCount: 2, vram: 64GiB}}
+`);
+  if (config === undefined) throw new Error(problems.map((p) => `${p.path}: ${p.message}`).join("; "));
+  return config;
+})();
+
+/** Answers every statement with no rows: no database work anywhere near the timed passes. */
+const nullDb: Db = {
+  kind: "pglite",
+  query: async () => ({ rows: [], rowCount: 0 }),
+  transaction: async (fn) => fn(nullDb),
+  listen: async () => async () => {},
+  tryAdvisoryLock: async () => null,
+  close: async () => {},
+};
+
+/** A small seeded PRNG, so every run builds the same world. */
+function rng(seed: number): () => number {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+
+const SHAPES: Array<{ weight: number; resources: BundleResources }> = [
+  { weight: 40, resources: { vcpus: 1, ram: 2 * GiB, scratch: 10 * GiB, gpu: null } },
+  { weight: 20, resources: { vcpus: 2, ram: 3 * GiB, scratch: 20 * GiB, gpu: null } },
+  { weight: 10, resources: { vcpus: 4, ram: 12 * GiB, scratch: 50 * GiB, gpu: null } },
+  { weight: 8, resources: { vcpus: 8, ram: 48 * GiB, scratch: 100 * GiB, gpu: null } },
+  { weight: 5, resources: { vcpus: 16, ram: 100 * GiB, scratch: 200 * GiB, gpu: null } },
+  { weight: 2, resources: { vcpus: 0.5, ram: GiB / 2, scratch: GiB, gpu: null } },
+  {
+    weight: 8,
+    resources: {
+      vcpus: 4,
+      ram: 16 * GiB,
+      scratch: 50 * GiB,
+      gpu: { stack: "cuda", deviceCount: 1, vram: 16 * GiB, driverVersion: "12.0", hardwareTarget: ["8.0"] },
+    },
+  },
+  {
+    weight: 4,
+    resources: {
+      vcpus: 16,
+      ram: 64 * GiB,
+      scratch: 100 * GiB,
+      gpu: { stack: "cuda", deviceCount: 2, vram: 0, driverVersion: null, hardwareTarget: [] },
+    },
+  },
+  {
+    weight: 3,
+    resources: {
+      vcpus: 8,
+      ram: 32 * GiB,
+      scratch: 100 * GiB,
+      gpu: {
+        stack: "rocm",
+        deviceCount: 1,
+        vram: 32 * GiB,
+        driverVersion: "6.0",
+        hardwareTarget: ["gfx90a"],
+      },
+    },
+  },
+];
+const TOTAL_WEIGHT = SHAPES.reduce((n, s) => n + s.weight, 0);
+
+function pickShape(r: () => number): BundleResources {
+  let x = r() * TOTAL_WEIGHT;
+  for (const s of SHAPES) {
+    x -= s.weight;
+    if (x < 0) return s.resources;
+  }
+  return SHAPES[0]!.resources;
+}
+
+const epoch = Date.UTC(2026, 0, 1);
+let serial = 0;
+
+function bundle(
+  state: BundleState,
+  resources: BundleResources,
+  priority: number,
+  extra: Partial<Bundle> = {},
+): Bundle {
+  const n = serial++;
+  const created = new Date(epoch - 3_600_000 + n);
+  return {
+    uuid: `bench-bndl-${n.toString(36).padStart(15, "0")}`,
+    ownerUuid: "bench-user-000000000000000",
+    name: `bench ${n}`,
+    command: ["true"],
+    image: "busybox",
+    env: {},
+    resources,
+    preemptible: false,
+    priority,
+    limits: { time: null, disk: null, network: true },
+    dependencies: [],
+    allowFailedDependencies: false,
+    maxAttempts: 3,
+    attempt: state === "staged" ? 0 : 1,
+    state,
+    stateReason: null,
+    schedulingStatus: null,
+    instanceId: null,
+    instanceType: null,
+    gpuDevices: [],
+    exitCode: null,
+    resourceUsage: null,
+    costDollars: null,
+    changeSeq: n + 1,
+    createdAt: created,
+    updatedAt: created,
+    stagedAt: created,
+    startingAt: null,
+    runningAt: null,
+    finishedAt: null,
+    ...extra,
+  };
+}
+
+class MemoryQueue implements QueueView {
+  readonly map = new Map<string, Bundle>();
+  all(): Iterable<Bundle> {
+    return this.map.values();
+  }
+  get(uuid: string): Bundle | undefined {
+    return this.map.get(uuid);
+  }
+  apply(b: Bundle): void {
+    const cur = this.map.get(b.uuid);
+    if (cur !== undefined && cur.changeSeq > b.changeSeq) return;
+    if (b.state === "staged" || b.state === "starting" || b.state === "running") this.map.set(b.uuid, b);
+    else this.map.delete(b.uuid);
+  }
+}
+
+function percentile(sorted: number[], p: number): number {
+  return sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))] ?? Number.NaN;
+}
+
+async function main(): Promise<void> {
+  const t0 = performance.now();
+  const logger = pino({ level: "silent" });
+  const clock = new FakeClock(epoch);
+  const r = rng(2026);
+  const types = instanceTypesFromConfig(config);
+  const cloud = new StubCloud({ clock, seed: 1, callLogLimit: 1000 });
+  const cfg = { ...config, cloud: { ...config.cloud, driverParameters: { cloud } } } as Config;
+  const instanceSet = await openInstanceSet(cfg, {
+    drivers: createDefaultRegistry(),
+    logger,
+    clock,
+    registry: new Registry(),
+  });
+  const runner = placeholderRunner();
+  const queue = new MemoryQueue();
+
+  // 10,000 instances: 80 % busy, 15 % idle, 5 % still booting; types weighted towards the cheap ones.
+  const typeWeights: Array<[InstanceType, number]> = types.map((t) => [
+    t,
+    t.gpu === null ? 10 / t.vcpus + 1 : 0.7,
+  ]);
+  const typeTotal = typeWeights.reduce((n, [, w]) => n + w, 0);
+  const pickType = (): InstanceType => {
+    let x = r() * typeTotal;
+    for (const [t, w] of typeWeights) {
+      x -= w;
+      if (x < 0) return t;
+    }
+    return types[0]!;
+  };
+  let running = 0;
+  for (let i = 0; i < INSTANCES; i++) {
+    const type = pickType();
+    const secret = newInstanceSecret();
+    const inst = await instanceSet.create(
+      type,
+      "img",
+      instanceTags(config, type.name, "run", secret),
+      initScript(secret, ""),
+      "",
+    );
+    const vm = cloud.vm(inst.id);
+    if (vm === undefined) throw new Error("stub VM missing");
+    const roll = r();
+    if (roll < 0.05) {
+      vm.bootAt = Number.POSITIVE_INFINITY;
+      continue;
+    }
+    if (roll < 0.2) continue;
+    // Busy: fill it with running bundles that fit, up to its vCPUs.
+    let free = type.vcpus;
+    let gpus = type.gpu?.deviceCount ?? 0;
+    const devices: number[] = [];
+    for (let tries = 0; tries < 6 && free > 0; tries++) {
+      const res = pickShape(r);
+      const d = demandOf({ resources: res, preemptible: false } as Bundle, config.dispatcher);
+      const ok = eligibleTypes(d, [type], { maximumPriceFactor: 1e9 });
+      if (!ok.ok || res.vcpus > free || (res.gpu?.deviceCount ?? 0) > gpus) continue;
+      const gpuDevices: number[] = [];
+      for (let g = 0; g < (res.gpu?.deviceCount ?? 0); g++) gpuDevices.push(devices.length + g);
+      devices.push(...gpuDevices);
+      free -= res.vcpus;
+      gpus -= gpuDevices.length;
+      const b = bundle("running", res, 500, {
+        instanceId: vm.id,
+        instanceType: type.name,
+        gpuDevices,
+        runningAt: new Date(epoch),
+      });
+      queue.apply(b);
+      vm.startRunner(b.uuid, { uuid: b.uuid });
+      running++;
+    }
+  }
+  for (let i = 0; i < BUNDLES; i++) queue.apply(bundle("staged", pickShape(r), Math.floor(r() * 10) * 100));
+
+  const pool = createWorkerPool({
+    config: cfg,
+    instanceSet,
+    instanceTypes: types,
+    db: nullDb,
+    clock,
+    logger,
+    registry: new Registry(),
+    queue,
+    connect: (instance) => cloud.executorFor(instance),
+    runner,
+    runnerApiUrl: "http://bench.invalid",
+  });
+  await pool.syncOnce();
+  await pool.probeOnce();
+  await pool.settled();
+  const states: Record<string, number> = {};
+  let runners = 0;
+  for (const w of pool.workers()) {
+    states[w.state] = (states[w.state] ?? 0) + 1;
+    runners += w.runners.size;
+  }
+  const scheduler = createScheduler({
+    queue,
+    pool,
+    instanceTypes: types,
+    config: cfg,
+    db: nullDb,
+    clock,
+    logger,
+  });
+  const setupMs = performance.now() - t0;
+
+  console.log(
+    `set-up: ${BUNDLES} staged + ${running} running bundles; ${INSTANCES} instances (${types.length} types, ` +
+      `${types.filter((t) => t.gpu !== null).length} with GPUs) as the pool sees them: ${JSON.stringify(states)}, ` +
+      `${runners} runners listed; ${(setupMs / 1000).toFixed(1)} s`,
+  );
+
+  const first = performance.now();
+  const result = await scheduler.runOnce();
+  const firstMs = performance.now() - first;
+  console.log(
+    `first pass: ${firstMs.toFixed(1)} ms (started ${result.started.length}, planned ${result.planned}, ` +
+      `created ${result.created.length}, shut down ${result.shutdown.length}, failed ${result.failed.length}, ` +
+      `waiting ${result.waiting}); one status: "${scheduler.statusOf([...queue.all()].find((b) => b.state === "staged")?.uuid ?? "") ?? ""}"`,
+  );
+
+  const times: number[] = [];
+  for (let i = 0; i < PASSES; i++) {
+    // Let the pool's background work (refused starts) settle between passes, as the loop would.
+    await pool.settled();
+    await clock.advance(500);
+    const t = performance.now();
+    await scheduler.runOnce();
+    times.push(performance.now() - t);
+  }
+  times.sort((a, b) => a - b);
+  const median = percentile(times, 0.5);
+  const max = times[times.length - 1] ?? Number.NaN;
+  const rssBytes = process.resourceUsage().maxRSS * 1024;
+  console.log(
+    `runOnce over ${PASSES} passes: median ${median.toFixed(1)} ms, p90 ${percentile(times, 0.9).toFixed(1)} ms, ` +
+      `max ${max.toFixed(1)} ms (target: median <= 100 ms)`,
+  );
+  console.log(`peak RSS: ${(rssBytes / 2 ** 20).toFixed(0)} MiB (target: <= 1024 MiB)`);
+  process.exit(0);
+}
+
+await main();

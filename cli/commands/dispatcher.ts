@@ -1,0 +1,70 @@
+import { Registry } from "prom-client";
+import { createDispatcher } from "../../dispatcher/main.ts";
+import { systemClock } from "../../lib/clock.ts";
+import { DispatchCloudError } from "../../lib/errors.ts";
+import { createLogger } from "../../lib/logger.ts";
+import { parse } from "../args.ts";
+import { type CliIo, EXIT_OK } from "../io.ts";
+import { configFromArgs, openMigrated } from "./serve.ts";
+
+const USAGE = `usage: dispatch-cloud dispatcher [--config F]
+Runs the dispatcher alone, on PostgreSQL (the REST server runs apart: dispatch-cloud rest-server). One dispatcher
+per instance set is active; another one started against the same database waits as a standby and takes over
+when the active one dies. Until crunch-run exists, a placeholder runner is deployed and bundles do not start.`;
+
+/** The URL runners call: restServer.publicUrl, or http://<restServer.listen>. */
+export function runnerApiUrl(config: { restServer: { publicUrl: string; listen: string } }): string {
+  return config.restServer.publicUrl !== ""
+    ? config.restServer.publicUrl
+    : `http://${config.restServer.listen}`;
+}
+
+/** `dispatch-cloud dispatcher`: runs until SIGINT or SIGTERM, or until io.signal aborts. */
+export async function dispatcherCommand(io: CliIo): Promise<number> {
+  const { values } = parse(
+    io.argv,
+    { config: { type: "string", short: "c" }, help: { type: "boolean", short: "h" } },
+    false,
+  );
+  if (values.help === true) {
+    io.out(USAGE);
+    return EXIT_OK;
+  }
+  const config = configFromArgs(io, values.config === undefined ? [] : ["--config", values.config]);
+  if (config.database.url.startsWith("pglite:")) {
+    throw new DispatchCloudError(
+      "config.invalid_value",
+      "the dispatcher runs apart from the REST server and needs PostgreSQL (postgres://...); PGlite is for `serve` only",
+      { path: "database.url" },
+    );
+  }
+  const logger = createLogger(config.logging);
+  const db = await openMigrated(config, logger);
+  const dispatcher = await createDispatcher({
+    config,
+    db,
+    clock: systemClock,
+    logger,
+    registry: new Registry(),
+    runnerApiUrl: runnerApiUrl(config),
+  });
+  try {
+    await dispatcher.start();
+    io.progress(
+      dispatcher.active
+        ? "dispatch-cloud dispatcher: active (Ctrl-C stops it)"
+        : "dispatch-cloud dispatcher: standby, another dispatcher is active (Ctrl-C stops it)",
+    );
+    void dispatcher.whenActive().then(() => io.progress("dispatch-cloud dispatcher: active"));
+    await new Promise<void>((done) => {
+      process.once("SIGINT", () => done());
+      process.once("SIGTERM", () => done());
+      io.signal?.addEventListener("abort", () => done(), { once: true });
+    });
+    logger.info("shutting down");
+  } finally {
+    await dispatcher.stop();
+    await db.close();
+  }
+  return EXIT_OK;
+}
