@@ -323,6 +323,11 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     return next;
   }
 
+  /** A bundle's current sentence: built from its position and reason while it waits. */
+  function statusText(e: Entry): string | undefined {
+    return e.persist ? say.inQueue(e.position, e.reason) : e.status;
+  }
+
   function exclusive<T>(fn: () => Promise<T>): Promise<T> {
     const p = chain.then(fn);
     chain = p.catch(() => {});
@@ -331,15 +336,16 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
 
   async function flush(max: number): Promise<void> {
     lastFlushAt = clock.now();
-    const todo: Entry[] = [];
+    const todo: { e: Entry; status: string }[] = [];
     for (const e of order) {
       if (todo.length >= max) break;
-      if (!e.persist || e.status === undefined || e.status === e.written) continue;
+      if (!e.persist) continue;
+      const status = statusText(e);
+      if (status === undefined || status === e.written) continue;
       if (entries.get(e.uuid) !== e || queue.get(e.uuid)?.state !== "staged") continue;
-      todo.push(e);
+      todo.push({ e, status });
     }
-    await eachLimited(todo, WRITE_CONCURRENCY, async (e) => {
-      const status = e.status!;
+    await eachLimited(todo, WRITE_CONCURRENCY, async ({ e, status }) => {
       try {
         await setSchedulingStatus(db, e.uuid, status);
         e.written = status;
@@ -536,14 +542,13 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       e.persist = false;
       e.reason = "";
     };
-    /** A waiting bundle's sentence; rebuilt only when its position or reason changed since the last pass. */
+    /** A waiting bundle: its position and reason; the sentence is built only when it is read or written. */
     const setWaiting = (e: Entry, reason: string) => {
       position++;
       e.persist = true;
-      if (e.position === position && e.reason === reason && e.status !== undefined) return;
       e.position = position;
       e.reason = reason;
-      e.status = say.inQueue(position, reason);
+      e.status = undefined; // built on demand (statusText): positions shift every pass, sentences are read rarely
     };
     /** A blocked sentence with the shape's hint, built once per pass and shape. */
     const withHint = (shape: Shape, base: string): string => {
@@ -716,7 +721,10 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
 
   return {
     runOnce: () => exclusive(runPass),
-    statusOf: (uuid) => entries.get(uuid)?.status,
+    statusOf: (uuid) => {
+      const e = entries.get(uuid);
+      return e === undefined ? undefined : statusText(e);
+    },
     flushStatuses: () => exclusive(() => flush(Number.POSITIVE_INFINITY)),
   };
 }
