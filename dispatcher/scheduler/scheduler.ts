@@ -8,6 +8,8 @@
  * Cost of a pass: O(bundles + workers + runners) plus, per resource shape met in the pass, one look at the
  * workers of its eligible types (skipped per type when no worker of it has room). Shapes, their demand and
  * eligible types are cached across passes; so is the priority order (only new or changed bundles are sorted).
+ * A worker's room after its runners is kept too, recomputed only when its runners or their queue rows change;
+ * the order array is compacted in place (or merged into the previous pass's array), so a pass allocates little.
  */
 import type { InstanceType } from "../../cloud-drivers/types.ts";
 import type { Config } from "../../config/schema.ts";
@@ -17,7 +19,7 @@ import type { Db } from "../../store/db.ts";
 import { setSchedulingStatus } from "../../store/queries.ts";
 import { failStaged } from "../../store/transitions.ts";
 import type { Bundle } from "../../store/types.ts";
-import type { CreateRefusal, CreateResult, Demand, QueueView, WorkerView } from "../types.ts";
+import type { CreateRefusal, CreateResult, Demand, QueueView, RunnerView, WorkerView } from "../types.ts";
 import { demandOf, type EligibleResult, eligibleTypes } from "./eligible.ts";
 import * as say from "./status.ts";
 
@@ -115,6 +117,23 @@ interface Slot {
   load: number;
 }
 
+/** A worker's room after its runners, and what it was computed from (see roomOf). */
+interface WorkerRoom {
+  readonly type: InstanceType;
+  pass: number;
+  readonly runners: RunnerView[];
+  /** The queue's own uuid strings (cheaper map keys), the runners' GPU assignments and rows, by runner. */
+  readonly keys: string[];
+  readonly devices: (readonly number[])[];
+  readonly bundles: (Bundle | undefined)[];
+  /** Runners whose bundle is staged in the queue. */
+  readonly staged: string[];
+  vcpus: number;
+  ram: number;
+  scratch: number;
+  gpus: readonly number[];
+}
+
 /** The most room any open worker of a type has (an upper bound: room only shrinks within a pass). */
 interface Room {
   vcpus: number;
@@ -129,6 +148,8 @@ interface Entry {
   priority: number;
   created: number;
   shape: Shape;
+  /** Its attempts are used up (bundle.attempt >= bundle.maxAttempts; rows are never changed in place). */
+  exhausted: boolean;
   /** The pass that last saw it staged. */
   seen: number;
   /** No longer staged: forgotten (a later row of the bundle gets a new Entry). */
@@ -208,6 +229,8 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
   /** The entry of a row object (rows are replaced, never changed, so an unchanged row needs no uuid lookup). */
   const entryOf = new WeakMap<Bundle, Entry>();
   let order: Entry[] = [];
+  /** An empty array kept for walkInOrder's next merge. */
+  let spare: Entry[] = [];
   let pass = 0;
   let lastFlushAt = Number.NEGATIVE_INFINITY;
   let chain: Promise<unknown> = Promise.resolve();
@@ -259,6 +282,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
           priority: b.priority,
           created: b.createdAt.getTime(),
           shape: shapeOf(b),
+          exhausted: b.attempt >= b.maxAttempts,
           seen: pass,
           dropped: false,
           runnerOn: "",
@@ -282,6 +306,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         e.bundle = b;
         entryOf.set(b, e);
         e.shape = shapeOf(b);
+        e.exhausted = b.attempt >= b.maxAttempts;
         e.written = b.schedulingStatus;
         const created = b.createdAt.getTime();
         if (b.priority !== e.priority || created !== e.created) {
@@ -301,7 +326,11 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
    */
   function walkInOrder(added: readonly Entry[], visit: (e: Entry) => void): Entry[] {
     const old = order;
-    const next: Entry[] = [];
+    // Nothing to merge: the order is compacted in place (it never writes ahead of where it reads). Else the
+    // spare array (the order before last) is refilled, so no pass allocates an array of the whole queue.
+    const inPlace = added.length === 0;
+    const next = inPlace ? old : spare;
+    let k = 0;
     let i = 0;
     let j = 0;
     for (;;) {
@@ -317,8 +346,13 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       if (i < old.length && (j >= added.length || byOrder(old[i]!, added[j]!) <= 0)) e = old[i++]!;
       else if (j < added.length) e = added[j++]!;
       else break;
-      next.push(e);
+      next[k++] = e;
       visit(e);
+    }
+    next.length = k;
+    if (!inPlace) {
+      old.length = 0;
+      spare = old;
     }
     return next;
   }
@@ -379,6 +413,101 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     });
   }
 
+  /**
+   * A worker's free room after its runners, kept across passes: recomputed only when its type, runners (same
+   * objects in the same order, same GPU assignments) or their queue rows (rows are replaced, never changed)
+   * differ from the last pass's. Also notes the staged bundles among its runners (markRunner).
+   */
+  const rooms = new Map<WorkerView, WorkerRoom>();
+  function roomOf(w: WorkerView, t: InstanceType): WorkerRoom {
+    let c = rooms.get(w);
+    if (c !== undefined && c.type === t && c.runners.length === w.runners.size) {
+      let i = 0;
+      let same = true;
+      for (const r of w.runners.values()) {
+        const bundle = queue.get(c.keys[i]!);
+        if (r !== c.runners[i] || r.gpuDevices !== c.devices[i] || bundle !== c.bundles[i]) {
+          same = false;
+          break;
+        }
+        i++;
+      }
+      if (same) {
+        c.pass = pass;
+        for (let k = 0; k < c.staged.length; k++) markRunner(c.staged[k]!, w.id);
+        return c;
+      }
+    }
+    let vcpus = t.vcpus;
+    let ram = t.ram;
+    let scratch = t.scratch;
+    const deviceCount = t.gpu?.deviceCount ?? 0;
+    let gpus: readonly number[] = NO_GPUS;
+    let used: Set<number> | null = deviceCount > 0 ? new Set() : null;
+    let full = false;
+    c = {
+      type: t,
+      pass,
+      runners: [],
+      keys: [],
+      devices: [],
+      bundles: [],
+      staged: [],
+      vcpus,
+      ram,
+      scratch,
+      gpus,
+    };
+    for (const r of w.runners.values()) {
+      const bundle = queue.get(r.uuid);
+      c.runners.push(r);
+      c.keys.push(bundle === undefined ? r.uuid : bundle.uuid);
+      c.devices.push(r.gpuDevices);
+      c.bundles.push(bundle);
+      // Only a bundle staged in the queue has an entry this pass sees (scanStaged just read the same queue).
+      if (bundle !== undefined && bundle.state === "staged") {
+        c.staged.push(r.uuid);
+        markRunner(r.uuid, w.id);
+      }
+      if (full) continue;
+      if (bundle === undefined) {
+        // Not ours to measure (final, or unknown): it fills the whole worker.
+        vcpus = ram = scratch = 0;
+        used = null;
+        full = true;
+        continue;
+      }
+      const { demand: d, gpuCount } = shapeOf(bundle);
+      vcpus -= d.vcpus;
+      ram -= d.ram;
+      scratch -= d.scratch;
+      if (used === null || gpuCount === 0) continue;
+      // The pool's assignment, else the store's (a runner found after a restart); unknown: all are taken.
+      const devices = r.gpuDevices.length > 0 ? r.gpuDevices : bundle.gpuDevices;
+      if (devices.length < gpuCount) used = null;
+      else for (const g of devices) used.add(g);
+    }
+    if (used !== null) {
+      const free: number[] = [];
+      for (let g = 0; g < deviceCount; g++) if (!used.has(g)) free.push(g);
+      gpus = free;
+    }
+    c.vcpus = vcpus;
+    c.ram = ram;
+    c.scratch = scratch;
+    c.gpus = gpus;
+    rooms.set(w, c);
+    return c;
+  }
+  /** Notes that a staged bundle already has a runner (the pool started it; the store may not say so yet). */
+  function markRunner(uuid: string, workerId: string): void {
+    const e = entries.get(uuid);
+    if (e !== undefined) {
+      e.runnerOn = workerId;
+      e.runnerPass = pass;
+    }
+  }
+
   async function runPass(): Promise<PassResult> {
     pass++;
     const now = clock.now();
@@ -394,47 +523,17 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     const heldTypes = new Set<string>();
 
     const addSlot = (w: WorkerView): Slot | null => {
-      for (const uuid of w.runners.keys()) {
-        const e = entries.get(uuid);
-        if (e !== undefined) {
-          e.runnerOn = w.id;
-          e.runnerPass = pass;
-        }
-      }
       const live = w.state !== "shutdown" && !w.broken;
       if (live && !w.placeholder && w.idleBehavior === "run") runTypes.add(w.instanceType.name);
       if (live && w.idleBehavior === "hold") heldTypes.add(w.instanceType.name);
-      if (!live || w.idleBehavior !== "run") return null;
-      const t = w.instanceType;
-      let vcpus = t.vcpus;
-      let ram = t.ram;
-      let scratch = t.scratch;
-      const deviceCount = t.gpu?.deviceCount ?? 0;
-      let gpus: readonly number[] = NO_GPUS;
-      let used: Set<number> | null = deviceCount > 0 ? new Set() : null;
-      for (const r of w.runners.values()) {
-        const bundle = queue.get(r.uuid);
-        if (bundle === undefined) {
-          // Not ours to measure (final, or unknown): it fills the whole worker.
-          vcpus = ram = scratch = 0;
-          used = null;
-          break;
+      if (!live || w.idleBehavior !== "run") {
+        for (const uuid of w.runners.keys()) {
+          if (queue.get(uuid)?.state === "staged") markRunner(uuid, w.id);
         }
-        const { demand: d, gpuCount } = shapeOf(bundle);
-        vcpus -= d.vcpus;
-        ram -= d.ram;
-        scratch -= d.scratch;
-        if (used === null || gpuCount === 0) continue;
-        // The pool's assignment, else the store's (a runner found after a restart); unknown: all are taken.
-        const devices = r.gpuDevices.length > 0 ? r.gpuDevices : bundle.gpuDevices;
-        if (devices.length < gpuCount) used = null;
-        else for (const g of devices) used.add(g);
+        return null;
       }
-      if (used !== null) {
-        const free: number[] = [];
-        for (let g = 0; g < deviceCount; g++) if (!used.has(g)) free.push(g);
-        gpus = free;
-      }
+      const t = w.instanceType;
+      const { vcpus, ram, scratch, gpus } = roomOf(w, t);
       const slot: Slot = {
         worker: w,
         id: w.id,
@@ -472,6 +571,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     }
     for (const w of pool.workers()) addSlot(w);
     for (const list of byType.values()) list.sort(bySlot);
+    for (const [w, c] of rooms) if (c.pass !== pass) rooms.delete(w);
 
     const prepare = (shape: Shape) => {
       if (shape.pass === pass) return;
@@ -672,7 +772,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       }
       const shape = e.shape;
       // A bundle requeued after its last attempt (its runner never started) would otherwise wait forever.
-      if (!shape.eligible.ok || e.bundle.attempt >= e.bundle.maxAttempts) {
+      if (!shape.eligible.ok || e.exhausted) {
         unrunnable.push(e);
         return;
       }
