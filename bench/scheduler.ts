@@ -18,7 +18,7 @@
 import { pino } from "pino";
 import { Registry } from "prom-client";
 import { createDefaultRegistry, openInstanceSet } from "../cloud-drivers/registry.ts";
-import { StubCloud } from "../cloud-drivers/stub/driver.ts";
+import { mulberry32, StubCloud } from "../cloud-drivers/stub/driver.ts";
 import type { InstanceType } from "../cloud-drivers/types.ts";
 import { parseConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
@@ -140,16 +140,7 @@ function rowOf(b: Bundle): BundleRow {
 }
 
 /** A small seeded PRNG, so every run builds the same world. */
-function rng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
+const rng = mulberry32;
 
 const SHAPES: Array<{ weight: number; resources: BundleResources }> = [
   { weight: 40, resources: { vcpus: 1, ram: 2 * GiB, scratch: 10 * GiB, gpu: null } },

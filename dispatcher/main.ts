@@ -27,7 +27,7 @@ import { loadDispatcherKey } from "./pool/bootstrap.ts";
 import { createWorkerPool, type PoolEvent, type WorkerPool } from "./pool/pool.ts";
 import { type BundleQueue, createBundleQueue } from "./queue/queue.ts";
 import { createScheduler, type Scheduler } from "./scheduler/scheduler.ts";
-import { createSshExecutor } from "./sshexec/executor.ts";
+import { sshConnector } from "./sshexec/executor.ts";
 import type { Executor } from "./sshexec/types.ts";
 import { createSync, type Sync } from "./sync.ts";
 
@@ -190,16 +190,12 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
   }> => {
     if (opts.connect !== undefined) return { connect: opts.connect, publicKey: opts.dispatcherPublicKey };
     const key = await loadDispatcherKey(config);
-    const connect = (instance: Instance, secret: string) =>
-      createSshExecutor({
-        address: instance.address,
-        user: instance.remoteUser,
-        privateKey: key.privateKey,
-        expectedSecret: secret,
-        defaultPort: config.cloud.sshPort,
-        logger: opts.logger.child({ component: "sshexec", instanceId: instance.id }),
-        clock,
-      });
+    const connect = sshConnector({
+      privateKey: key.privateKey,
+      sshPort: config.cloud.sshPort,
+      logger: opts.logger,
+      clock,
+    });
     return { connect, publicKey: key.publicKey };
   };
 

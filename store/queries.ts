@@ -101,7 +101,7 @@ const userFromRow = (r: UserRow): User => ({
   createdAt: r.created_at,
 });
 
-interface EventRow {
+export interface EventRow {
   id: number;
   bundle_uuid: string;
   from_state: BundleState | null;
@@ -112,7 +112,7 @@ interface EventRow {
   created_at: Date;
 }
 
-const eventFromRow = (r: EventRow): BundleEvent => ({
+export const eventFromRow = (r: EventRow): BundleEvent => ({
   id: Number(r.id),
   bundleUuid: r.bundle_uuid,
   fromState: r.from_state,

@@ -14,6 +14,7 @@ import type { PoolEvent } from "../dispatcher/pool/pool.ts";
 import type { Logger } from "../lib/logger.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import type { Db } from "../store/db.ts";
+import { type EventRow, eventFromRow } from "../store/queries.ts";
 import { stageBundle } from "../store/transitions.ts";
 import type { BundleEvent, BundleState, NewBundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, type DbKind, openTestDb, type TestDb } from "./db.ts";
@@ -187,26 +188,8 @@ export async function createHarness(opts: {
       }
     },
     async events() {
-      const { rows } = await db.query<{
-        id: number;
-        bundle_uuid: string;
-        from_state: BundleState | null;
-        to_state: BundleState;
-        attempt: number;
-        reason: string | null;
-        actor: string;
-        created_at: Date;
-      }>("SELECT * FROM bundle_events ORDER BY id");
-      return rows.map((r) => ({
-        id: Number(r.id),
-        bundleUuid: r.bundle_uuid,
-        fromState: r.from_state,
-        toState: r.to_state,
-        attempt: r.attempt,
-        reason: r.reason,
-        actor: r.actor,
-        createdAt: r.created_at,
-      }));
+      const { rows } = await db.query<EventRow>("SELECT * FROM bundle_events ORDER BY id");
+      return rows.map(eventFromRow);
     },
     async states(uuids) {
       const { rows } = await db.query<{ uuid: string; state: BundleState }>(

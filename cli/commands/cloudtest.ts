@@ -2,7 +2,7 @@ import { Registry } from "prom-client";
 import { createDefaultRegistry, openInstanceSet } from "../../cloud-drivers/registry.ts";
 import { runCloudtest } from "../../dispatcher/cloudtest.ts";
 import { loadDispatcherKey } from "../../dispatcher/pool/bootstrap.ts";
-import { createSshExecutor } from "../../dispatcher/sshexec/executor.ts";
+import { sshConnector } from "../../dispatcher/sshexec/executor.ts";
 import { systemClock } from "../../lib/clock.ts";
 import { createLogger } from "../../lib/logger.ts";
 import { parse } from "../args.ts";
@@ -53,16 +53,7 @@ export async function cloudtestCommand(io: CliIo): Promise<number> {
         clock,
         key,
         out: io.out,
-        connect: (instance, secret) =>
-          createSshExecutor({
-            address: instance.address,
-            user: instance.remoteUser,
-            privateKey: key.privateKey,
-            expectedSecret: secret,
-            defaultPort: config.cloud.sshPort,
-            logger: logger.child({ component: "sshexec", instanceId: instance.id }),
-            clock,
-          }),
+        connect: sshConnector({ privateKey: key.privateKey, sshPort: config.cloud.sshPort, logger, clock }),
       },
     );
     return ok ? EXIT_OK : EXIT_FAILED;

@@ -78,6 +78,28 @@ export interface SshExecutor extends Executor {
 }
 
 /** Creates an executor for one instance: one lazily opened, multiplexed SSH connection shared by commands. */
+/**
+ * The executor factory the dispatcher and cloudtest use: one executor per instance, as its remote user, with
+ * the dispatcher's key, proving the instance's secret before anything else.
+ */
+export function sshConnector(opts: {
+  privateKey: string;
+  sshPort: number;
+  logger: Logger;
+  clock: Clock;
+}): (instance: { id: string; address: string; remoteUser: string }, expectedSecret: string) => SshExecutor {
+  return (instance, expectedSecret) =>
+    createSshExecutor({
+      address: instance.address,
+      user: instance.remoteUser,
+      privateKey: opts.privateKey,
+      expectedSecret,
+      defaultPort: opts.sshPort,
+      logger: opts.logger.child({ component: "sshexec", instanceId: instance.id }),
+      clock: opts.clock,
+    });
+}
+
 export function createSshExecutor(opts: SshExecutorOptions): SshExecutor {
   return new SshExecutorImpl(opts);
 }
