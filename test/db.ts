@@ -124,25 +124,31 @@ export async function openTestDb(kind: DbKind): Promise<TestDb> {
  */
 export function describeEachDb(name: string, fn: (getDb: () => TestDb) => void): void {
   for (const kind of ["pg", "pglite"] as const) {
-    describe(`${name} [${kind}]`, () => {
-      let db: TestDb | undefined;
-      let setupError: unknown;
-      beforeAll(async () => {
-        try {
-          db = await openTestDb(kind);
-        } catch (err) {
-          setupError = err;
-        }
-      });
-      afterAll(async () => {
-        await db?.close();
-      });
-      fn(() => {
-        if (!db) throw setupError ?? new Error(`no ${kind} test database`);
-        return db;
-      });
-    });
+    describe(`${name} [${kind}]`, () => fn(useTestDb(kind)));
   }
+}
+
+/**
+ * A database of one kind for the enclosing describe block. A database that cannot be opened fails every test
+ * that calls the getter, with the reason (never a skip).
+ */
+export function useTestDb(kind: DbKind): () => TestDb {
+  let db: TestDb | undefined;
+  let setupError: unknown;
+  beforeAll(async () => {
+    try {
+      db = await openTestDb(kind);
+    } catch (err) {
+      setupError = err;
+    }
+  });
+  afterAll(async () => {
+    await db?.close();
+  });
+  return () => {
+    if (db === undefined) throw setupError ?? new Error(`no ${kind} test database`);
+    return db;
+  };
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -319,25 +319,4 @@ export function unexplainedLosses(events: readonly BundleEvent[], runners: FakeR
     .map((e) => `${e.bundleUuid} attempt ${e.attempt}: ${e.toState} (${e.reason ?? ""})`);
 }
 
-/**
- * A database of one kind for the enclosing describe block. A database that cannot be opened fails every test
- * that calls the getter, with the reason (never a skip).
- */
-export function useTestDb(kind: DbKind): () => TestDb {
-  let db: TestDb | undefined;
-  let setupError: unknown;
-  beforeAll(async () => {
-    try {
-      db = await openTestDb(kind);
-    } catch (err) {
-      setupError = err;
-    }
-  });
-  afterAll(async () => {
-    await db?.close();
-  });
-  return () => {
-    if (db === undefined) throw setupError ?? new Error(`no ${kind} test database`);
-    return db;
-  };
-}
+export { useTestDb } from "./db.ts";
