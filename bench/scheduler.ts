@@ -33,6 +33,7 @@ import type { Db } from "../store/db.ts";
 import type { BundleRow } from "../store/queries.ts";
 import type { Bundle, BundleResources, BundleState } from "../store/types.ts";
 import { FakeClock } from "../test/fake-clock.ts";
+import { MemoryQueue } from "../test/stub-pool.ts";
 
 const BUNDLES = Number(process.env["BENCH_BUNDLES"] ?? 100_000);
 const INSTANCES = Number(process.env["BENCH_INSTANCES"] ?? 10_000);
@@ -238,22 +239,6 @@ function bundle(
     finishedAt: null,
     ...extra,
   };
-}
-
-class MemoryQueue implements QueueView {
-  readonly map = new Map<string, Bundle>();
-  all(): Iterable<Bundle> {
-    return this.map.values();
-  }
-  get(uuid: string): Bundle | undefined {
-    return this.map.get(uuid);
-  }
-  apply(b: Bundle): void {
-    const cur = this.map.get(b.uuid);
-    if (cur !== undefined && cur.changeSeq > b.changeSeq) return;
-    if (b.state === "staged" || b.state === "starting" || b.state === "running") this.map.set(b.uuid, b);
-    else this.map.delete(b.uuid);
-  }
 }
 
 function percentile(sorted: number[], p: number): number {

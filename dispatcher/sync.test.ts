@@ -1,7 +1,6 @@
 import { randomBytes } from "node:crypto";
 import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import type { InstanceType } from "../cloud-drivers/types.ts";
 import { parseConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
 import type { Db } from "../store/db.ts";
@@ -10,8 +9,9 @@ import { killBundle, markRunning, stageBundle, startBundle } from "../store/tran
 import type { Bundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, openTestDb, type TestDb } from "../test/db.ts";
 import { FakeClock } from "../test/fake-clock.ts";
+import { MemoryQueue, testInstanceType } from "../test/stub-pool.ts";
 import { createSync, type SyncPool } from "./sync.ts";
-import type { QueueView, RunnerView, WorkerView } from "./types.ts";
+import type { RunnerView, WorkerView } from "./types.ts";
 
 const PROBE = 1000;
 const STALE = 60_000;
@@ -24,18 +24,7 @@ function testConfig(): Config {
   return config;
 }
 
-const TYPE: InstanceType = {
-  name: "t1",
-  providerType: "t1",
-  vcpus: 2,
-  ram: 2 ** 31,
-  includedScratch: 0,
-  addedScratch: 0,
-  scratch: 0,
-  price: 0.1,
-  preemptible: false,
-  gpu: null,
-};
+const TYPE = testInstanceType("t1", { vcpus: 2, ramGiB: 2, price: 0.1, scratchGiB: 0 });
 
 type MutableWorker = { -readonly [K in keyof WorkerView]: WorkerView[K] } & {
   runners: Map<string, RunnerView>;
@@ -74,22 +63,6 @@ class FakePool implements SyncPool {
 
   killRunner(workerId: string, uuid: string, reason: string): void {
     this.kills.push({ workerId, uuid, reason });
-  }
-}
-
-class MapQueue implements QueueView {
-  readonly map = new Map<string, Bundle>();
-  all(): Iterable<Bundle> {
-    return this.map.values();
-  }
-  get(uuid: string): Bundle | undefined {
-    return this.map.get(uuid);
-  }
-  apply(b: Bundle): void {
-    const cur = this.map.get(b.uuid);
-    if (cur !== undefined && cur.changeSeq > b.changeSeq) return;
-    if (["staged", "starting", "running"].includes(b.state)) this.map.set(b.uuid, b);
-    else this.map.delete(b.uuid);
   }
 }
 
@@ -134,7 +107,7 @@ describe("sync", () => {
   function setup(startedAt?: number) {
     const clock = new FakeClock();
     const pool = new FakePool();
-    const queue = new MapQueue();
+    const queue = new MemoryQueue();
     const sync = createSync({
       queue,
       pool,

@@ -1,6 +1,5 @@
 import { expect, it } from "vitest";
 import { StubCloud } from "../cloud-drivers/stub/driver.ts";
-import type { InstanceType } from "../cloud-drivers/types.ts";
 import { runnerCommands } from "../dispatcher/pool/runner-commands.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import { hashToken, newRunnerToken } from "../rest-server/tokens.ts";
@@ -10,19 +9,9 @@ import { stageBundle, startBundle } from "../store/transitions.ts";
 import { createTestBundle, createTestUser, describeEachDb } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
 import { attachFakeRunners, defaultDuration, defaultExitCode } from "./fake-runner.ts";
+import { testInstanceType } from "./stub-pool.ts";
 
-const TYPE: InstanceType = {
-  name: "t1",
-  providerType: "t1",
-  vcpus: 2,
-  ram: 2 ** 31,
-  includedScratch: 0,
-  addedScratch: 0,
-  scratch: 0,
-  price: 0.1,
-  preemptible: false,
-  gpu: null,
-};
+const TYPE = testInstanceType("t1", { vcpus: 2, ramGiB: 2, price: 0.1, scratchGiB: 0 });
 
 const RUNNER = Buffer.from("#!/bin/sh\n");
 
