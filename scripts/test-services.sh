@@ -12,6 +12,8 @@ pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || tr
 [ -n "$pg_bin" ] && [ -x "$pg_bin/initdb" ] || need_apt+=(postgresql)
 [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
 command -v unshare >/dev/null || need_apt+=(util-linux)
+command -v dockerd >/dev/null || need_apt+=(docker.io)
+[ -x /bin/busybox ] || need_apt+=(busybox-static)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     log "missing Debian packages: ${need_apt[*]}; install them as root: apt-get install -y ${need_apt[*]}"
@@ -44,5 +46,36 @@ if [ "$(id -u)" = 0 ] && ! id "$VM_USER" >/dev/null 2>&1; then
   log "creating user $VM_USER (shell /bin/sh) for local VMs"
   useradd --create-home --shell /bin/sh "$VM_USER"
 fi
+# Docker: the daemon (started here if it does not answer), the VM user in the docker group, and the test images
+# (no registry is reachable: images are made with `docker import` from a busybox-static root).
+if ! docker version >/dev/null 2>&1; then
+  if [ "$(id -u)" != 0 ]; then
+    log "the Docker daemon does not answer; start it as root: dockerd &  (Debian package docker.io)"
+    exit 1
+  fi
+  log "starting dockerd"
+  nohup dockerd >/tmp/dispatch-cloud-dockerd.log 2>&1 &
+  for _ in $(seq 1 60); do docker version >/dev/null 2>&1 && break; sleep 0.5; done
+  docker version >/dev/null 2>&1 || { log "dockerd did not start; see /tmp/dispatch-cloud-dockerd.log"; exit 1; }
+fi
+if [ "$(id -u)" = 0 ] && ! id -nG "$VM_USER" | grep -qw docker; then
+  getent group docker >/dev/null || groupadd docker
+  usermod -aG docker "$VM_USER"
+  chgrp docker /var/run/docker.sock && chmod 0660 /var/run/docker.sock
+fi
+TEST_IMAGE=dctest/busybox:1
+if ! docker image inspect "$TEST_IMAGE" >/dev/null 2>&1; then
+  log "making test image $TEST_IMAGE (docker import of a busybox-static root)"
+  root=$(mktemp -d)
+  mkdir -p "$root/bin" "$root/tmp" "$root/out" "$root/in"
+  chmod 1777 "$root/tmp"
+  cp /bin/busybox "$root/bin/busybox"
+  for applet in $(/bin/busybox --list); do
+    [ "$applet" = busybox ] || ln -s busybox "$root/bin/$applet"
+  done
+  tar -C "$root" -c . | docker import -c 'ENV PATH=/bin' - "$TEST_IMAGE" >/dev/null
+  rm -rf "$root"
+fi
+echo "export DISPATCH_CLOUD_TEST_IMAGE=$TEST_IMAGE"
 echo "export DISPATCH_CLOUD_TEST_VM_USER=$VM_USER"
 echo "export DISPATCH_CLOUD_TEST_PG_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"

@@ -1,3 +1,4 @@
+import { execFileSync } from "node:child_process";
 /** Shared by the local driver's tests: a bare ssh2 client, and a check for leftover VM processes. */
 import { readdirSync, readFileSync } from "node:fs";
 import ssh2 from "ssh2";
@@ -95,4 +96,20 @@ export function requireOpenSsh(): string {
   const unavailable = openSshUnavailable();
   if (unavailable !== undefined) throw new Error(unavailable);
   return process.env["DISPATCH_CLOUD_TEST_VM_USER"] ?? "dcvm";
+}
+
+/**
+ * The test image for Docker (made by scripts/test-services.sh with `docker import` from a busybox-static root),
+ * after checking that the daemon answers and the image exists; throws saying how to get them otherwise.
+ */
+export function requireDockerImage(): string {
+  const image = process.env["DISPATCH_CLOUD_TEST_IMAGE"] ?? "dctest/busybox:1";
+  const hint =
+    "run `bash scripts/test-services.sh` as root (installs docker.io and busybox-static, starts dockerd, makes the image)";
+  try {
+    execFileSync("docker", ["image", "inspect", image], { stdio: "ignore", timeout: 20_000 });
+  } catch {
+    throw new Error(`Docker test image ${image} is not available (no daemon, or no image): ${hint}`);
+  }
+  return image;
 }

@@ -2,7 +2,7 @@
  * The local cloud driver with real VM processes and real SSH servers, in both SSH modes: create, list,
  * SSH in, init at boot, setTags, destroy; quota; VMs outliving the process that created them.
  */
-import { spawn } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { createRequire } from "node:module";
 import { tmpdir } from "node:os";
@@ -18,7 +18,14 @@ import { generateKeyPair } from "../cloud-drivers/local/ssh-embedded.ts";
 import type { Instance, InstanceSet, InstanceType } from "../cloud-drivers/types.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createLogger } from "../lib/logger.ts";
-import { connect, processesUnder, requireOpenSsh, run, waitFor } from "./local-driver-helpers.ts";
+import {
+  connect,
+  processesUnder,
+  requireDockerImage,
+  requireOpenSsh,
+  run,
+  waitFor,
+} from "./local-driver-helpers.ts";
 
 const logger = createLogger({ level: "warn", format: "json" });
 const deps = () => ({ logger, clock: systemClock, registry: new Registry() });
@@ -38,6 +45,13 @@ const type: InstanceType = {
 // biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, as on a real instance
 const INIT = 'umask 0177; echo -n s3cret > "${DISPATCH_VM_ROOT:-}/var/run/dispatch-cloud-instance-secret"';
 const SECRET_FILE = "var/run/dispatch-cloud-instance-secret";
+const TEST_IMAGE = requireDockerImage();
+const vmContainers = (root: string) =>
+  execFileSync("docker", ["ps", "-aq", "--filter", `label=dispatch-cloud.vm-root=${root}`], {
+    encoding: "utf8",
+  })
+    .split("\n")
+    .filter(Boolean);
 
 /** Per mode, a different address prefix, so this file's sshd VMs never collide with other test files'. */
 const MODES = [
@@ -143,6 +157,13 @@ describe.each(MODES)("local driver, $mode SSH server", ({ mode, extra }) => {
       await run(client, "setsid sleep 300 </dev/null >/dev/null 2>&1 &");
       client.exec("sleep 300", () => {});
       await waitFor("both sleeps", () => processesUnder(root).length >= 2);
+      // A container started from inside the VM, labelled with its root as crunch-run labels them.
+      const started = await run(
+        client,
+        `docker run -d --network none --label "dispatch-cloud.vm-root=$DISPATCH_VM_ROOT" ${TEST_IMAGE} sleep 300`,
+      );
+      expect(started.code, started.stderr).toBe(0);
+      expect(vmContainers(root)).toHaveLength(1);
     } finally {
       // openssh: sshd's per-connection processes mention no VM path; they share its mount namespace.
       const ns = readIfExists(path.join(stateDir, other.id, "sshd.ns"));
@@ -152,6 +173,7 @@ describe.each(MODES)("local driver, $mode SSH server", ({ mode, extra }) => {
       client.destroy();
     }
     expect(processesUnder(path.join(stateDir, other.id))).toEqual([]);
+    expect(vmContainers(root)).toEqual([]);
     if (sshdNamespace !== undefined) expect(findPids({ mountNs: sshdNamespace })).toEqual([]);
     expect(existsSync(path.join(stateDir, other.id))).toBe(false);
     expect((await set.instances({})).map((i) => i.id)).toEqual([vm.id]);

@@ -24,6 +24,7 @@ import { DispatchCloudError } from "../../lib/errors.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { CloudError, CloudQuotaError } from "../errors.ts";
 import type { CloudDriver, Instance, InstanceSet, InstanceType, Tags } from "../types.ts";
+import { removeVmContainers } from "./containers.ts";
 import { VM_MAIN_PATTERN, vmMainArgs } from "./launch.ts";
 import { readIfExists, type VmFiles, type VmRecord, vmFiles, writeFileAtomic } from "./layout.ts";
 import { type LocalParameters, parseLocalParameters } from "./params.ts";
@@ -325,6 +326,16 @@ class LocalInstanceSet implements InstanceSet {
       ...(mountNs ? { mountNs } : {}),
     });
     if (leftovers.length > 0) await terminate(leftovers, 2000);
+    try {
+      const removed = await removeVmContainers(files.root);
+      if (removed.length > 0)
+        this.log.info(
+          { instanceId: path.basename(files.dir), containers: removed.length },
+          "containers removed",
+        );
+    } catch (err) {
+      this.log.warn({ err, instanceId: path.basename(files.dir) }, "could not remove the VM's containers");
+    }
     if (why !== "destroyed" && existsSync(files.log)) {
       try {
         renameSync(files.log, path.join(this.p.stateDir, `failed-${path.basename(files.dir)}.log`));
