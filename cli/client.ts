@@ -46,6 +46,21 @@ export class ApiClient {
   ) {}
 
   async request<T>(method: string, path: string, body?: unknown): Promise<T> {
+    const res = await this.send(method, path, body);
+    const text = await res.text();
+    try {
+      return (text === "" ? undefined : JSON.parse(text)) as T;
+    } catch {
+      return undefined as T;
+    }
+  }
+
+  /** The response of a request whose answer is not (only) JSON, once its status says it succeeded. */
+  async raw(method: string, path: string): Promise<Response> {
+    return this.send(method, path, undefined);
+  }
+
+  private async send(method: string, path: string, body: unknown): Promise<Response> {
     const url = new URL(path, this.opts.apiUrl.endsWith("/") ? this.opts.apiUrl : `${this.opts.apiUrl}/`);
     let res: Response;
     try {
@@ -65,6 +80,7 @@ export class ApiClient {
         { cause: err },
       );
     }
+    if (res.ok) return res;
     const text = await res.text();
     let parsed: unknown;
     try {
@@ -72,16 +88,43 @@ export class ApiClient {
     } catch {
       parsed = undefined;
     }
-    if (!res.ok) {
-      const e = (parsed as { error?: { code?: string; message?: string; path?: string } } | undefined)?.error;
-      const code: ErrorCode =
-        e?.code !== undefined && e.code in ERROR_CODES ? (e.code as ErrorCode) : "internal.error";
-      throw new DispatchCloudError(
-        code,
-        e?.message ?? `HTTP ${res.status} from ${url.pathname}`,
-        e?.path === undefined ? {} : { path: e.path },
-      );
-    }
-    return parsed as T;
+    const e = (parsed as { error?: { code?: string; message?: string; path?: string } } | undefined)?.error;
+    const code: ErrorCode =
+      e?.code !== undefined && e.code in ERROR_CODES ? (e.code as ErrorCode) : "internal.error";
+    throw new DispatchCloudError(
+      code,
+      e?.message ?? `HTTP ${res.status} from ${url.pathname}`,
+      e?.path === undefined ? {} : { path: e.path },
+    );
   }
+}
+
+/** A CliIo that may also write raw bytes to stdout. */
+export type ByteIo = CliIo & { write?: (bytes: Uint8Array) => void };
+
+/**
+ * Copies a response body to stdout: as bytes when the io can write bytes, else as UTF-8 lines through
+ * io.out (a last line without a newline gets one).
+ */
+export async function copyToStdout(io: ByteIo, res: Response): Promise<number> {
+  let bytes = 0;
+  if (res.body === null) return 0;
+  const write = io.write;
+  const decoder = new TextDecoder("utf-8");
+  let partial = "";
+  for await (const chunk of res.body as unknown as AsyncIterable<Uint8Array>) {
+    bytes += chunk.length;
+    if (write !== undefined) {
+      write(chunk);
+      continue;
+    }
+    const lines = (partial + decoder.decode(chunk, { stream: true })).split("\n");
+    partial = lines.pop() ?? "";
+    for (const line of lines) io.out(line);
+  }
+  if (write === undefined) {
+    partial += decoder.decode();
+    if (partial !== "") io.out(partial);
+  }
+  return bytes;
 }

@@ -1,13 +1,41 @@
-import { runCli } from "./cli.ts";
 import type { CliIo } from "./io.ts";
 
-/** The process entry of `dispatch-cloud` (bin/dispatch-cloud runs this file). */
-const io: CliIo = {
-  argv: process.argv.slice(2),
-  env: process.env,
-  cwd: process.cwd(),
-  out: (line) => process.stdout.write(`${line}\n`),
-  err: (line) => process.stderr.write(`${line}\n`),
-  progress: (line) => process.stderr.write(`${line}\n`),
-};
-process.exitCode = await runCli(io);
+/**
+ * The process entry of `dispatch-cloud` (bin/dispatch-cloud runs this file; the one-file build starts here).
+ * The same program is crunch-run on a VM: an argument list starting with an option (`--detach`, `--list`,
+ * `--kill`, `--version`, ...) runs crunch-run. Both are loaded lazily so that crunch-run never pays for loading
+ * the REST server and the dispatcher.
+ */
+async function main(argv: string[]): Promise<number> {
+  if (argv[0]?.startsWith("--") === true && argv[0] !== "--help") {
+    const { runCrunchRun } = await import("../crunch-run/main.ts");
+    return runCrunchRun(argv);
+  }
+  if (argv[0] === "__local-vm") {
+    // Hidden: a local VM process started by the local driver from the built artifact; it exits by itself.
+    const { runLocalVm } = await import("../cloud-drivers/local/vm-main.ts");
+    return new Promise<number>(() => runLocalVm(argv[1]));
+  }
+  const { runCli } = await import("./cli.ts");
+  const io: CliIo = {
+    argv,
+    env: process.env,
+    cwd: process.cwd(),
+    out: (line) => process.stdout.write(`${line}\n`),
+    err: (line) => process.stderr.write(`${line}\n`),
+    progress: (line) => process.stderr.write(`${line}\n`),
+  };
+  return runCli(io);
+}
+
+main(process.argv.slice(2)).then(
+  (code) => {
+    process.exitCode = code;
+  },
+  (err: unknown) => {
+    process.stderr.write(
+      `dispatch-cloud: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}\n`,
+    );
+    process.exitCode = 1;
+  },
+);

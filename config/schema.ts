@@ -170,6 +170,10 @@ const RestServer = Section("The users' and runners' REST API.", {
     expected: "empty or an http:// or https:// URL",
   }),
   maxRequestBodySize: Size("Largest request body accepted.", "1MiB"),
+  maxOutputSize: Size(
+    "Largest output archive a runner may upload for one bundle (sum of its files' sizes).",
+    "10GiB",
+  ),
 });
 
 const Management = Section("The operators' management API, /metrics and health checks.", {
@@ -231,8 +235,8 @@ const Dispatcher = Section("Queue and scheduler.", {
   ),
   privateKey: Secret("SSH private key the dispatcher uses to reach instances (PEM or OpenSSH format)."),
   runtimeEngine: OneOf(
-    ["docker", "process"] as const,
-    "How crunch-run runs a bundle: docker, or process (no isolation; only for trying dispatch-cloud out).",
+    ["docker", "process", "auto"] as const,
+    "How crunch-run runs a bundle: docker, process (no isolation; only for trying dispatch-cloud out), or auto (docker if its daemon answers on the instance, else process; `serve` without --config uses auto).",
     "docker",
   ),
   schedulingStatusInterval: Duration("2s", "How often queued bundles' schedulingStatus text is refreshed.", {

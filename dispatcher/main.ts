@@ -9,7 +9,6 @@
  * Nothing running is touched at start-up: probes rediscover runners, and sync requeues `starting` bundles that
  * run nowhere once staleLockTimeout has passed.
  */
-import { createHash } from "node:crypto";
 import { Registry } from "prom-client";
 import {
   createDefaultRegistry,
@@ -26,6 +25,7 @@ import { instanceTypesFromConfig } from "./instance-types.ts";
 import { loadDispatcherKey } from "./pool/bootstrap.ts";
 import { createWorkerPool, type PoolEvent, type WorkerPool } from "./pool/pool.ts";
 import { type BundleQueue, createBundleQueue } from "./queue/queue.ts";
+import { loadRunnerArtifact } from "./runner-artifact.ts";
 import { createScheduler, type Scheduler } from "./scheduler/scheduler.ts";
 import { sshConnector } from "./sshexec/executor.ts";
 import type { Executor } from "./sshexec/types.ts";
@@ -34,29 +34,10 @@ import { createSync, type Sync } from "./sync.ts";
 /** How often a standby tries to take the lock. */
 export const LOCK_RETRY_INTERVAL_MS = 3000;
 
+/** The file deployed to instances as crunch-run (dispatcher/runner-artifact.ts loads it). */
 export interface RunnerArtifact {
   content: Buffer;
   sha256: string;
-}
-
-/**
- * A stand-in for crunch-run until it exists (issue 5): `--list` prints nothing, `--kill` succeeds, and
- * `--detach` reads its start document and fails with a message, so the pool requeues the bundle.
- */
-export function placeholderRunner(): RunnerArtifact {
-  const content = Buffer.from(
-    [
-      "#!/bin/sh",
-      "# dispatch-cloud placeholder runner: crunch-run is not built yet.",
-      'case "$1" in',
-      "  --list|--kill) exit 0 ;;",
-      '  --detach) cat >/dev/null; echo "crunch-run is not available yet (placeholder runner)" >&2; exit 1 ;;',
-      '  *) echo "placeholder runner: unsupported arguments: $*" >&2; exit 2 ;;',
-      "esac",
-      "",
-    ].join("\n"),
-  );
-  return { content, sha256: createHash("sha256").update(content).digest("hex") };
 }
 
 export interface DispatcherOptions {
@@ -77,7 +58,10 @@ export interface DispatcherOptions {
   connect?: (instance: Instance, expectedSecret: string) => Executor;
   /** With `connect`: the authorized_keys line new instances get (none when absent). */
   dispatcherPublicKey?: string;
-  /** What to deploy as crunch-run; default placeholderRunner(). */
+  /**
+   * What to deploy as crunch-run; default loadRunnerArtifact() with cloud.deployRunnerBinary (loaded when the
+   * dispatcher first becomes active).
+   */
   runner?: RunnerArtifact;
   /** The REST server URL runners call (put in every start document). */
   runnerApiUrl: string;
@@ -160,7 +144,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
   const registry = opts.registry ?? new Registry();
   const lockKey = `dispatch-cloud:${instanceSetId(config)}`;
   const retryInterval = opts.lockRetryInterval ?? LOCK_RETRY_INTERVAL_MS;
-  const runner = opts.runner ?? placeholderRunner();
+  let runner: RunnerArtifact | undefined = opts.runner;
 
   let lock: AdvisoryLock | null = null;
   let parts: Parts | null = null;
@@ -211,6 +195,15 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
         registry,
       }));
     ownedInstanceSet = opts.instanceSet === undefined;
+    try {
+      runner ??= await loadRunnerArtifact({
+        deployRunnerBinary: config.cloud.deployRunnerBinary,
+        logger: opts.logger,
+      });
+    } catch (err) {
+      if (ownedInstanceSet) await instanceSet.stop().catch(() => {});
+      throw err;
+    }
     const instanceTypes = instanceTypesFromConfig(config);
     const { connect, publicKey } = await connectWith();
     const queue = createBundleQueue({

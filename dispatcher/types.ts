@@ -57,6 +57,11 @@ export interface QueueView {
   /** Active bundles, in no particular order. */
   all(): Iterable<Bundle>;
   get(uuid: string): Bundle | undefined;
+  /**
+   * True when the bundle has left the queue as `ready` or `failed` (recently): its container is done, and a
+   * runner still listed for it only cleans up, so it takes no room on its instance.
+   */
+  ended(uuid: string): boolean;
   /** Applies a row this process just wrote (newer changeSeq wins), so a pass need not wait for NOTIFY. */
   apply(bundle: Bundle): void;
 }

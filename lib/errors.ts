@@ -48,6 +48,29 @@ export const ERROR_CODES = {
     status: 409,
     description: "The runner's attempt no longer owns the bundle (it was requeued, killed, or finished).",
   },
+  "runner.bad_archive": {
+    status: 400,
+    description:
+      "An uploaded or downloaded archive is not a valid tar of regular files and directories under relative paths.",
+  },
+  "runner.output_too_large": {
+    status: 413,
+    description: "The bundle's outputs are larger than restServer.maxOutputSize allows.",
+  },
+  "runner.log_gap": {
+    status: 409,
+    description:
+      "A log chunk starts beyond the bytes the server has for that stream; the message names the expectedOffset to resend from.",
+  },
+  "runner.dependency_unavailable": {
+    status: 404,
+    description:
+      "The runner asked for a dependency the bundle does not have, or whose bundle is not ready or lacks the subpath.",
+  },
+  "output.not_found": {
+    status: 404,
+    description: "The bundle's outputs have no file or directory at that path.",
+  },
   "user.exists": { status: 409, description: "A user with that name already exists." },
   "internal.error": { status: 500, description: "An unexpected server error; the log has the details." },
   // Configuration (dispatch-cloud config check, and every process at start-up).
@@ -112,6 +135,28 @@ export const ERROR_CODES = {
   "store.migration_failed": {
     status: 500,
     description: "A database migration failed; nothing after it ran.",
+  },
+  // crunch-run (the runner on each instance).
+  "crunchrun.usage": { status: 400, description: "crunch-run's command line is malformed." },
+  "crunchrun.invalid_start_document": {
+    status: 400,
+    description: "The start document on crunch-run's stdin is not JSON or a field of it is wrong.",
+  },
+  "crunchrun.already_running": {
+    status: 409,
+    description: "A live crunch-run supervisor already holds the bundle's lock on this instance.",
+  },
+  "crunchrun.api_error": {
+    status: 502,
+    description: "The runner API answered crunch-run with an error or could not be reached.",
+  },
+  "crunchrun.docker_error": {
+    status: 503,
+    description: "The Docker daemon could not be reached or failed (the instance marks itself broken).",
+  },
+  "crunchrun.image_missing": {
+    status: 404,
+    description: "The bundle's image is neither on the instance nor pullable.",
   },
   // CLI.
   "cli.usage": { status: 400, description: "The command line is malformed." },

@@ -1,40 +1,51 @@
 /**
  * The runner API, called by crunch-run with its per-bundle token. `start` moves the bundle
- * starting -> running only for the attempt the token was issued for; `finish` records the exit.
+ * starting -> running only for the attempt the token was issued for; `heartbeat` records resource usage;
+ * `logs` stores log chunks by byte offset (retries are harmless, gaps are refused); `outputs` replaces the
+ * bundle's outputs with a tar archive; `dependencies/:index` serves a dependency's outputs as a tar archive;
+ * `finish` records the exit. Raw bodies (log chunks, archives) are streamed, never parsed as JSON.
  */
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts";
 import { finishBundle, markRunning } from "../store/transitions.ts";
-import type { Bundle, TransitionResult } from "../store/types.ts";
+import type { Bundle, LogStream, TransitionResult } from "../store/types.ts";
 import { authenticateRunner, runnerBundleOf } from "./auth.ts";
+import { parseCount, parseStream } from "./logs.ts";
+import { parseOutputPath } from "./outputs.ts";
 import type { RouteContext } from "./server.ts";
 import { validate } from "./validate.ts";
 
 const StartRequest = Type.Object({}, { additionalProperties: false });
 
+const ResourceUsage = Type.Record(
+  Type.String({ maxLength: 100 }),
+  Type.Number({ minimum: 0, maximum: 1e18 }),
+  { maxProperties: 100 },
+);
+
+const HeartbeatRequest = Type.Object({ resourceUsage: ResourceUsage }, { additionalProperties: false });
+
 const FinishRequest = Type.Object(
   {
-    exitCode: Type.Integer({ minimum: 0, maximum: 255 }),
+    exitCode: Type.Union([Type.Integer({ minimum: 0, maximum: 255 }), Type.Null()], {
+      errorMessage: "must be an integer 0..255, or null when the command did not run to an exit status",
+    }),
     reason: Type.Optional(Type.String({ maxLength: 1000 })),
-    resourceUsage: Type.Optional(
-      Type.Record(Type.String({ maxLength: 100 }), Type.Number({ minimum: 0, maximum: 1e18 }), {
-        maxProperties: 100,
-      }),
-    ),
+    failed: Type.Optional(Type.Boolean()),
+    resourceUsage: Type.Optional(ResourceUsage),
   },
   { additionalProperties: false },
 );
 
+/** Largest log chunk a runner may send in one call. */
+export const MAX_LOG_CHUNK = 2 ** 20;
+
 const ACTOR = "runner";
 
 function notCurrent(bundle: Bundle, result: TransitionResult & { ok: false }): DispatchCloudError {
-  const now = result.current;
-  const what = now === null ? "is gone" : `is ${now.state} at attempt ${now.attempt}`;
-  return new DispatchCloudError(
-    "runner.not_current",
-    `attempt ${bundle.attempt} no longer owns bundle ${bundle.uuid}: it ${what}`,
-  );
+  return notCurrentNow(bundle, result.current);
 }
 
 export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): void {
@@ -73,11 +84,20 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     };
   });
 
+  app.post("/api/v1/runner/heartbeat", { onRequest }, async (request) => {
+    const bundle = runnerBundleOf(request);
+    const body = validate(HeartbeatRequest, request.body);
+    const state = await recordHeartbeat(db, bundle.uuid, bundle.attempt, body.resourceUsage);
+    if (state === null) throw notCurrentNow(bundle, await getBundle(db, bundle.uuid));
+    return { state };
+  });
+
   app.post("/api/v1/runner/finish", { onRequest }, async (request) => {
     const bundle = runnerBundleOf(request);
     const body = validate(FinishRequest, request.body);
     const result = await finishBundle(db, bundle.uuid, bundle.attempt, {
       exitCode: body.exitCode,
+      ...(body.failed === undefined ? {} : { failed: body.failed }),
       ...(body.reason === undefined ? {} : { reason: body.reason }),
       ...(body.resourceUsage === undefined ? {} : { resourceUsage: body.resourceUsage }),
       actor: ACTOR,
@@ -85,4 +105,172 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     if (!result.ok) throw notCurrent(bundle, result);
     return { uuid: result.bundle.uuid, state: result.bundle.state, exitCode: result.bundle.exitCode };
   });
+
+  app.get("/api/v1/runner/dependencies/:index", { onRequest }, async (request, reply) => {
+    const bundle = runnerBundleOf(request);
+    const raw = (request.params as Record<string, string | undefined>)["index"] ?? "";
+    const unavailable = (why: string) =>
+      new DispatchCloudError("runner.dependency_unavailable", `dependency ${raw}: ${why}`, { path: "index" });
+    if (!/^(0|[1-9][0-9]{0,5})$/.test(raw)) {
+      throw new DispatchCloudError("request.invalid_param", "index: must be a whole number", {
+        path: "index",
+      });
+    }
+    const dep = bundle.dependencies[Number(raw)];
+    if (dep === undefined) throw unavailable(`the bundle has ${bundle.dependencies.length} dependencies`);
+    const source = await getBundle(db, dep.bundle);
+    if (source === null || source.state !== "ready") {
+      throw unavailable(`bundle ${dep.bundle} is ${source?.state ?? "gone"}, not ready`);
+    }
+    const tar = await ctx.outputs.pack(dep.bundle, parseOutputPath(dep.subpath, "subpath"));
+    if (tar === null) throw unavailable(`bundle ${dep.bundle} has no output ${JSON.stringify(dep.subpath)}`);
+    return reply.type("application/x-tar").send(tar);
+  });
+
+  // Raw bodies: in a scope of their own, so only these routes accept them (and get them as streams).
+  app.register(async (scope) => {
+    scope.addContentTypeParser(["application/octet-stream", "application/x-tar"], (_req, payload, done) => {
+      done(null, payload);
+    });
+    // An answer sent before the body was read (an error): close the connection rather than read the rest.
+    scope.addHook("onSend", async (request, reply) => {
+      if (!request.raw.readableEnded) reply.header("connection", "close");
+    });
+
+    scope.post("/api/v1/runner/logs", { onRequest }, async (request) => {
+      const bundle = runnerBundleOf(request);
+      const { stream, offset } = parseLogChunkQuery(request.query);
+      requireContentType(request, "application/octet-stream");
+      const data = await readBody(request, MAX_LOG_CHUNK);
+      const result = await appendLogChunk(db, {
+        uuid: bundle.uuid,
+        attempt: bundle.attempt,
+        stream,
+        offset,
+        data,
+      });
+      if (result.ok) return { stored: result.stored };
+      if (result.reason === "gap") {
+        throw new DispatchCloudError(
+          "runner.log_gap",
+          `${stream} has ${result.stored} bytes; a chunk at offset ${offset} leaves a gap (expectedOffset ${result.stored})`,
+          { path: "offset" },
+        );
+      }
+      throw notCurrentNow(bundle, result.current);
+    });
+
+    scope.put("/api/v1/runner/outputs", { onRequest }, async (request) => {
+      const bundle = runnerBundleOf(request);
+      requireContentType(request, "application/x-tar");
+      const max = ctx.maxOutputSize;
+      const declared = Number(request.headers["content-length"] ?? "0");
+      // Headers and padding add to the files' bytes; allow a quarter more (and 1 MiB) of archive overhead.
+      const rawLimit = max + Math.floor(max / 4) + 2 ** 20;
+      if (declared > rawLimit) throw tooLarge(max);
+      const summary = await ctx.outputs.replace(bundle.uuid, limitedBody(request, rawLimit, max), {
+        maxBytes: max,
+        beforeCommit: async () => {
+          const now = await getBundle(db, bundle.uuid);
+          if (now?.attempt !== bundle.attempt || (now.state !== "starting" && now.state !== "running")) {
+            throw notCurrentNow(bundle, now);
+          }
+        },
+      });
+      return summary;
+    });
+  });
+}
+
+const tooLarge = (max: number) =>
+  new DispatchCloudError("runner.output_too_large", `the outputs are larger than the ${max} bytes allowed`);
+
+function notCurrentNow(bundle: Bundle, now: Pick<Bundle, "state" | "attempt"> | null): DispatchCloudError {
+  const what = now === null ? "is gone" : `is ${now.state} at attempt ${now.attempt}`;
+  return new DispatchCloudError(
+    "runner.not_current",
+    `attempt ${bundle.attempt} no longer owns bundle ${bundle.uuid}: it ${what}`,
+  );
+}
+
+/** `?stream=stdout|stderr&offset=N`, both required. */
+export function parseLogChunkQuery(query: unknown): { stream: LogStream; offset: number } {
+  const q = (query ?? {}) as Record<string, unknown>;
+  for (const key of Object.keys(q)) {
+    if (key !== "stream" && key !== "offset") {
+      throw new DispatchCloudError(
+        "request.invalid_query",
+        `${key}: unknown query parameter; known: stream, offset`,
+        {
+          path: key,
+        },
+      );
+    }
+  }
+  if (q["stream"] === undefined || q["offset"] === undefined) {
+    const key = q["stream"] === undefined ? "stream" : "offset";
+    throw new DispatchCloudError("request.invalid_query", `${key}: required`, { path: key });
+  }
+  return { stream: parseStream(q["stream"]), offset: parseCount("offset", q["offset"]) };
+}
+
+function requireContentType(request: FastifyRequest, type: string): void {
+  const got = (request.headers["content-type"] ?? "").split(";")[0]!.trim().toLowerCase();
+  if (got !== type) {
+    throw new DispatchCloudError(
+      "request.unsupported_media_type",
+      `this request's body must be sent with Content-Type: ${type}`,
+    );
+  }
+}
+
+/** The body as an async iterable of Buffers ("" when there is none). */
+function bodyChunks(request: FastifyRequest): AsyncIterable<unknown> {
+  const body = request.body as AsyncIterable<unknown> | undefined | null;
+  if (body !== undefined && body !== null && Symbol.asyncIterator in Object(body)) return body;
+  return (async function* () {})();
+}
+
+/** Reads a whole (small) body, refusing more than max bytes. */
+async function readBody(request: FastifyRequest, max: number): Promise<Buffer> {
+  const declared = Number(request.headers["content-length"] ?? "0");
+  const over = () =>
+    new DispatchCloudError("request.body_too_large", `a log chunk may hold at most ${max} bytes`);
+  if (declared > max) throw over();
+  const parts: Buffer[] = [];
+  let length = 0;
+  try {
+    for await (const c of bodyChunks(request)) {
+      const buf = typeof c === "string" ? Buffer.from(c) : (c as Buffer);
+      length += buf.length;
+      if (length > max) throw over();
+      parts.push(buf);
+    }
+  } catch (err) {
+    if (err instanceof DispatchCloudError) throw err;
+    throw interrupted(err);
+  }
+  return Buffer.concat(parts, length);
+}
+
+const interrupted = (err: unknown) =>
+  new DispatchCloudError("request.invalid_body", "the request body was interrupted", { cause: err });
+
+/** The body, refusing (runner.output_too_large) past rawLimit bytes; a broken upload is request.invalid_body. */
+async function* limitedBody(request: FastifyRequest, rawLimit: number, max: number): AsyncGenerator<Buffer> {
+  let length = 0;
+  const it = bodyChunks(request)[Symbol.asyncIterator]();
+  for (;;) {
+    let next: IteratorResult<unknown>;
+    try {
+      next = await it.next();
+    } catch (err) {
+      throw interrupted(err);
+    }
+    if (next.done === true) return;
+    const buf = typeof next.value === "string" ? Buffer.from(next.value) : (next.value as Buffer);
+    length += buf.length;
+    if (length > rawLimit) throw tooLarge(max);
+    yield buf;
+  }
 }

@@ -1,12 +1,16 @@
-/** The users' API: bundles (create, list, get, kill, events) and users (admins create them). */
+/**
+ * The users' API: bundles (create, list, get, kill, events, logs, outputs) and users (admins create them).
+ */
 import { Type } from "@sinclair/typebox";
-import type { FastifyInstance, FastifyRequest } from "fastify";
+import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { createUser, getBundleForOwner, insertBundle, listBundles, listEvents } from "../store/queries.ts";
 import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
 import { authenticateUser, callerOf, requireAdmin } from "./auth.ts";
 import { parseBundleRequest } from "./bundle-request.ts";
+import { logReadable, parseLogQuery } from "./logs.ts";
+import { parseOutputPath } from "./outputs.ts";
 import type { RouteContext } from "./server.ts";
 import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "./tokens.ts";
 import { validate } from "./validate.ts";
@@ -160,6 +164,47 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
     const events = await listEvents(db, bundle.uuid);
     return { items: events.map(eventView) };
   });
+
+  app.get("/api/v1/bundles/:uuid/logs", { onRequest }, async (request, reply) => {
+    const bundle = await ownBundle(request);
+    const q = parseLogQuery(request.query);
+    const attempt = q.attempt ?? bundle.attempt;
+    const body = logReadable({
+      db,
+      notifier: ctx.logNotifier,
+      uuid: bundle.uuid,
+      stream: q.stream,
+      attempt,
+      attemptDefaulted: q.attempt === null,
+      follow: q.follow,
+      pollIntervalMs: ctx.logPollInterval,
+      logger: request.log,
+    });
+    if (q.follow) {
+      // fastify sends the headers with the first bytes; a follower of a quiet log must get them at once. The
+      // connection closes with the response, so a server shutting down does not wait on it afterwards.
+      reply.raw.once("pipe", () => reply.raw.flushHeaders());
+      reply.header("connection", "close");
+    }
+    return reply
+      .type("text/plain; charset=utf-8")
+      .header("x-dispatch-cloud-attempt", String(attempt))
+      .header("cache-control", "no-store")
+      .send(body);
+  });
+
+  const outputs = async (request: FastifyRequest, reply: FastifyReply) => {
+    const bundle = await ownBundle(request);
+    const raw = (request.params as Record<string, string | undefined>)["*"] ?? "";
+    const entry = await ctx.outputs.get(bundle.uuid, parseOutputPath(raw));
+    if (entry.kind === "dir") return { files: entry.files };
+    return reply
+      .type("application/octet-stream")
+      .header("content-length", String(entry.size))
+      .send(entry.open());
+  };
+  app.get("/api/v1/bundles/:uuid/outputs", { onRequest }, outputs);
+  app.get("/api/v1/bundles/:uuid/outputs/*", { onRequest }, outputs);
 
   app.get("/api/v1/users/current", { onRequest }, async (request) => userView(callerOf(request)));
 

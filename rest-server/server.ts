@@ -2,6 +2,7 @@
  * The REST server: the users' API, the runner API and the health check, on fastify. One error handler
  * turns every failure into `{ error: { code, message, path? } }`; a caller's mistake is always a 4xx.
  */
+import { join } from "node:path";
 import Fastify, {
   type FastifyBaseLogger,
   type FastifyError,
@@ -13,6 +14,8 @@ import type { Clock } from "../lib/clock.ts";
 import { DispatchCloudError, ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
+import { createLogNotifier, type LogNotifier } from "./logs.ts";
+import { createOutputStore, type OutputStore } from "./outputs.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";
 import { registerUserRoutes } from "./routes-users.ts";
 
@@ -27,6 +30,12 @@ export interface RestServerOptions {
   defaultMaxAttempts: number;
   /** Source of "now" for derived timings; defaults to the system clock. */
   clock?: Pick<Clock, "now">;
+  /** Where outputs are kept: `<dataDir>/outputs/<bundle uuid>/` (created when the first upload arrives). */
+  dataDir: string;
+  /** Largest output upload of one bundle, in bytes (the sum of its files); default 10 GiB. */
+  maxOutputSize?: number;
+  /** How often a log follower re-reads when no notification woke it, in ms; default 5000. */
+  logPollInterval?: number;
 }
 
 /** What the routes need, built once by createRestServer. */
@@ -35,7 +44,13 @@ export interface RouteContext {
   clusterId: string;
   defaultMaxAttempts: number;
   nowMs(): number;
+  outputs: OutputStore;
+  maxOutputSize: number;
+  logNotifier: LogNotifier;
+  logPollInterval: number;
 }
+
+export const DEFAULT_MAX_OUTPUT_SIZE = 10 * 2 ** 30;
 
 /** fastify's own error codes, mapped to ours. */
 const FASTIFY_CODES: Record<string, ErrorCode> = {
@@ -54,12 +69,6 @@ const MESSAGES: Partial<Record<ErrorCode, string>> = {
 
 export async function createRestServer(opts: RestServerOptions): Promise<FastifyInstance> {
   const clock = opts.clock;
-  const ctx: RouteContext = {
-    db: opts.db,
-    clusterId: opts.clusterId,
-    defaultMaxAttempts: opts.defaultMaxAttempts,
-    nowMs: clock === undefined ? () => Date.now() : () => clock.now(),
-  };
   const logger =
     opts.logger === false
       ? pino({ enabled: false })
@@ -67,6 +76,16 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
           { component: "rest-server" },
           { redact: { paths: REDACTED_PATHS, censor: "[redacted]" } },
         );
+  const ctx: RouteContext = {
+    db: opts.db,
+    clusterId: opts.clusterId,
+    defaultMaxAttempts: opts.defaultMaxAttempts,
+    nowMs: clock === undefined ? () => Date.now() : () => clock.now(),
+    outputs: createOutputStore(join(opts.dataDir, "outputs")),
+    maxOutputSize: opts.maxOutputSize ?? DEFAULT_MAX_OUTPUT_SIZE,
+    logNotifier: createLogNotifier(opts.db, logger),
+    logPollInterval: opts.logPollInterval ?? 5000,
+  };
   const app = Fastify({
     loggerInstance: logger as FastifyBaseLogger,
     bodyLimit: opts.maxRequestBodySize,
@@ -124,6 +143,11 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     }
     request.log.error({ err }, "unexpected error while handling a request");
     sendError(reply, "internal.error", "internal error; the server log has the details");
+  });
+
+  // Log followers end their responses before the server waits for open connections to finish.
+  app.addHook("preClose", async () => {
+    await ctx.logNotifier.close();
   });
 
   app.get("/_health/ping", async () => ({ health: "OK" }));

@@ -39,6 +39,7 @@ export function bundleView(b: Bundle, nowMs: number) {
       startingAt: iso(b.startingAt),
       runningAt: iso(b.runningAt),
       finishedAt: iso(b.finishedAt),
+      lastHeartbeatAt: iso(b.lastHeartbeatAt ?? null),
       queuedSeconds: Math.max(0, queuedMs) / 1000,
     },
     createdAt: b.createdAt.toISOString(),

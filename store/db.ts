@@ -6,10 +6,11 @@
  * statements (migrations use this); queries with parameters hold exactly one statement.
  */
 import { mkdirSync } from "node:fs";
-import { PGlite, type Transaction as PGliteTransaction } from "@electric-sql/pglite";
+import type { PGlite, Transaction as PGliteTransaction } from "@electric-sql/pglite";
 import pg from "pg";
 import type { Logger } from "pino";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { pgliteAssets } from "./pglite-assets.ts";
 
 export interface QueryResult<R> {
   rows: R[];
@@ -432,7 +433,16 @@ function pgliteTxDb(tx: PGliteTransaction, depth: number): Db {
 async function openPglite(dir: string | undefined, opts: OpenDbOptions): Promise<Db> {
   const logger = opts.logger;
   if (dir !== undefined) mkdirSync(dir, { recursive: true });
-  const pglite = dir === undefined ? await PGlite.create() : await PGlite.create(dir);
+  // Loaded on first use (commands that do not open PGlite do not pay for it), with the wasm and data files
+  // built into the one-file artifact when it runs from there (store/pglite-assets.ts).
+  const [{ PGlite: PGliteClass }, assets] = await Promise.all([
+    import("@electric-sql/pglite"),
+    pgliteAssets(),
+  ]);
+  const pglite: PGlite = await PGliteClass.create({
+    ...(dir === undefined ? {} : { dataDir: dir }),
+    ...assets,
+  });
   let tail: Promise<unknown> = Promise.resolve();
   const exclusive = <T>(fn: () => Promise<T>): Promise<T> => {
     const run = tail.then(fn, fn);

@@ -1,11 +1,12 @@
 /**
- * Applies store/migrations/NNN_name.sql in order, each in its own transaction, recording each in
+ * Applies store/migrations/NNN_name.sql (built into the one-file artifact) in order, each in its own transaction, recording each in
  * schema_migrations. Safe to run from several processes at once (a transaction-scoped advisory lock
  * serialises them) and idempotent.
  */
 import { readdirSync, readFileSync } from "node:fs";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "./db.ts";
+import { EMBEDDED_MIGRATIONS } from "./migrations-embedded.ts";
 
 const MIGRATIONS_DIR = new URL("./migrations/", import.meta.url);
 /** Advisory lock key held while migrating (arbitrary, fixed). */
@@ -16,12 +17,16 @@ export interface Migration {
   sql: string;
 }
 
-/** The migration files, in the order they apply. */
-export function listMigrations(dir: URL = MIGRATIONS_DIR): Migration[] {
-  return readdirSync(dir)
+/**
+ * The migrations, in the order they apply: store/migrations/*.sql, or the copies built into the one-file
+ * artifact (store/migrations-embedded.ts) when no directory is given and the program runs from it.
+ */
+export function listMigrations(dir?: URL): Migration[] {
+  if (dir === undefined && EMBEDDED_MIGRATIONS !== null) return EMBEDDED_MIGRATIONS;
+  return readdirSync(dir ?? MIGRATIONS_DIR)
     .filter((f) => /^\d+_[a-z0-9_]+\.sql$/.test(f))
     .sort()
-    .map((name) => ({ name, sql: readFileSync(new URL(name, dir), "utf8") }));
+    .map((name) => ({ name, sql: readFileSync(new URL(name, dir ?? MIGRATIONS_DIR), "utf8") }));
 }
 
 export async function migrate(

@@ -11,6 +11,8 @@ import {
   type BundleEvent,
   type BundleState,
   FINAL_STATES,
+  LOG_CHANNEL,
+  type LogStream,
   type NewBundle,
   type User,
 } from "./types.ts";
@@ -50,6 +52,8 @@ export interface BundleRow {
   starting_at: Date | null;
   running_at: Date | null;
   finished_at: Date | null;
+  /** Optional only for rows built by hand (the bench); the table always has it. */
+  last_heartbeat_at?: Date | null;
 }
 
 export function bundleFromRow(r: BundleRow): Bundle {
@@ -84,6 +88,7 @@ export function bundleFromRow(r: BundleRow): Bundle {
     startingAt: r.starting_at,
     runningAt: r.running_at,
     finishedAt: r.finished_at,
+    lastHeartbeatAt: r.last_heartbeat_at ?? null,
   };
 }
 
@@ -399,4 +404,112 @@ export async function changeSeqOlderThan(db: Db, ageMs: number): Promise<number>
     [ageMs],
   );
   return Number(rows[0]!.seq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// What runners send: heartbeats and log chunks
+
+/**
+ * Records a heartbeat of `attempt`: its resource usage (replacing the last one) and the time. Only while that
+ * attempt is current and the bundle is starting or running; returns the bundle's state, or null when the
+ * guard did not hold. Does not bump change_seq (see migration 002).
+ */
+export async function recordHeartbeat(
+  db: Db,
+  uuid: string,
+  attempt: number,
+  resourceUsage: Record<string, number>,
+): Promise<BundleState | null> {
+  const { rows } = await db.query<{ state: BundleState }>(
+    `UPDATE bundles SET resource_usage = $3::jsonb, last_heartbeat_at = date_trunc('milliseconds', now())
+     WHERE uuid = $1 AND attempt = $2 AND state IN ('starting', 'running')
+     RETURNING state`,
+    [uuid, attempt, JSON.stringify(resourceUsage)],
+  );
+  return rows[0]?.state ?? null;
+}
+
+export type AppendLogResult =
+  | { ok: true; stored: number }
+  | { ok: false; reason: "gap"; stored: number }
+  | { ok: false; reason: "not_current"; current: { state: BundleState; attempt: number } | null };
+
+/**
+ * Stores the chunk `data` of `stream` that starts at byte `offset`, once: bytes the server already has are
+ * ignored (a retried or overlapping chunk), only the new tail is written. A chunk starting beyond what is
+ * stored is a gap and writes nothing. In one transaction that holds the bundle row (KEY SHARE: a transition
+ * out of starting/running waits for it, heartbeats do not) and the stream's advisory lock, so a log follower
+ * that sees the bundle final afterwards also sees every chunk; NOTIFYs LOG_CHANNEL when it wrote something.
+ */
+export async function appendLogChunk(
+  db: Db,
+  args: { uuid: string; attempt: number; stream: LogStream; offset: number; data: Uint8Array },
+): Promise<AppendLogResult> {
+  return db.transaction(async (tx) => {
+    const { rows: cur } = await tx.query<{ state: BundleState; attempt: number }>(
+      "SELECT state, attempt FROM bundles WHERE uuid = $1 FOR KEY SHARE",
+      [args.uuid],
+    );
+    const row = cur[0];
+    if (
+      row === undefined ||
+      row.attempt !== args.attempt ||
+      (row.state !== "starting" && row.state !== "running")
+    )
+      return { ok: false, reason: "not_current", current: row ?? null };
+    await tx.query("SELECT pg_advisory_xact_lock(hashtext($1)::bigint)", [
+      `log ${args.uuid} ${args.attempt} ${args.stream}`,
+    ]);
+    const stored = await storedLogBytes(tx, args.uuid, args.attempt, args.stream);
+    if (args.offset > stored) return { ok: false, reason: "gap", stored };
+    const end = args.offset + args.data.length;
+    if (end <= stored) return { ok: true, stored };
+    const tail = args.data.subarray(stored - args.offset);
+    await tx.query(
+      `INSERT INTO bundle_logs (bundle_uuid, attempt, stream, byte_offset, data) VALUES ($1, $2, $3, $4, $5)`,
+      [args.uuid, args.attempt, args.stream, stored, tail],
+    );
+    await tx.query("SELECT pg_notify($1, $2)", [
+      LOG_CHANNEL,
+      `${args.uuid} ${args.attempt} ${args.stream} ${end}`,
+    ]);
+    return { ok: true, stored: end };
+  });
+}
+
+/** How many bytes of a stream are stored (the offset the next chunk must start at). */
+export async function storedLogBytes(
+  db: Db,
+  uuid: string,
+  attempt: number,
+  stream: LogStream,
+): Promise<number> {
+  const { rows } = await db.query<{ n: number }>(
+    `SELECT coalesce(max(byte_offset + octet_length(data)), 0)::bigint AS n
+     FROM bundle_logs WHERE bundle_uuid = $1 AND attempt = $2 AND stream = $3`,
+    [uuid, attempt, stream],
+  );
+  return Number(rows[0]!.n);
+}
+
+export interface LogChunk {
+  offset: number;
+  data: Buffer;
+}
+
+/** Stored chunks of a stream holding bytes at or after `from`, in order, at most `limit` of them. */
+export async function readLogChunks(
+  db: Db,
+  args: { uuid: string; attempt: number; stream: LogStream; from: number; limit: number },
+): Promise<LogChunk[]> {
+  const { rows } = await db.query<{ byte_offset: number; data: Uint8Array }>(
+    `SELECT byte_offset, data FROM bundle_logs
+     WHERE bundle_uuid = $1 AND attempt = $2 AND stream = $3 AND byte_offset + octet_length(data) > $4
+     ORDER BY byte_offset LIMIT $5`,
+    [args.uuid, args.attempt, args.stream, args.from, args.limit],
+  );
+  return rows.map((r) => ({
+    offset: Number(r.byte_offset),
+    data: Buffer.from(r.data.buffer, r.data.byteOffset, r.data.byteLength),
+  }));
 }

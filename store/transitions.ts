@@ -208,22 +208,26 @@ export function requeueStarting(
 }
 
 /**
- * running -> ready (exit code 0 and no reason) or failed (non-zero exit, or a reason such as a limit exceeded;
- * without a reason the state reason says the exit code).
+ * running -> ready when the exit code is 0 and the runner did not report a failure (`failed`), else failed.
+ * The reason is kept either way; a failure without one gets a reason naming the exit code (or its absence: a
+ * null exit code means the command never ran or its exit status is unknown).
  */
 export function finishBundle(
   db: Db,
   uuid: string,
   attempt: number,
   args: {
-    exitCode: number;
+    exitCode: number | null;
+    failed?: boolean;
     reason?: string | null;
     resourceUsage?: Record<string, number> | null;
     costDollars?: number | null;
     actor: string;
   },
 ): Promise<TransitionResult> {
-  const ok = args.exitCode === 0 && !args.reason;
+  const ok = args.exitCode === 0 && args.failed !== true;
+  const fallback =
+    args.exitCode === null ? "the runner reported no exit code" : `exited with code ${args.exitCode}`;
   return transition(db, uuid, {
     from: ["running"],
     to: ok ? "'ready'" : "'failed'",
@@ -240,7 +244,7 @@ export function finishBundle(
       args.resourceUsage == null ? null : JSON.stringify(args.resourceUsage),
       args.costDollars ?? null,
     ],
-    reason: ok ? null : args.reason || `exited with code ${args.exitCode}`,
+    reason: args.reason || (ok ? null : fallback),
     actor: args.actor,
   });
 }

@@ -88,6 +88,11 @@ export interface Bundle extends NewBundle {
   startingAt: Date | null;
   runningAt: Date | null;
   finishedAt: Date | null;
+  /**
+   * When the current attempt's runner last sent a heartbeat (null: none yet). Optional only so that bundles
+   * built outside the store (scheduler tests, the bench) need not set it; the store always does.
+   */
+  lastHeartbeatAt?: Date | null;
 }
 
 export interface BundleEvent {
@@ -119,3 +124,9 @@ export type TransitionResult =
 
 /** NOTIFY channel written by every bundle transition; payload `<uuid> <state> <changeSeq>`. */
 export const BUNDLE_CHANNEL = "dispatch_cloud_bundles";
+
+/** NOTIFY channel written by every stored log chunk; payload `<uuid> <attempt> <stream> <stored bytes>`. */
+export const LOG_CHANNEL = "dispatch_cloud_logs";
+
+export const LOG_STREAMS = ["stdout", "stderr"] as const;
+export type LogStream = (typeof LOG_STREAMS)[number];

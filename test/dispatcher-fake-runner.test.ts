@@ -1,3 +1,5 @@
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { expect, it } from "vitest";
 import { StubCloud } from "../cloud-drivers/stub/driver.ts";
 import { runnerCommands } from "../dispatcher/pool/runner-commands.ts";
@@ -25,6 +27,8 @@ async function setup(db: Db) {
     maxRequestBodySize: 2 ** 20,
     defaultMaxAttempts: 3,
     clock,
+    // The fake runners upload no outputs: nothing is ever written there.
+    dataDir: join(tmpdir(), "dispatch-cloud-fake-runners"),
   });
   const fake = attachFakeRunners({ cloud, api, clock });
   const instance = await cloud.instanceSet("set").create(TYPE, "img", {}, "", "");

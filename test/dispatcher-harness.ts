@@ -4,23 +4,26 @@
  * fixtures, a drive loop that fails on 5 s of FakeClock without progress, and the checks the acceptance tests
  * make from the event log.
  */
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { Registry } from "prom-client";
-import { afterAll, beforeAll } from "vitest";
 import { StubCloud, type StubCloudOptions } from "../cloud-drivers/stub/driver.ts";
 import { parseConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
 import { createDispatcher, type Dispatcher, type DispatcherOptions } from "../dispatcher/main.ts";
 import type { PoolEvent } from "../dispatcher/pool/pool.ts";
+import { artifactOf } from "../dispatcher/runner-artifact.ts";
 import type { Logger } from "../lib/logger.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import type { Db } from "../store/db.ts";
 import { type EventRow, eventFromRow } from "../store/queries.ts";
 import { stageBundle } from "../store/transitions.ts";
 import type { BundleEvent, BundleState, NewBundle } from "../store/types.ts";
-import { createTestBundle, createTestUser, type DbKind, openTestDb, type TestDb } from "./db.ts";
+import { createTestBundle, createTestUser } from "./db.ts";
 import { FakeClock, flushMicrotasks } from "./fake-clock.ts";
 import { attachFakeRunners, type FakeRunnerOptions, type FakeRunners } from "./fake-runner.ts";
 
+const STUB_RUNNER = artifactOf(Buffer.from("#!/bin/sh\n# never run: stub instances only pretend\n"));
 export const GiB = 2 ** 30;
 
 /** The stub cloud's config: small timeouts so a run takes minutes of FakeClock. `extra` is YAML appended. */
@@ -109,6 +112,8 @@ export async function createHarness(opts: {
     maxRequestBodySize: 2 ** 20,
     defaultMaxAttempts: 3,
     clock,
+    // The fake runners upload no outputs: nothing is ever written there.
+    dataDir: join(tmpdir(), "dispatch-cloud-fake-runners"),
   });
   const runners = attachFakeRunners({ cloud, api, clock, ...opts.runners });
   const owner = (await createTestUser(db)).uuid;
@@ -133,6 +138,8 @@ export async function createHarness(opts: {
         registry: new Registry(),
         connect: (instance) => cloud.executorFor(instance),
         runnerApiUrl: "http://dispatch-cloud.invalid",
+        // The stub cloud never runs what is deployed: a few bytes spare every test building the real artifact.
+        runner: STUB_RUNNER,
         ...over,
       });
       dispatchers.push(d);

@@ -42,7 +42,7 @@ for (const kind of ["pg", "pglite"] as const)
         config,
         cloud: {
           seed: 42,
-          errorRateCreate: 0.1,
+          errorRateCreate: 0.15,
           errorRateDestroy: 0.1,
           quotaMaxInstances: 10,
           capacityErrors: { instanceTypes: new Set(["cap"]) },

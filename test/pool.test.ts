@@ -62,6 +62,9 @@ class AppliedRows implements QueueView {
   get(uuid: string) {
     return this.rows.get(uuid);
   }
+  ended() {
+    return false;
+  }
   apply(bundle: Bundle) {
     const old = this.rows.get(bundle.uuid);
     if (old === undefined || old.changeSeq < bundle.changeSeq) this.rows.set(bundle.uuid, bundle);
@@ -680,6 +683,7 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
       token: expect.stringMatching(/^dcr_[A-Za-z0-9_-]{43}$/),
       instanceType: "small",
       gpuDevices: [0, 1],
+      runtimeEngine: "docker",
     });
     expect((await findBundleByRunnerTokenHash(getDb(), hashToken(doc["token"] as string)))?.uuid).toBe(
       bundle.uuid,

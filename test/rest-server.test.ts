@@ -1,3 +1,5 @@
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { Writable } from "node:stream";
 import type { FastifyInstance, InjectOptions } from "fastify";
 import { pino } from "pino";
@@ -119,6 +121,8 @@ describeEachDb("REST server", (getDb) => {
       clusterId: CLUSTER,
       maxRequestBodySize: BODY_LIMIT,
       defaultMaxAttempts: 3,
+      // No outputs are uploaded here (test/rest-runner-data.test.ts does that): nothing is written there.
+      dataDir: join(tmpdir(), "dispatch-cloud-rest-server-test"),
     });
     api = client(app);
     manager = createBundleManager({ db, logger: silent });
@@ -629,6 +633,7 @@ describe("REST server failures and logs", () => {
       clusterId: CLUSTER,
       maxRequestBodySize: BODY_LIMIT,
       defaultMaxAttempts: 3,
+      dataDir: join(tmpdir(), "dispatch-cloud-rest-server-test"),
     });
     const api = client(app);
     try {

@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "../store/db.ts";
-import { migrate } from "../store/migrate.ts";
+import { listMigrations, migrate } from "../store/migrate.ts";
 import {
   bundlesChangedSince,
   countUsers,
@@ -81,7 +81,8 @@ describeEachDb("store", (getDb) => {
       expect(await migrate(db())).toEqual({ applied: [] });
       expect(await migrate(db())).toEqual({ applied: [] });
       const { rows } = await db().query<{ name: string }>("SELECT name FROM schema_migrations ORDER BY name");
-      expect(rows.map((r) => r.name)).toEqual(["001_initial.sql"]);
+      expect(rows.map((r) => r.name)).toEqual(listMigrations().map((m) => m.name));
+      expect(rows[0]?.name).toBe("001_initial.sql");
     });
 
     it("a failing migration reports store.migration_failed and is not recorded", async () => {
@@ -463,9 +464,22 @@ describeEachDb("store", (getDb) => {
       expect(fa).toMatchObject({ exitCode: 2, stateReason: "exited with code 2" });
       const b = await bundleIn(db(), owner, "running");
       const reason = "time limit exceeded (1h)";
-      const fb = ok(await finishBundle(db(), b.uuid, 1, { exitCode: 0, reason, actor: "runner" }));
+      const fb = ok(
+        await finishBundle(db(), b.uuid, 1, { exitCode: 0, failed: true, reason, actor: "runner" }),
+      );
       expect(fb).toMatchObject({ state: "failed", stateReason: reason, exitCode: 0 });
       expect(await findBundleByRunnerTokenHash(db(), `hash-${b.uuid}`)).toBeNull();
+      const c = await bundleIn(db(), owner, "running");
+      const fc = ok(await finishBundle(db(), c.uuid, 1, { exitCode: null, actor: "runner" }));
+      expect(fc).toMatchObject({
+        state: "failed",
+        exitCode: null,
+        stateReason: "the runner reported no exit code",
+      });
+      const d = await bundleIn(db(), owner, "running");
+      const note = "outputs were empty";
+      const fd = ok(await finishBundle(db(), d.uuid, 1, { exitCode: 0, reason: note, actor: "runner" }));
+      expect(fd).toMatchObject({ state: "ready", exitCode: 0, stateReason: note });
     });
 
     it("created -> failed and staged -> failed", async () => {

@@ -254,12 +254,21 @@ export class MemoryQueue implements QueueView {
     return this.rows.get(uuid);
   }
 
+  private readonly endedUuids = new Set<string>();
+
+  ended(uuid: string): boolean {
+    return this.endedUuids.has(uuid);
+  }
+
   apply(bundle: Bundle): void {
     const old = this.rows.get(bundle.uuid);
     if (old !== undefined && old.changeSeq > bundle.changeSeq) return;
     if (bundle.state === "staged" || bundle.state === "starting" || bundle.state === "running") {
       this.rows.set(bundle.uuid, bundle);
-    } else this.rows.delete(bundle.uuid);
+    } else {
+      this.rows.delete(bundle.uuid);
+      if (bundle.state === "ready" || bundle.state === "failed") this.endedUuids.add(bundle.uuid);
+    }
   }
 
   /** Adds or replaces rows as given (no changeSeq check). */

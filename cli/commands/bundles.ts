@@ -1,11 +1,14 @@
 import { CLIENT_OPTIONS, parse } from "../args.ts";
+import { type ApiClient, type ByteIo, copyToStdout } from "../client.ts";
 import { type CliIo, EXIT_FAILED, EXIT_OK, usageError } from "../io.ts";
 import { type ApiBundle, connect, table } from "./client-common.ts";
 
 const USAGE = `usage: dispatch-cloud bundles list [--state S[,S]] [--limit N] [--all] [--json]
        dispatch-cloud bundles show UUID [--json]
        dispatch-cloud bundles kill UUID... [--reason TEXT]
-       dispatch-cloud bundles events UUID [--json]`;
+       dispatch-cloud bundles events UUID [--json]
+       dispatch-cloud bundles logs UUID [--stream stdout|stderr] [--attempt N] [--follow]
+       dispatch-cloud bundles outputs UUID [PATH] [--json]   (lists; a file's bytes go to stdout)`;
 
 export async function bundlesCommand(io: CliIo): Promise<number> {
   const [sub, ...rest] = io.argv;
@@ -18,6 +21,10 @@ export async function bundlesCommand(io: CliIo): Promise<number> {
       return kill(io, rest);
     case "events":
       return events(io, rest);
+    case "logs":
+      return logs(io, rest);
+    case "outputs":
+      return outputs(io, rest);
     default:
       throw usageError(sub === undefined ? USAGE : `unknown bundles command "${sub}"\n${USAGE}`);
   }
@@ -126,5 +133,65 @@ async function events(io: CliIo, argv: string[]): Promise<number> {
     rows.push([e.createdAt, e.fromState ?? "-", e.toState, String(e.attempt), e.actor, e.reason ?? ""]);
   }
   for (const line of table(rows)) io.out(line);
+  return EXIT_OK;
+}
+
+async function logs(io: CliIo, argv: string[]): Promise<number> {
+  const { values, positionals } = parse(argv, {
+    ...CLIENT_OPTIONS,
+    stream: { type: "string" },
+    attempt: { type: "string" },
+    follow: { type: "boolean", short: "f" },
+  });
+  if (positionals.length !== 1) throw usageError("bundles logs takes one UUID");
+  const api = await connect(io, values);
+  await printLog(io, api, positionals[0]!, {
+    stream: values.stream ?? "stdout",
+    follow: values.follow === true,
+    ...(values.attempt === undefined ? {} : { attempt: values.attempt }),
+  });
+  return EXIT_OK;
+}
+
+/** Copies a bundle's log stream to stdout (the server checks the stream name and attempt). */
+export async function printLog(
+  io: ByteIo,
+  api: ApiClient,
+  uuid: string,
+  opts: { stream: string; follow?: boolean; attempt?: string },
+): Promise<number> {
+  const q = new URLSearchParams({ stream: opts.stream });
+  if (opts.follow === true) q.set("follow", "1");
+  if (opts.attempt !== undefined) q.set("attempt", opts.attempt);
+  const res = await api.raw("GET", `api/v1/bundles/${encodeURIComponent(uuid)}/logs?${q}`);
+  return copyToStdout(io, res);
+}
+
+export interface OutputListing {
+  files: { path: string; size: number }[];
+}
+
+/** The output path as URL path segments (each encoded; the server checks the path itself). */
+export const outputsUrl = (uuid: string, path = ""): string =>
+  `api/v1/bundles/${encodeURIComponent(uuid)}/outputs${path === "" ? "" : `/${path.split("/").map(encodeURIComponent).join("/")}`}`;
+
+export function printListing(io: CliIo, listing: OutputListing): void {
+  const rows = [["SIZE", "PATH"]];
+  for (const f of listing.files) rows.push([String(f.size), f.path]);
+  for (const line of table(rows)) io.out(line);
+}
+
+async function outputs(io: CliIo, argv: string[]): Promise<number> {
+  const { values, positionals } = parse(argv, CLIENT_OPTIONS);
+  if (positionals.length < 1 || positionals.length > 2) throw usageError("bundles outputs takes UUID [PATH]");
+  const api = await connect(io, values);
+  const res = await api.raw("GET", outputsUrl(positionals[0]!, positionals[1] ?? ""));
+  if (!(res.headers.get("content-type") ?? "").startsWith("application/json")) {
+    await copyToStdout(io, res);
+    return EXIT_OK;
+  }
+  const listing = (await res.json()) as OutputListing;
+  if (values.json === true) io.out(JSON.stringify(listing.files, null, 2));
+  else printListing(io, listing);
   return EXIT_OK;
 }

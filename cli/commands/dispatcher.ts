@@ -1,5 +1,6 @@
 import { Registry } from "prom-client";
 import { createDispatcher } from "../../dispatcher/main.ts";
+import { loadRunnerArtifact } from "../../dispatcher/runner-artifact.ts";
 import { systemClock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { createLogger } from "../../lib/logger.ts";
@@ -10,7 +11,7 @@ import { configFromArgs, openMigrated } from "./serve.ts";
 const USAGE = `usage: dispatch-cloud dispatcher [--config F]
 Runs the dispatcher alone, on PostgreSQL (the REST server runs apart: dispatch-cloud rest-server). One dispatcher
 per instance set is active; another one started against the same database waits as a standby and takes over
-when the active one dies. Until crunch-run exists, a placeholder runner is deployed and bundles do not start.`;
+when the active one dies. It deploys itself as crunch-run (or cloud.deployRunnerBinary when set).`;
 
 /** The URL runners call: restServer.publicUrl, or http://<restServer.listen>. */
 export function runnerApiUrl(config: { restServer: { publicUrl: string; listen: string } }): string {
@@ -39,6 +40,7 @@ export async function dispatcherCommand(io: CliIo): Promise<number> {
     );
   }
   const logger = createLogger(config.logging);
+  const runner = await loadRunnerArtifact({ deployRunnerBinary: config.cloud.deployRunnerBinary, logger });
   const db = await openMigrated(config, logger);
   const dispatcher = await createDispatcher({
     config,
@@ -46,6 +48,7 @@ export async function dispatcherCommand(io: CliIo): Promise<number> {
     clock: systemClock,
     logger,
     registry: new Registry(),
+    runner,
     runnerApiUrl: runnerApiUrl(config),
   });
   try {

@@ -3,6 +3,7 @@ import { join, resolve } from "node:path";
 import { loadConfig } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
 import { createDispatcher } from "../../dispatcher/main.ts";
+import { loadRunnerArtifact } from "../../dispatcher/runner-artifact.ts";
 import { systemClock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { createLogger, type Logger } from "../../lib/logger.ts";
@@ -18,11 +19,16 @@ import { type CliIo, EXIT_OK } from "../io.ts";
 
 const OPTIONS = { config: { type: "string", short: "c" } } as const;
 
-/** Loads and validates the config named by --config (or DISPATCH_CLOUD_CONFIG); none = the embedded defaults. */
-export function configFromArgs(io: CliIo, argv: string[]): Config {
+/** The config file named by --config (or DISPATCH_CLOUD_CONFIG); undefined = the embedded defaults. */
+function configPath(io: CliIo, argv: string[]): string | undefined {
   const { values } = parse(argv, OPTIONS, false);
   const path = values.config ?? io.env["DISPATCH_CLOUD_CONFIG"];
-  return loadConfig(path === undefined || path === "" ? undefined : resolve(io.cwd, path));
+  return path === undefined || path === "" ? undefined : resolve(io.cwd, path);
+}
+
+/** Loads and validates the config named by --config (or DISPATCH_CLOUD_CONFIG); none = the embedded defaults. */
+export function configFromArgs(io: CliIo, argv: string[]): Config {
+  return loadConfig(configPath(io, argv));
 }
 
 /** Opens the database and brings its schema up to date, logging what was applied. */
@@ -84,7 +90,10 @@ function splitListen(listen: string, key: string): { host: string; port: number 
  * PostgreSQL). Runs until SIGINT or SIGTERM, or until io.signal aborts.
  */
 export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Promise<number> {
-  const config = configFromArgs(io, io.argv);
+  let config = configFromArgs(io, io.argv);
+  // The embedded default is for trying dispatch-cloud on one machine, which may have no docker.
+  if (mode === "serve" && configPath(io, io.argv) === undefined)
+    config = { ...config, dispatcher: { ...config.dispatcher, runtimeEngine: "auto" } };
   if (mode === "rest-server" && config.database.url.startsWith("pglite:")) {
     throw new DispatchCloudError(
       "config.invalid_value",
@@ -93,6 +102,11 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     );
   }
   const logger = createLogger(config.logging);
+  // Before anything starts: a missing cloud.deployRunnerBinary is a config error.
+  const runner =
+    mode === "serve"
+      ? await loadRunnerArtifact({ deployRunnerBinary: config.cloud.deployRunnerBinary, logger })
+      : null;
   const db = await openMigrated(config, logger);
   await ensureAdmin(db, config, logger);
   const app = await createRestServer({
@@ -101,6 +115,8 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     clusterId: config.clusterId,
     maxRequestBodySize: config.restServer.maxRequestBodySize,
     defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
+    dataDir: resolve(config.dataDir),
+    maxOutputSize: config.restServer.maxOutputSize,
   });
   const manager = createBundleManager({
     db,
@@ -110,7 +126,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
   await manager.start();
   const { host, port } = splitListen(config.restServer.listen, "restServer.listen");
   const address = await app.listen({ host, port });
-  // `serve` runs the dispatcher in-process; it deploys a placeholder runner until crunch-run exists.
+  // `serve` runs the dispatcher in-process; it deploys this program as crunch-run.
   const dispatcher =
     mode === "serve"
       ? await createDispatcher({
@@ -118,6 +134,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
           db,
           clock: systemClock,
           logger,
+          runner: runner!,
           runnerApiUrl: config.restServer.publicUrl !== "" ? config.restServer.publicUrl : address,
         })
       : null;

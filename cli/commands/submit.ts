@@ -5,6 +5,7 @@ import { parse as parseYaml } from "yaml";
 import { CLIENT_OPTIONS, parse } from "../args.ts";
 import type { ApiClient } from "../client.ts";
 import { type CliIo, EXIT_FAILED, EXIT_OK, usageError } from "../io.ts";
+import { type OutputListing, outputsUrl, printListing, printLog } from "./bundles.ts";
 import { type ApiBundle, connect, FINAL } from "./client-common.ts";
 
 const USAGE = `usage: dispatch-cloud submit [FILE.json|FILE.yml] [flags] [--] COMMAND [ARG...]
@@ -18,7 +19,8 @@ const USAGE = `usage: dispatch-cloud submit [FILE.json|FILE.yml] [flags] [--] CO
   --time-limit DURATION --disk-limit SIZE --network
   --depends-on UUID[:SUBPATH[:NAME]]   (repeatable) read UUID's output, mounted read-only as NAME
   --allow-failed-dependencies  --max-attempts N
-  --wait                   show progress until the bundle is final; exit 0 only if it is ready`;
+  --wait                   show progress until the bundle is final, then its stdout log and output listing
+                           (ready) or the tail of its stderr log (failed); exit 0 only if it is ready`;
 
 const OPTIONS = {
   ...CLIENT_OPTIONS,
@@ -115,7 +117,37 @@ export async function submitCommand(io: CliIo): Promise<number> {
   io.out(created.uuid);
   if (v.wait !== true) return EXIT_OK;
   const final = await waitForFinal(io, api, created);
+  await showResult(io, api, final);
   return final.state === "ready" ? EXIT_OK : EXIT_FAILED;
+}
+
+/** Lines of the stderr log shown when a bundle failed. */
+const STDERR_TAIL_LINES = 20;
+
+/**
+ * After --wait: a ready bundle's stdout log (on stdout) and its output listing (on stderr, so stdout is the
+ * command's own output); a failed bundle's last stderr lines (on stderr).
+ */
+export async function showResult(io: CliIo, api: ApiClient, b: ApiBundle): Promise<void> {
+  if (b.attempt === 0) return; // never ran: no logs, no outputs
+  if (b.state === "ready") {
+    await printLog(io, api, b.uuid, { stream: "stdout" });
+    const listing = await api.request<OutputListing>("GET", outputsUrl(b.uuid));
+    if (listing.files.length > 0) {
+      io.progress(`outputs of ${b.uuid}:`);
+      printListing({ ...io, out: io.progress }, listing);
+    }
+    return;
+  }
+  const res = await api.raw("GET", `api/v1/bundles/${encodeURIComponent(b.uuid)}/logs?stream=stderr`);
+  const lines = (await res.text()).split("\n");
+  if (lines[lines.length - 1] === "") lines.pop();
+  if (lines.length === 0) return;
+  const tail = lines.slice(-STDERR_TAIL_LINES);
+  io.progress(
+    `stderr of ${b.uuid}${tail.length < lines.length ? ` (last ${tail.length} of ${lines.length} lines)` : ""}:`,
+  );
+  for (const line of tail) io.progress(line);
 }
 
 async function readSpecFile(path: string): Promise<Body> {

@@ -3,7 +3,8 @@
  * process spends most of a second starting the loader; so the driver bundles vm-main and its own modules
  * into one CommonJS file with esbuild (packages stay external) under node_modules/.cache/dispatch-cloud,
  * named by its content hash, and runs that with plain `node`. Where that cannot be done, it falls back to
- * the tsx loader.
+ * the tsx loader. Run from the built artifact (dist/dispatch-cloud.cjs or the SEA executable), there is no
+ * vm-main file: VM processes are the artifact itself, `selfCommand() __local-vm <dir>`.
  */
 import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readdirSync, renameSync, statSync, unlinkSync, writeFileSync } from "node:fs";
@@ -11,15 +12,29 @@ import { createRequire } from "node:module";
 import path from "node:path";
 import { fileURLToPath, pathToFileURL } from "node:url";
 import type { Logger } from "../../lib/logger.ts";
+import { isSea, selfCommand } from "../../lib/self.ts";
 
 const VM_MAIN = fileURLToPath(new URL("./vm-main.ts", import.meta.url));
 
-/** Matches the script argument of a VM process's command line. */
-export const VM_MAIN_PATTERN = /(^|\/)vm-main(-[0-9a-f]+)?\.(ts|js|cjs|mjs)$/;
+/** The hidden CLI command of the built artifact that runs a local VM (cli/main.ts). */
+export const LOCAL_VM_COMMAND = "__local-vm";
 
-/** The Node arguments (before the VM directory) that run vm-main. */
+/**
+ * Matches the argument that marks a VM process's command line: the vm-main script (from sources), or the
+ * hidden command of the built artifact.
+ */
+export const VM_MAIN_PATTERN = /(^|\/)vm-main(-[0-9a-f]+)?\.(ts|js|cjs|mjs)$|^__local-vm$/;
+
+/**
+ * The arguments (after process.execPath, before the VM directory) that run a local VM: this artifact's own
+ * hidden command when running from the built artifact, else vm-main bundled (or through tsx).
+ */
 export async function vmMainArgs(logger: Logger): Promise<string[]> {
-  if (!VM_MAIN.endsWith(".ts")) return [VM_MAIN];
+  if (isSea() || !new URL(import.meta.url).pathname.endsWith(".ts")) {
+    const [exec, ...args] = selfCommand();
+    if (exec !== process.execPath) throw new Error(`cannot start VM processes: ${exec} is not this program`);
+    return [...args, LOCAL_VM_COMMAND];
+  }
   const require = createRequire(import.meta.url);
   try {
     const { build } = (await import("esbuild")) as typeof import("esbuild");

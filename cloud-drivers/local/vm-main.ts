@@ -1,9 +1,10 @@
 /**
- * One local VM: `node vm-main.ts <vm dir>`, started detached by the local driver so it outlives the
- * dispatcher. It starts the VM's SSH server (embedded, in this process; or an sshd it supervises), writes
- * the server's address, then after the boot delay runs the init command with DISPATCH_VM_ROOT set. On
- * SIGTERM it ends its SSH server, every command it started and every process that carries its
- * DISPATCH_VM_ROOT, then exits. Everything it has to say goes to `<vm dir>/vm.log`.
+ * One local VM: `node vm-main.ts <vm dir>` (from the built artifact: `dispatch-cloud __local-vm <vm dir>`),
+ * started detached by the local driver so it outlives the dispatcher. It starts the VM's SSH server
+ * (embedded, in this process; or an sshd it supervises), writes the server's address, then after the boot
+ * delay runs the init command with DISPATCH_VM_ROOT set. On SIGTERM it ends its SSH server, every command it
+ * started and every process that carries its DISPATCH_VM_ROOT, then exits. Everything it has to say goes
+ * to `<vm dir>/vm.log`.
  */
 import { type ChildProcess, spawn } from "node:child_process";
 import { appendFileSync, closeSync, createWriteStream, openSync, readFileSync, unlinkSync } from "node:fs";
@@ -157,21 +158,29 @@ function sleep(ms: number, signal: AbortSignal): Promise<void> {
   });
 }
 
-const dir = process.argv[2];
-if (dir === undefined || !path.isAbsolute(dir)) {
-  process.stderr.write("usage: vm-main.ts <absolute VM directory>\n");
-  process.exit(2);
-}
-main(dir).catch((err: unknown) => {
-  const files = vmFiles(dir);
-  const message = err instanceof Error ? err.message : String(err);
-  try {
-    appendFileSync(
-      files.log,
-      `${JSON.stringify({ time: new Date().toISOString(), msg: "VM failed to start", error: message })}\n`,
-    );
-    writeFileAtomic(files.error, message, 0o644);
-  } finally {
-    process.exit(1);
+/**
+ * Runs one local VM in this process until it is told to stop: `vm-main.ts <dir>` from sources, or the
+ * hidden `dispatch-cloud __local-vm <dir>` command of the built artifact (cloud-drivers/local/launch.ts).
+ */
+export function runLocalVm(dir: string | undefined): void {
+  if (dir === undefined || !path.isAbsolute(dir)) {
+    process.stderr.write("usage: vm-main.ts <absolute VM directory>\n");
+    process.exit(2);
   }
-});
+  main(dir).catch((err: unknown) => {
+    const files = vmFiles(dir);
+    const message = err instanceof Error ? err.message : String(err);
+    try {
+      appendFileSync(
+        files.log,
+        `${JSON.stringify({ time: new Date().toISOString(), msg: "VM failed to start", error: message })}\n`,
+      );
+      writeFileAtomic(files.error, message, 0o644);
+    } finally {
+      process.exit(1);
+    }
+  });
+}
+
+// Run as a script (this file, or its own bundle vm-main-<hash>.cjs); not when imported by the CLI.
+if (/(^|\/)vm-main(-[0-9a-f]+)?\.(ts|js|cjs|mjs)$/.test(process.argv[1] ?? "")) runLocalVm(process.argv[2]);

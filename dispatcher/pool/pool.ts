@@ -838,6 +838,7 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       token,
       instanceType: w.instanceType.name,
       gpuDevices: [...entry.gpuDevices],
+      runtimeEngine: config.dispatcher.runtimeEngine,
     };
     let failure: string | null = null;
     try {

@@ -49,6 +49,8 @@ export interface BundleQueueOptions {
 }
 
 const ACTIVE: ReadonlySet<BundleState> = new Set(["staged", "starting", "running"]);
+/** How many recently ended bundles the queue remembers (for ended()). */
+const MAX_ENDED = 100_000;
 
 export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   const { db, clock } = opts;
@@ -60,6 +62,8 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   const bundles = new Map<string, Bundle>();
   /** change_seq at which a uuid left the queue, kept only while a read is in flight (it may hold older rows). */
   const tombstones = new Map<string, number>();
+  /** Bundles seen leaving the queue as ready or failed. */
+  const ended = new Set<string>();
   const listeners = new Set<() => void>();
   /** Every row with change_seq <= safeSeq has been read. */
   let safeSeq = 0;
@@ -111,6 +115,11 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
       return true;
     }
     if (reading) tombstones.set(b.uuid, b.changeSeq);
+    if (b.state === "ready" || b.state === "failed") {
+      ended.add(b.uuid);
+      // Bounded: the oldest go first (a Set iterates in insertion order).
+      if (ended.size > MAX_ENDED) ended.delete(ended.values().next().value as string);
+    }
     return bundles.delete(b.uuid);
   }
 
@@ -241,6 +250,7 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   return {
     all: () => bundles.values(),
     get: (uuid) => bundles.get(uuid),
+    ended: (uuid) => ended.has(uuid),
     apply(bundle) {
       touched?.add(bundle.uuid);
       if (applyRow(bundle)) notify();

@@ -111,6 +111,18 @@ describe("placement", () => {
     expect(pool.calls.create).toEqual([]);
   });
 
+  it("counts no room for a runner whose bundle ended, but all of it for a runner it knows nothing of", async () => {
+    const done = testBundle({ vcpus: 4, state: "running" });
+    queue.set(done);
+    queue.apply({ ...done, state: "ready", changeSeq: done.changeSeq + 1 });
+    const finished = pool.addWorker({ id: "i-finished", type: small, runners: [done.uuid] });
+    pool.addWorker({ id: "i-stranger", type: small, runners: ["zzzzz-bndl-notinthequeue01"] });
+    const [b] = staged(testBundle({ vcpus: 4 }));
+    await scheduler().runOnce();
+    expect(startedOn()).toEqual([[b!.uuid, finished.id]]);
+    expect(pool.calls.create).toEqual([]);
+  });
+
   it("creates a bigger type for a bundle too big for the idle instance, and leaves the idle one alone", async () => {
     pool.addWorker({ type: small });
     staged(testBundle({ vcpus: 6 }));

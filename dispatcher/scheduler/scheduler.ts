@@ -470,6 +470,8 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         markRunner(r.uuid, w.id);
       }
       if (full) continue;
+      // Its runner called finish: the container is gone, only the runner's clean-up is left.
+      if (bundle === undefined && queue.ended(r.uuid)) continue;
       if (bundle === undefined) {
         // Not ours to measure (final, or unknown): it fills the whole worker.
         vcpus = ram = scratch = 0;

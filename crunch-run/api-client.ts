@@ -1,0 +1,264 @@
+/**
+ * The runner API client crunch-run's supervisor uses (node:http/https only, so the supervisor can call
+ * `start` before loading anything else). The bearer token lives in this closure and in request headers only;
+ * no error message or log line built here contains it.
+ *
+ * Retries: network errors and 5xx answers are retried with backoff (0.2 s doubling to 5 s) for a budget per
+ * call (finish, outputs, logs, dependencies: 10 minutes, as the REST server may be restarting); 4xx answers
+ * are never retried.
+ */
+import http from "node:http";
+import https from "node:https";
+import type { Readable } from "node:stream";
+import { DispatchCloudError } from "../lib/errors.ts";
+
+/** The runner API answered with a non-2xx status. */
+export class RunnerApiError extends Error {
+  constructor(
+    readonly status: number,
+    readonly code: string,
+    readonly apiMessage: string,
+    what: string,
+  ) {
+    super(`${what}: ${status} ${code}: ${apiMessage}`);
+    this.name = "RunnerApiError";
+  }
+}
+
+/** 401/409 on a runner call: the bundle is no longer this runner's (killed, requeued, finished elsewhere). */
+export const isNotOurs = (err: unknown): boolean =>
+  err instanceof RunnerApiError &&
+  (err.status === 401 || (err.status === 409 && err.code !== "runner.log_gap"));
+
+/** Network failures and 5xx answers are worth retrying; other answers and local errors are not. */
+export function isTransient(err: unknown): boolean {
+  if (err instanceof RunnerApiError) return err.status >= 500;
+  if (err instanceof DispatchCloudError || err instanceof SyntaxError) return false;
+  return err instanceof Error; // network errors: refused, reset, timed out
+}
+
+export interface RetryOptions {
+  budgetMs: number;
+  signal?: AbortSignal;
+  sleep?: (ms: number, signal?: AbortSignal) => Promise<void>;
+  onRetry?: (err: unknown, delayMs: number) => void;
+}
+
+const defaultSleep = (ms: number, signal?: AbortSignal) =>
+  new Promise<void>((resolve, reject) => {
+    if (signal?.aborted) return reject(signal.reason);
+    const t = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, ms);
+    const onAbort = () => {
+      clearTimeout(t);
+      reject(signal?.reason);
+    };
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+
+/** Runs fn until it succeeds, fails permanently, or the budget is spent (then the last error is thrown). */
+export async function withRetries<T>(fn: () => Promise<T>, opts: RetryOptions): Promise<T> {
+  const sleep = opts.sleep ?? defaultSleep;
+  const deadline = Date.now() + opts.budgetMs;
+  let delay = 200;
+  for (;;) {
+    try {
+      return await fn();
+    } catch (err) {
+      if (opts.signal?.aborted || !isTransient(err) || Date.now() + delay > deadline) throw err;
+      opts.onRetry?.(err, delay);
+      await sleep(delay, opts.signal);
+      delay = Math.min(delay * 2, 5000);
+    }
+  }
+}
+
+export interface ResourceUsage {
+  cpuSeconds: number;
+  memoryBytes: number;
+  maxMemoryBytes: number;
+  diskBytes: number;
+}
+
+export interface RunnerSpec {
+  uuid: string;
+  attempt: number;
+  command: string[];
+  image: string;
+  env: Record<string, string>;
+  resources: {
+    vcpus: number;
+    ram: number;
+    scratch: number;
+    gpu: { stack: string; deviceCount: number } | null;
+  };
+  limits: { time: number | null; disk: number | null; network: boolean };
+  dependencies: { bundle: string; subpath: string; name: string }[];
+  gpuDevices: number[];
+  instanceType: string | null;
+}
+
+export interface FinishBody {
+  exitCode: number | null;
+  reason?: string;
+  failed?: boolean;
+  resourceUsage?: ResourceUsage;
+}
+
+export interface RunnerClient {
+  start(opts?: Partial<RetryOptions>): Promise<{ uuid: string; state: string; attempt: number }>;
+  spec(opts?: Partial<RetryOptions>): Promise<RunnerSpec>;
+  heartbeat(usage: ResourceUsage): Promise<{ state: string }>;
+  /** Sends one chunk of a log stream at its byte offset; answers the server's stored total. */
+  logs(
+    stream: "stdout" | "stderr",
+    offset: number,
+    chunk: Buffer,
+    opts?: Partial<RetryOptions>,
+  ): Promise<number>;
+  /** Uploads a tar made fresh by makeBody on each try. */
+  putOutputs(
+    makeBody: () => Readable,
+    opts?: Partial<RetryOptions>,
+  ): Promise<{ files: number; bytes: number }>;
+  /** The tar stream of dependency index (one try; callers retry the whole staging). */
+  dependency(index: number): Promise<http.IncomingMessage>;
+  finish(body: FinishBody, opts?: Partial<RetryOptions>): Promise<unknown>;
+}
+
+export const LONG_RETRY_MS = 10 * 60_000;
+const SHORT_RETRY_MS = 60_000;
+
+export function createRunnerClient(opts: {
+  apiUrl: string;
+  token: string;
+  signal?: AbortSignal;
+  onRetry?: (what: string, err: unknown, delayMs: number) => void;
+}): RunnerClient {
+  const base = new URL(opts.apiUrl);
+  const lib = base.protocol === "https:" ? https : http;
+  const basePath = base.pathname.replace(/\/+$/, "");
+  const auth = `Bearer ${opts.token}`;
+
+  function send(
+    method: string,
+    path: string,
+    what: string,
+    body?: { type: string; data: Buffer | Readable },
+  ): Promise<http.IncomingMessage> {
+    return new Promise((resolve, reject) => {
+      const headers: Record<string, string> = { authorization: auth, accept: "application/json" };
+      if (body !== undefined) {
+        headers["content-type"] = body.type;
+        if (Buffer.isBuffer(body.data)) headers["content-length"] = String(body.data.length);
+      }
+      const req = lib.request({
+        protocol: base.protocol,
+        hostname: base.hostname,
+        port: base.port,
+        method,
+        path: `${basePath}${path}`,
+        headers,
+        timeout: 60_000,
+      });
+      req.on("timeout", () => req.destroy(new Error(`${what}: timed out`)));
+      req.on("error", (err) => {
+        const e = new Error(`${what}: ${err.message}`) as NodeJS.ErrnoException;
+        e.code = (err as NodeJS.ErrnoException).code ?? "ENETWORK";
+        reject(e);
+      });
+      req.on("response", async (res) => {
+        const status = res.statusCode ?? 0;
+        if (status >= 200 && status < 300) return resolve(res);
+        const text = await readText(res).catch(() => "");
+        let code = "http.error";
+        let message = text.slice(0, 500);
+        try {
+          const parsed = JSON.parse(text) as { error?: { code?: string; message?: string } };
+          if (parsed.error?.code) code = parsed.error.code;
+          if (parsed.error?.message) message = parsed.error.message;
+        } catch {
+          // not JSON
+        }
+        reject(new RunnerApiError(status, code, message, what));
+      });
+      if (body === undefined) req.end();
+      else if (Buffer.isBuffer(body.data)) req.end(body.data);
+      else {
+        body.data.on("error", (err) => req.destroy(err));
+        body.data.pipe(req);
+      }
+    });
+  }
+
+  async function json<T>(
+    method: string,
+    path: string,
+    what: string,
+    body: { type: string; data: Buffer | (() => Readable) } | undefined,
+    budgetMs: number,
+    retry: Partial<RetryOptions> = {},
+  ): Promise<T> {
+    return withRetries(
+      async () => {
+        const res = await send(
+          method,
+          path,
+          what,
+          body === undefined
+            ? undefined
+            : { type: body.type, data: Buffer.isBuffer(body.data) ? body.data : body.data() },
+        );
+        const text = await readText(res);
+        return (text === "" ? undefined : JSON.parse(text)) as T;
+      },
+      {
+        budgetMs,
+        ...(opts.signal === undefined ? {} : { signal: opts.signal }),
+        onRetry: (err, delay) => opts.onRetry?.(what, err, delay),
+        ...retry,
+      },
+    );
+  }
+  const jsonBody = (v: unknown) => ({ type: "application/json", data: Buffer.from(JSON.stringify(v)) });
+
+  return {
+    start: (r) => json("POST", "/api/v1/runner/start", "start", jsonBody({}), SHORT_RETRY_MS, r),
+    spec: (r) => json("GET", "/api/v1/runner/spec", "spec", undefined, SHORT_RETRY_MS, r),
+    heartbeat: (usage) =>
+      json("POST", "/api/v1/runner/heartbeat", "heartbeat", jsonBody({ resourceUsage: usage }), 0),
+    async logs(stream, offset, chunk, r) {
+      const res = await json<{ stored: number }>(
+        "POST",
+        `/api/v1/runner/logs?stream=${stream}&offset=${offset}`,
+        `logs (${stream})`,
+        { type: "application/octet-stream", data: chunk },
+        LONG_RETRY_MS,
+        r,
+      );
+      return res.stored;
+    },
+    putOutputs: (makeBody, r) =>
+      json(
+        "PUT",
+        "/api/v1/runner/outputs",
+        "outputs",
+        { type: "application/x-tar", data: makeBody },
+        LONG_RETRY_MS,
+        r,
+      ),
+    dependency: (index) => send("GET", `/api/v1/runner/dependencies/${index}`, `dependency ${index}`),
+    finish: (body, r) => json("POST", "/api/v1/runner/finish", "finish", jsonBody(body), LONG_RETRY_MS, r),
+  };
+}
+
+function readText(res: http.IncomingMessage): Promise<string> {
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = [];
+    res.on("data", (c: Buffer) => chunks.push(c));
+    res.on("end", () => resolve(Buffer.concat(chunks).toString("utf8")));
+    res.on("error", reject);
+  });
+}

@@ -1,0 +1,338 @@
+/**
+ * crunch-run: the runner the dispatcher copies to each instance (the same artifact as dispatch-cloud).
+ *
+ *   crunch-run --detach <uuid>          start document (JSON) on stdin; takes the bundle's lock, starts the
+ *                                       supervisor in its own session, prints {"uuid","pid"}
+ *   crunch-run --list                   one line per live bundle; `<uuid> stale`; `broken`
+ *   crunch-run --kill <signal> <uuid>   signals the supervisor; exit 0 once it is gone (within ~1 s)
+ *   crunch-run --version
+ *   crunch-run --supervise <uuid>       (internal) the supervisor; start document on stdin
+ *
+ * Exit codes: 0 ok, 1 failed (lock held, still running, ...), 2 usage or bad start document.
+ * The lock semantics are described in lock.ts. This module loads only node built-ins and small local
+ * modules: `--detach` is on the path the dispatcher's start latency is measured on, and `--list` runs on
+ * every probe. The supervisor's heavier modules are imported only in `--supervise`.
+ */
+import { spawn } from "node:child_process";
+import { closeSync, existsSync, mkdirSync, openSync } from "node:fs";
+import { readdir } from "node:fs/promises";
+import { constants as osConstants } from "node:os";
+import { DispatchCloudError } from "../lib/errors.ts";
+import { selfCommand } from "../lib/self.ts";
+import {
+  holderAlive,
+  type LockInfo,
+  parseLock,
+  processGroupAlive,
+  procStartTime,
+  readLockText,
+  releaseLock,
+  removeDeadLock,
+  replaceLock,
+  tryCreateLock,
+} from "./lock.ts";
+import { BUNDLE_UUID_RE, lockFile, logFile, type RunnerPaths, runnerPaths } from "./paths.ts";
+import { parseStartDocument } from "./start-doc.ts";
+import type { RetryHook } from "./supervisor.ts";
+import { VERSION } from "./version.ts";
+
+export interface CrunchRunIo {
+  stdin: NodeJS.ReadableStream;
+  out: (line: string) => void;
+  err: (line: string) => void;
+}
+
+const defaultIo = (): CrunchRunIo => ({
+  stdin: process.stdin,
+  out: (line) => process.stdout.write(`${line}\n`),
+  err: (line) => process.stderr.write(`${line}\n`),
+});
+
+const USAGE =
+  "usage: crunch-run --detach <uuid> | --list | --kill <signal> <uuid> | --version  (start document on stdin for --detach)";
+const MAX_START_DOCUMENT = 64 * 1024;
+
+/** Runs one crunch-run command; resolves to the process exit code. */
+export async function runCrunchRun(
+  argv: string[],
+  env: NodeJS.ProcessEnv = process.env,
+  io: CrunchRunIo = defaultIo(),
+): Promise<number> {
+  const paths = runnerPaths(env);
+  const [mode, ...rest] = argv;
+  const usage = (why: string) => {
+    io.err(`crunch-run: ${why}\n${USAGE}`);
+    return 2;
+  };
+  const uuidArg = (value: string | undefined): string | null =>
+    value !== undefined && BUNDLE_UUID_RE.test(value) ? value : null;
+  try {
+    switch (mode) {
+      case "--version":
+        io.out(`crunch-run (dispatch-cloud) ${VERSION}`);
+        return 0;
+      case "--list":
+        if (rest.length > 0) return usage("--list takes no arguments");
+        for (const line of await listBundles(paths, env)) io.out(line);
+        return 0;
+      case "--detach": {
+        const uuid = uuidArg(rest[0]);
+        if (rest.length !== 1 || uuid === null)
+          return usage("--detach needs one bundle uuid (xxxxx-bndl-...)");
+        return await detach(uuid, paths, env, io);
+      }
+      case "--kill": {
+        const uuid = uuidArg(rest[1]);
+        const signal = parseSignal(rest[0]);
+        if (rest.length !== 2 || uuid === null) return usage("--kill needs a signal and a bundle uuid");
+        if (signal === null) return usage(`unknown signal ${JSON.stringify(rest[0])}`);
+        return await kill(signal, uuid, paths, env, io);
+      }
+      case "--supervise": {
+        const uuid = uuidArg(rest[0]);
+        if (rest.length !== 1 || uuid === null) return usage("--supervise needs one bundle uuid");
+        process.title = `crunch-run ${uuid}`;
+        const text = await readStdin(io.stdin);
+        const doc = parseStartDocument(text, uuid);
+        // The runner `start` call goes out while the supervisor's heavier modules load.
+        const { createRunnerClient } = await import("./api-client.ts");
+        const abort = new AbortController();
+        const retryHook: RetryHook = {};
+        const client = createRunnerClient({
+          apiUrl: doc.apiUrl,
+          token: doc.token,
+          signal: abort.signal,
+          onRetry: (what, err, delayMs) => retryHook.onRetry?.(what, err, delayMs),
+        });
+        const started = client.start();
+        started.catch(() => {}); // handled by supervise()
+        const { supervise } = await import("./supervisor.ts");
+        const code = await supervise({ doc, paths, env, early: { client, abort, started, retryHook } });
+        // Whatever a runtime left behind (a stuck socket) must not keep a finished supervisor alive.
+        setTimeout(() => process.exit(code), 2000).unref();
+        return code;
+      }
+      default:
+        return usage(mode === undefined ? "no mode given" : `unknown mode ${JSON.stringify(mode)}`);
+    }
+  } catch (err) {
+    if (err instanceof DispatchCloudError) {
+      io.err(`crunch-run: ${err.message} [${err.code}]`);
+      return err.code === "crunchrun.invalid_start_document" || err.code === "crunchrun.usage" ? 2 : 1;
+    }
+    io.err(`crunch-run: ${(err as Error).message}`);
+    return 1;
+  }
+}
+
+/** A signal given as a number (15) or a name (TERM, SIGTERM, term); null if unknown. */
+export function parseSignal(text: string | undefined): NodeJS.Signals | null {
+  if (text === undefined) return null;
+  const signals = osConstants.signals as Record<string, number>;
+  if (/^\d+$/.test(text)) {
+    const n = Number(text);
+    const name = Object.keys(signals).find((k) => signals[k] === n);
+    return (name as NodeJS.Signals | undefined) ?? null;
+  }
+  const name = text.toUpperCase().startsWith("SIG") ? text.toUpperCase() : `SIG${text.toUpperCase()}`;
+  return name in signals ? (name as NodeJS.Signals) : null;
+}
+
+async function readStdin(stdin: NodeJS.ReadableStream): Promise<string> {
+  const chunks: Buffer[] = [];
+  let size = 0;
+  for await (const chunk of stdin) {
+    const b = typeof chunk === "string" ? Buffer.from(chunk) : (chunk as Buffer);
+    size += b.length;
+    if (size > MAX_START_DOCUMENT) {
+      throw new DispatchCloudError(
+        "crunchrun.invalid_start_document",
+        `start document is larger than ${MAX_START_DOCUMENT} bytes`,
+        { path: "" },
+      );
+    }
+    chunks.push(b);
+  }
+  return Buffer.concat(chunks).toString("utf8");
+}
+
+/** What of the bundle still runs without its supervisor: its docker container or its process group. */
+async function bundleStillRuns(
+  info: LockInfo | null,
+  uuid: string,
+  paths: RunnerPaths,
+  env: NodeJS.ProcessEnv,
+): Promise<boolean> {
+  if (info?.container?.runtime === "process") return processGroupAlive(info.container.pgid);
+  const { createDockerClient, listBundleContainers } = await import("./docker-api.ts");
+  const docker = createDockerClient(env);
+  if (!existsSync(docker.socketPath)) return false;
+  try {
+    return (await listBundleContainers(docker, paths.root, { uuid, timeoutMs: 2000 })).length > 0;
+  } catch {
+    return false; // no daemon: nothing of the bundle can be running in it
+  }
+}
+
+export async function listBundles(paths: RunnerPaths, env: NodeJS.ProcessEnv): Promise<string[]> {
+  let names: string[];
+  try {
+    names = await readdir(paths.lockDir);
+  } catch (err) {
+    if ((err as NodeJS.ErrnoException).code !== "ENOENT") throw err;
+    names = [];
+  }
+  const lines: string[] = [];
+  for (const name of names.sort()) {
+    const m = /^crunch-run-([a-z0-9]{5}-bndl-[a-z0-9]{15})\.lock$/.exec(name);
+    if (m === null) continue;
+    const uuid = m[1] as string;
+    const file = lockFile(paths, uuid);
+    const text = await readLockText(file);
+    if (text === null) continue;
+    const info = parseLock(text);
+    if (info !== null && holderAlive(info)) {
+      lines.push(uuid);
+    } else if (await bundleStillRuns(info, uuid, paths, env)) {
+      lines.push(`${uuid} stale`);
+    } else if (!(await removeDeadLock(file, text))) {
+      lines.push(uuid); // someone took the lock just now
+    }
+  }
+  if (existsSync(paths.brokenFile)) lines.push("broken");
+  return lines;
+}
+
+async function detach(
+  uuid: string,
+  paths: RunnerPaths,
+  env: NodeJS.ProcessEnv,
+  io: CrunchRunIo,
+): Promise<number> {
+  const text = await readStdin(io.stdin);
+  parseStartDocument(text, uuid);
+  mkdirSync(paths.lockDir, { recursive: true });
+  const file = lockFile(paths, uuid);
+  const self: LockInfo = { uuid, pid: process.pid, startTime: procStartTime(process.pid) ?? "" };
+  let taken = await tryCreateLock(file, self);
+  if (!taken) {
+    const held = await readLockText(file);
+    const info = held === null ? null : parseLock(held);
+    if (info !== null && holderAlive(info)) {
+      io.err(
+        `crunch-run: bundle ${uuid} is already running (supervisor pid ${info.pid}) [crunchrun.already_running]`,
+      );
+      return 1;
+    }
+    if (await bundleStillRuns(info, uuid, paths, env)) {
+      io.err(
+        `crunch-run: bundle ${uuid} is stale: its supervisor is gone but it still runs [crunchrun.already_running]`,
+      );
+      return 1;
+    }
+    if (held !== null) await removeDeadLock(file, held);
+    taken = await tryCreateLock(file, self);
+    if (!taken) {
+      io.err(
+        `crunch-run: bundle ${uuid} is already running (lock taken meanwhile) [crunchrun.already_running]`,
+      );
+      return 1;
+    }
+  }
+  let child: ReturnType<typeof spawn>;
+  try {
+    mkdirSync(paths.logDir, { recursive: true });
+    const out = openSync(logFile(paths, uuid), "a");
+    const [cmd, ...args] = selfCommand();
+    try {
+      child = spawn(cmd as string, [...args, "--supervise", uuid], {
+        detached: true,
+        stdio: ["pipe", out, out],
+        env,
+      });
+    } finally {
+      closeSync(out);
+    }
+    if (child.pid === undefined) {
+      const err = await new Promise<Error>((resolve) => child.once("error", resolve));
+      throw err;
+    }
+    await replaceLock(file, { uuid, pid: child.pid, startTime: procStartTime(child.pid) ?? "" });
+  } catch (err) {
+    await releaseLock(file, process.pid);
+    throw err;
+  }
+  child.on("error", () => {});
+  const stdin = child.stdin;
+  if (stdin !== null) {
+    stdin.on("error", () => {});
+    await new Promise<void>((resolve) => stdin.end(text, () => resolve()));
+  }
+  child.unref();
+  io.out(JSON.stringify({ uuid, pid: child.pid }));
+  return 0;
+}
+
+async function kill(
+  signal: NodeJS.Signals,
+  uuid: string,
+  paths: RunnerPaths,
+  env: NodeJS.ProcessEnv,
+  io: CrunchRunIo,
+): Promise<number> {
+  const file = lockFile(paths, uuid);
+  const text = await readLockText(file);
+  const info = text === null ? null : parseLock(text);
+  if (info !== null && holderAlive(info)) {
+    try {
+      process.kill(info.pid, signal);
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code !== "ESRCH") throw err;
+    }
+    for (let i = 0; i < 20 && holderAlive(info); i++) await new Promise((r) => setTimeout(r, 50));
+    if (holderAlive(info)) {
+      io.err(`crunch-run: bundle ${uuid}'s supervisor (pid ${info.pid}) is still running after ${signal}`);
+      return 1;
+    }
+    return 0;
+  }
+  // No live supervisor. A leftover container or process group (stale) gets the signal itself.
+  if (text === null) return 0;
+  if (info?.container?.runtime === "process") {
+    const pgid = info.container.pgid;
+    if (processGroupAlive(pgid)) process.kill(-pgid, signal);
+    for (let i = 0; i < 20 && processGroupAlive(pgid); i++) await new Promise((r) => setTimeout(r, 50));
+    if (processGroupAlive(pgid)) return 1;
+  } else {
+    const { createDockerClient, listBundleContainers } = await import("./docker-api.ts");
+    const docker = createDockerClient(env);
+    if (existsSync(docker.socketPath)) {
+      const running = await listBundleContainers(docker, paths.root, { uuid, timeoutMs: 2000 }).catch(
+        () => [],
+      );
+      for (const c of running) {
+        // As the supervisor would have done: TERM/INT stop it (with a short grace, then SIGKILL).
+        const polite = signal === "SIGTERM" || signal === "SIGINT";
+        const call = polite ? `/containers/${c.Id}/stop?t=1` : `/containers/${c.Id}/kill?signal=${signal}`;
+        await docker.call("POST", call, undefined, { timeoutMs: 30_000 }).catch(() => {});
+      }
+      if (running.length > 0) {
+        for (let i = 0; i < 20; i++) {
+          const left = await listBundleContainers(docker, paths.root, { uuid, timeoutMs: 2000 }).catch(
+            () => [],
+          );
+          if (left.length === 0) break;
+          await new Promise((r) => setTimeout(r, 50));
+        }
+        const all = await listBundleContainers(docker, paths.root, { uuid, all: true }).catch(() => []);
+        for (const c of all) {
+          if (c.State !== "running")
+            await docker.call("DELETE", `/containers/${c.Id}?force=true`).catch(() => {});
+        }
+        if ((await listBundleContainers(docker, paths.root, { uuid }).catch(() => [])).length > 0) return 1;
+      }
+    }
+  }
+  await removeDeadLock(file, text);
+  return 0;
+}

@@ -1,0 +1,34 @@
+/**
+ * Where crunch-run keeps its files on an instance. Every path is `${DISPATCH_VM_ROOT:-}` + an absolute path,
+ * so many local "VMs" can share one machine (the local driver sets DISPATCH_VM_ROOT per VM).
+ */
+import path from "node:path";
+
+export interface RunnerPaths {
+  /** DISPATCH_VM_ROOT, or "" on a real VM. */
+  root: string;
+  lockDir: string;
+  logDir: string;
+  workRoot: string;
+  /** The file whose presence makes `--list` print `broken`. */
+  brokenFile: string;
+}
+
+export function runnerPaths(env: NodeJS.ProcessEnv): RunnerPaths {
+  const root = (env["DISPATCH_VM_ROOT"] ?? "").replace(/\/+$/, "");
+  return {
+    root,
+    lockDir: `${root}/var/lock`,
+    logDir: `${root}/var/log/crunch-run`,
+    workRoot: `${root}/tmp/crunch-run`,
+    brokenFile: `${root}/var/lock/crunch-run-broken`,
+  };
+}
+
+export const lockFile = (p: RunnerPaths, uuid: string): string =>
+  path.join(p.lockDir, `crunch-run-${uuid}.lock`);
+export const logFile = (p: RunnerPaths, uuid: string): string => path.join(p.logDir, `${uuid}.log`);
+export const workDir = (p: RunnerPaths, uuid: string, attempt: number): string =>
+  path.join(p.workRoot, `${uuid}-${attempt}`);
+
+export const BUNDLE_UUID_RE = /^[a-z0-9]{5}-bndl-[a-z0-9]{15}$/;

@@ -1,0 +1,288 @@
+/**
+ * The docker runtime: the Docker Engine API over the daemon's unix socket (docker-api.ts). Limits: memory
+ * (and swap = memory, so going over means the OOM killer), CPUs, pids; no network unless the bundle asks;
+ * outputs mounted read-write at /out and dependencies read-only at /in/<name>; GPU device requests for
+ * exactly the devices the dispatcher assigned. The container runs as the supervisor's uid:gid so its
+ * outputs belong to the supervisor.
+ */
+import { PassThrough } from "node:stream";
+import { DispatchCloudError } from "../lib/errors.ts";
+import type { RunnerSpec } from "./api-client.ts";
+import {
+  DockerApiError,
+  type DockerClient,
+  LABEL_ATTEMPT,
+  LABEL_BUNDLE,
+  LABEL_VM_ROOT,
+} from "./docker-api.ts";
+import {
+  type ContainerConfig,
+  type ContainerExit,
+  type ContainerRuntime,
+  containerEnv,
+  type RunningContainer,
+} from "./runtime.ts";
+
+const brokenDaemon = (what: string, err: unknown) =>
+  err instanceof DispatchCloudError
+    ? err
+    : new DispatchCloudError("crunchrun.docker_error", `docker ${what} failed: ${(err as Error).message}`, {
+        cause: err,
+      });
+
+/** Splits an image reference into repository and tag (or digest) for the pull API. */
+export function splitImageRef(image: string): { fromImage: string; tag: string } {
+  const at = image.indexOf("@");
+  if (at >= 0) return { fromImage: image.slice(0, at), tag: image.slice(at + 1) };
+  const slash = image.lastIndexOf("/");
+  const colon = image.lastIndexOf(":");
+  if (colon > slash) return { fromImage: image.slice(0, colon), tag: image.slice(colon + 1) };
+  return { fromImage: image, tag: "latest" };
+}
+
+export function createDockerRuntime(docker: DockerClient): ContainerRuntime {
+  return {
+    name: "docker",
+    warnings: [],
+    async prepare(spec: RunnerSpec) {
+      const image = spec.image;
+      const inspect = async () => {
+        const res = await docker.call("GET", `/images/${encodeURIComponent(image)}/json`);
+        if (res.status >= 500) throw brokenDaemon("image inspect", new Error(res.body.toString("utf8")));
+        return res.status === 200;
+      };
+      if (await inspect()) return;
+      const { fromImage, tag } = splitImageRef(image);
+      const res = await docker.call(
+        "POST",
+        `/images/create?fromImage=${encodeURIComponent(fromImage)}&tag=${encodeURIComponent(tag)}`,
+        undefined,
+        { timeoutMs: 30 * 60_000 },
+      );
+      let why = "";
+      if (res.status !== 200) {
+        why = messageOf(res.body.toString("utf8"));
+      } else {
+        // Progress is a stream of JSON lines; a failure mid-way is a line with "error".
+        for (const line of res.body.toString("utf8").split("\n")) {
+          try {
+            const rec = JSON.parse(line) as { error?: string };
+            if (rec.error) why = rec.error;
+          } catch {
+            // partial or empty line
+          }
+        }
+      }
+      if (why === "" && (await inspect())) return;
+      throw new DispatchCloudError(
+        "crunchrun.image_missing",
+        `image ${image} is not on this instance and could not be pulled${why === "" ? "" : `: ${why}`}`,
+      );
+    },
+
+    async start(config: ContainerConfig): Promise<RunningContainer> {
+      const { spec } = config;
+      const name = `crunch-run-${config.uuid}-${config.attempt}`;
+      const env = containerEnv(spec, "/out", "/in");
+      const binds = [
+        `${config.outDir}:/out:rw`,
+        ...config.inputs.map((n) => `${config.inDir}/${n}:/in/${n}:ro`),
+      ];
+      const hostConfig: Record<string, unknown> = {
+        Binds: binds,
+        Memory: spec.resources.ram,
+        MemorySwap: spec.resources.ram,
+        NanoCpus: Math.round(spec.resources.vcpus * 1e9),
+        PidsLimit: 4096,
+        NetworkMode: spec.limits.network ? "default" : "none",
+      };
+      if (config.gpuDevices.length > 0) {
+        if (spec.resources.gpu?.stack === "rocm") {
+          hostConfig["Devices"] = ["/dev/kfd", "/dev/dri"].map((d) => ({
+            PathOnHost: d,
+            PathInContainer: d,
+            CgroupPermissions: "rwm",
+          }));
+        } else {
+          hostConfig["DeviceRequests"] = [
+            { Driver: "nvidia", DeviceIDs: config.gpuDevices.map(String), Capabilities: [["gpu"]] },
+          ];
+        }
+      }
+      const body = {
+        Image: spec.image,
+        Cmd: spec.command,
+        Env: Object.entries(env).map(([k, v]) => `${k}=${v}`),
+        User: `${process.getuid?.() ?? 0}:${process.getgid?.() ?? 0}`,
+        WorkingDir: "/out",
+        Labels: {
+          [LABEL_BUNDLE]: config.uuid,
+          [LABEL_ATTEMPT]: String(config.attempt),
+          [LABEL_VM_ROOT]: config.vmRoot,
+        },
+        AttachStdout: true,
+        AttachStderr: true,
+        Tty: false,
+        HostConfig: hostConfig,
+      };
+      const create = () =>
+        docker.json<{ Id: string }>("POST", `/containers/create?name=${encodeURIComponent(name)}`, body);
+      let id: string;
+      try {
+        id = (await create()).Id;
+      } catch (err) {
+        if (err instanceof DockerApiError && err.status === 409) {
+          // A leftover of this very attempt (an earlier supervisor died): it is ours to remove.
+          await docker.call("DELETE", `/containers/${encodeURIComponent(name)}?force=true`);
+          id = (await create().catch((e: unknown) => Promise.reject(brokenOrBad("create", e)))).Id;
+        } else {
+          throw brokenOrBad("create", err);
+        }
+      }
+      const stdout = new PassThrough();
+      const stderr = new PassThrough();
+      const container = dockerContainer(docker, id, name, stdout, stderr);
+      try {
+        await docker.json("POST", `/containers/${id}/start`);
+      } catch (err) {
+        if (err instanceof DockerApiError && err.status < 500) {
+          // The command cannot run (not found, not executable): the bundle's failure, like a shell's 127.
+          stderr.end(`${err.daemonMessage}\n`);
+          stdout.end();
+          return { ...container, wait: async () => ({ exitCode: 127, oomKilled: false }) };
+        }
+        await container.remove();
+        throw brokenOrBad("start", err);
+      }
+      pumpLogs(docker, id, stdout, stderr);
+      return container;
+    },
+  };
+}
+
+/** 5xx from the daemon or no daemon at all: the instance is broken; a 4xx is about this bundle. */
+function brokenOrBad(what: string, err: unknown): Error {
+  if (err instanceof DockerApiError && err.status === 404) {
+    return new DispatchCloudError("crunchrun.image_missing", `docker ${what}: ${err.daemonMessage}`, {
+      cause: err,
+    });
+  }
+  // Other 4xx answers: the daemon refused this bundle's container (the supervisor fails the bundle).
+  if (err instanceof DockerApiError && err.status < 500) return err;
+  return brokenDaemon(what, err);
+}
+
+function messageOf(text: string): string {
+  try {
+    const v = JSON.parse(text) as { message?: string };
+    if (typeof v.message === "string") return v.message;
+  } catch {
+    // not JSON
+  }
+  return text.trim().slice(0, 300);
+}
+
+function dockerContainer(
+  docker: DockerClient,
+  id: string,
+  name: string,
+  stdout: PassThrough,
+  stderr: PassThrough,
+): RunningContainer {
+  let removed = false;
+  return {
+    ref: { runtime: "docker", name },
+    stdout,
+    stderr,
+    async wait(): Promise<ContainerExit> {
+      const res = await docker.json<{ StatusCode: number }>("POST", `/containers/${id}/wait`);
+      const info = await docker
+        .json<{ State?: { OOMKilled?: boolean } }>("GET", `/containers/${id}/json`)
+        .catch(() => undefined);
+      return { exitCode: res.StatusCode, oomKilled: info?.State?.OOMKilled === true };
+    },
+    async stats() {
+      const s = await docker.json<DockerStats>(
+        "GET",
+        `/containers/${id}/stats?stream=false&one-shot=true`,
+        undefined,
+        {
+          timeoutMs: 10_000,
+        },
+      );
+      const mem = s.memory_stats ?? {};
+      const cache = mem.stats?.cache ?? mem.stats?.inactive_file ?? 0;
+      const memoryBytes = Math.max(0, (mem.usage ?? 0) - cache);
+      return {
+        cpuSeconds: (s.cpu_stats?.cpu_usage?.total_usage ?? 0) / 1e9,
+        memoryBytes,
+        maxMemoryBytes: Math.max(memoryBytes, mem.max_usage ?? 0),
+      };
+    },
+    async writableLayerBytes() {
+      const info = await docker.json<{ SizeRw?: number }>(
+        "GET",
+        `/containers/${id}/json?size=true`,
+        undefined,
+        {
+          timeoutMs: 30_000,
+        },
+      );
+      return info.SizeRw ?? 0;
+    },
+    async stop(graceSeconds: number) {
+      const res = await docker.call(
+        "POST",
+        `/containers/${id}/stop?t=${Math.max(0, Math.round(graceSeconds))}`,
+        undefined,
+        {
+          timeoutMs: (graceSeconds + 30) * 1000,
+        },
+      );
+      if (res.status >= 500) throw brokenDaemon("stop", new Error(messageOf(res.body.toString("utf8"))));
+    },
+    async remove() {
+      if (removed) return;
+      const res = await docker.call("DELETE", `/containers/${id}?force=true&v=true`, undefined, {
+        timeoutMs: 60_000,
+      });
+      if (res.status < 300 || res.status === 404) removed = true;
+      else throw brokenDaemon("remove", new Error(messageOf(res.body.toString("utf8"))));
+    },
+  };
+}
+
+interface DockerStats {
+  cpu_stats?: { cpu_usage?: { total_usage?: number } };
+  memory_stats?: { usage?: number; max_usage?: number; stats?: { cache?: number; inactive_file?: number } };
+}
+
+/**
+ * Follows the container's log and splits docker's multiplexed stream (8-byte frame headers: stream byte,
+ * 3 zero bytes, big-endian length) into stdout and stderr.
+ */
+function pumpLogs(docker: DockerClient, id: string, stdout: PassThrough, stderr: PassThrough): void {
+  const endBoth = (err?: Error) => {
+    if (err) stderr.write(`[crunch-run] lost the container's log stream: ${err.message}\n`);
+    stdout.end();
+    stderr.end();
+  };
+  docker
+    .stream("GET", `/containers/${id}/logs?follow=1&stdout=1&stderr=1`)
+    .then((res) => {
+      let pending: Buffer = Buffer.alloc(0);
+      res.on("data", (chunk: Buffer) => {
+        pending = pending.length === 0 ? chunk : Buffer.concat([pending, chunk]);
+        while (pending.length >= 8) {
+          const size = pending.readUInt32BE(4);
+          if (pending.length < 8 + size) break;
+          const target = pending[0] === 2 ? stderr : stdout;
+          target.write(pending.subarray(8, 8 + size));
+          pending = pending.subarray(8 + size);
+        }
+      });
+      res.on("end", () => endBoth());
+      res.on("error", (err) => endBoth(err));
+    })
+    .catch((err: unknown) => endBoth(err as Error));
+}

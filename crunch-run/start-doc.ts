@@ -1,0 +1,110 @@
+/**
+ * The start document: one JSON object the dispatcher writes to `crunch-run --detach <uuid>`'s stdin, and
+ * `--detach` passes on to the supervisor through a pipe. It carries the runner token, so it never travels in
+ * argv or the environment. Plain validation code (no schema library) keeps crunch-run's start-up small.
+ */
+import { DispatchCloudError } from "../lib/errors.ts";
+
+export type RuntimeEngine = "docker" | "process" | "auto";
+
+export interface StartDocument {
+  uuid: string;
+  attempt: number;
+  apiUrl: string;
+  /** The bundle's runner token (`dcr_...`). Held in memory only; never logged. */
+  token: string;
+  instanceType: string;
+  gpuDevices: number[];
+  runtimeEngine: RuntimeEngine;
+  heartbeatIntervalMs: number;
+}
+
+export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;
+const KNOWN = new Set([
+  "uuid",
+  "attempt",
+  "apiUrl",
+  "token",
+  "instanceType",
+  "gpuDevices",
+  "runtimeEngine",
+  "heartbeatIntervalMs",
+]);
+const ENGINES: readonly RuntimeEngine[] = ["docker", "process", "auto"];
+
+const bad = (path: string, message: string) =>
+  new DispatchCloudError("crunchrun.invalid_start_document", `start document: ${path} ${message}`, { path });
+
+/** Parses and checks the start document for bundle `uuid`; throws crunchrun.invalid_start_document. */
+export function parseStartDocument(text: string, uuid: string): StartDocument {
+  let raw: unknown;
+  try {
+    raw = JSON.parse(text);
+  } catch (err) {
+    throw new DispatchCloudError(
+      "crunchrun.invalid_start_document",
+      `start document is not valid JSON: ${(err as Error).message}`,
+      { path: "" },
+    );
+  }
+  if (typeof raw !== "object" || raw === null || Array.isArray(raw)) {
+    throw bad("(document)", "must be a JSON object");
+  }
+  const doc = raw as Record<string, unknown>;
+  for (const key of Object.keys(doc)) {
+    if (!KNOWN.has(key)) throw bad(key, `is not a known field (known: ${[...KNOWN].join(", ")})`);
+  }
+  const str = (key: string): string => {
+    const v = doc[key];
+    if (typeof v !== "string" || v === "") throw bad(key, "must be a non-empty string");
+    return v;
+  };
+  const docUuid = str("uuid");
+  if (docUuid !== uuid) throw bad("uuid", `must be the uuid on the command line (${uuid}); got ${docUuid}`);
+  const attempt = doc["attempt"];
+  if (typeof attempt !== "number" || !Number.isSafeInteger(attempt) || attempt < 1) {
+    throw bad("attempt", "must be a whole number >= 1");
+  }
+  const apiUrl = str("apiUrl");
+  let url: URL;
+  try {
+    url = new URL(apiUrl);
+  } catch {
+    throw bad("apiUrl", "must be an http:// or https:// URL");
+  }
+  if (url.protocol !== "http:" && url.protocol !== "https:") {
+    throw bad("apiUrl", "must be an http:// or https:// URL");
+  }
+  const token = doc["token"];
+  // Never echo the token in the message: it is a secret even when malformed.
+  if (typeof token !== "string" || !/^dcr_[A-Za-z0-9_-]{16,200}$/.test(token)) {
+    throw bad("token", "must be a runner token (dcr_...)");
+  }
+  const instanceType = str("instanceType");
+  const gpuDevices = doc["gpuDevices"] ?? [];
+  if (!Array.isArray(gpuDevices)) throw bad("gpuDevices", "must be an array of device indices");
+  gpuDevices.forEach((d, i) => {
+    if (typeof d !== "number" || !Number.isSafeInteger(d) || d < 0 || d > 1023) {
+      throw bad(`gpuDevices.${i}`, "must be a whole number from 0 to 1023");
+    }
+  });
+  if (new Set(gpuDevices).size !== gpuDevices.length) throw bad("gpuDevices", "must not repeat a device");
+  const engine = doc["runtimeEngine"] ?? "docker";
+  if (typeof engine !== "string" || !ENGINES.includes(engine as RuntimeEngine)) {
+    throw bad("runtimeEngine", `must be one of ${ENGINES.join(", ")}`);
+  }
+  const hb = doc["heartbeatIntervalMs"] ?? DEFAULT_HEARTBEAT_INTERVAL_MS;
+  if (typeof hb !== "number" || !Number.isSafeInteger(hb) || hb < 10 || hb > 3_600_000) {
+    throw bad("heartbeatIntervalMs", "must be a whole number of milliseconds from 10 to 3600000");
+  }
+  return {
+    uuid,
+    attempt,
+    apiUrl: apiUrl.replace(/\/+$/, ""),
+    token,
+    instanceType,
+    gpuDevices: gpuDevices as number[],
+    runtimeEngine: engine as RuntimeEngine,
+    heartbeatIntervalMs: hb,
+  };
+}

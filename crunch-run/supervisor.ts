@@ -1,0 +1,496 @@
+/**
+ * The supervisor of one bundle attempt (`crunch-run --supervise <uuid>`, started by `--detach` in its own
+ * session). In order: runner `start` (refused: exit 1, nothing touched); `spec`; the work dir
+ * `${ROOT}/tmp/crunch-run/<uuid>-<attempt>/` (out/, in/<name>/, stdout.log, stderr.log); dependencies
+ * staged from the runner API; the runtime (auto: docker if the daemon answers /_ping within ~1 s, else
+ * process); the container, with its logs pushed while it runs, heartbeats with resource usage, and the time
+ * and disk limits checked every second; outputs uploaded as a tar; `finish`; the work dir and the lock
+ * removed.
+ *
+ * Outcomes without `finish`:
+ * - SIGTERM/SIGINT (`--kill`): the container is stopped and removed, nothing is uploaded.
+ * - A heartbeat or log push answered 401/409: the bundle is no longer this runner's; same as above.
+ * - The Docker daemon is unreachable or fails with 5xx on create/start, or the disk is full (ENOSPC): the
+ *   instance is broken. `${ROOT}/var/lock/crunch-run-broken` is written with the reason (`--list` then prints
+ *   `broken`, the dispatcher requeues the bundle and drains the instance).
+ *
+ * The runner token is in the API client's memory only; no log line or message carries it.
+ */
+import { mkdirSync, writeFileSync } from "node:fs";
+import { lstat, readdir, rm } from "node:fs/promises";
+import path from "node:path";
+import { DispatchCloudError } from "../lib/errors.ts";
+import { createLogger, type Logger } from "../lib/logger.ts";
+import { extractTar, packTar } from "../lib/tar.ts";
+import { formatDuration, formatSize } from "../lib/units.ts";
+import {
+  createRunnerClient,
+  isNotOurs,
+  LONG_RETRY_MS,
+  type ResourceUsage,
+  RunnerApiError,
+  type RunnerClient,
+  type RunnerSpec,
+  withRetries,
+} from "./api-client.ts";
+import { createDockerClient, DockerApiError } from "./docker-api.ts";
+import { parseLock, readLockText, releaseLock, replaceLock } from "./lock.ts";
+import { LogStream } from "./log-stream.ts";
+import { lockFile, type RunnerPaths, workDir } from "./paths.ts";
+import type { ContainerRuntime, RunningContainer } from "./runtime.ts";
+import { createDockerRuntime } from "./runtime-docker.ts";
+import { createProcessRuntime } from "./runtime-process.ts";
+import type { StartDocument } from "./start-doc.ts";
+
+export interface SuperviseOptions {
+  doc: StartDocument;
+  paths: RunnerPaths;
+  env: NodeJS.ProcessEnv;
+  /** The supervisor's own log (its stderr, appended to ${ROOT}/var/log/crunch-run/<uuid>.log); default pino. */
+  logger?: Logger;
+  /** A client whose `start` call is already under way (main.ts sends it before loading this module). */
+  early?: { client: RunnerClient; abort: AbortController; started: Promise<unknown>; retryHook: RetryHook };
+}
+
+/** Where an early client reports its retries once the supervisor's logger exists. */
+export interface RetryHook {
+  onRetry?: (what: string, err: unknown, delayMs: number) => void;
+}
+
+const LIMIT_CHECK_MS = 1000;
+const STOP_GRACE_S = 2;
+const KILL_GRACE_S = 1;
+const DRAIN_MS = 5000;
+const INPUT_NAME_RE = /^[A-Za-z0-9._-]{1,200}$/;
+
+const isNoSpace = (err: unknown): boolean =>
+  err instanceof Error &&
+  ((err as NodeJS.ErrnoException).code === "ENOSPC" || /no space left on device/i.test(err.message));
+
+/** Human size with one decimal, for "used 12.3MiB". */
+export function humanSize(bytes: number): string {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let v = bytes;
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) {
+    v /= 1024;
+    i++;
+  }
+  return i === 0 ? `${bytes}B` : `${Number(v.toFixed(1))}${units[i]}`;
+}
+
+const sizeText = (bytes: number): string => {
+  try {
+    return formatSize(bytes);
+  } catch {
+    return humanSize(bytes);
+  }
+};
+
+/** Bytes of regular files under dir (symlinks not followed). */
+export async function diskUsage(dir: string): Promise<number> {
+  let total = 0;
+  let entries: string[];
+  try {
+    entries = await readdir(dir);
+  } catch {
+    return 0;
+  }
+  for (const name of entries) {
+    const p = path.join(dir, name);
+    const st = await lstat(p).catch(() => null);
+    if (st === null) continue;
+    if (st.isDirectory()) total += await diskUsage(p);
+    else if (st.isFile()) total += st.size;
+  }
+  return total;
+}
+
+export async function supervise(opts: SuperviseOptions): Promise<number> {
+  const { doc, paths, env } = opts;
+  const log = (opts.logger ?? createLogger({ level: "info", format: "json" })).child({
+    component: "crunch-run",
+    uuid: doc.uuid,
+    attempt: doc.attempt,
+  });
+  const lock = lockFile(paths, doc.uuid);
+  const abort = opts.early?.abort ?? new AbortController();
+  let stopSignal: string | null = null;
+  let container: RunningContainer | null = null;
+  let lost = false;
+
+  const onSignal = (sig: NodeJS.Signals) => {
+    if (stopSignal !== null) return;
+    stopSignal = sig;
+    log.info({ signal: sig }, "stop requested: stopping the container; no upload, no finish");
+    abort.abort(new Error(`stopped by ${sig}`));
+    void container
+      ?.stop(KILL_GRACE_S)
+      .catch((err: unknown) => log.warn({ err }, "stopping the container failed"));
+  };
+  process.on("SIGTERM", onSignal);
+  process.on("SIGINT", onSignal);
+
+  const logRetry = (what: string, err: unknown, delayMs: number) =>
+    log.warn({ what, err: (err as Error).message, delayMs }, "runner API call retried");
+  if (opts.early !== undefined) opts.early.retryHook.onRetry = logRetry;
+  const client =
+    opts.early?.client ??
+    createRunnerClient({
+      apiUrl: doc.apiUrl,
+      token: doc.token,
+      signal: abort.signal,
+      onRetry: logRetry,
+    });
+
+  try {
+    try {
+      const started = (await (opts.early?.started ?? client.start())) as { state: string };
+      log.info({ state: started.state }, "started");
+    } catch (err) {
+      log.error({ err: (err as Error).message }, "runner start refused; exiting");
+      return 1;
+    }
+    return await runAttempt();
+  } finally {
+    process.off("SIGTERM", onSignal);
+    process.off("SIGINT", onSignal);
+    await releaseLock(lock, process.pid);
+  }
+
+  async function runAttempt(): Promise<number> {
+    let spec: RunnerSpec;
+    try {
+      spec = await client.spec();
+    } catch (err) {
+      log.error({ err: (err as Error).message }, "cannot read the bundle's spec; exiting");
+      return 1;
+    }
+    const dir = workDir(paths, doc.uuid, doc.attempt);
+    const outDir = path.join(dir, "out");
+    const inDir = path.join(dir, "in");
+    let stdout: LogStream | null = null;
+    let stderr: LogStream | null = null;
+    const heartbeat = { timer: null as NodeJS.Timeout | null, stopped: false };
+    const usage: ResourceUsage = { cpuSeconds: 0, memoryBytes: 0, maxMemoryBytes: 0, diskBytes: 0 };
+
+    const markLost = (err: unknown) => {
+      if (lost || stopSignal !== null) return;
+      lost = true;
+      log.warn({ err: (err as Error).message }, "the bundle is no longer this runner's: stopping, no finish");
+      abort.abort(new Error("bundle no longer ours"));
+      void container?.stop(KILL_GRACE_S).catch(() => {});
+    };
+    const onLogFailure = (err: unknown) => {
+      if (isNotOurs(err)) markLost(err);
+      else log.error({ err: (err as Error).message }, "log push failed for good");
+    };
+    /** A line for the user: the supervisor's log and the bundle's stderr, prefixed [crunch-run]. */
+    const say = (line: string) => {
+      log.info(line);
+      stderr?.write(`[crunch-run] ${line}\n`);
+    };
+    const finish = async (exitCode: number | null, reason: string | null, failed: boolean) => {
+      await Promise.all([stdout?.flush(), stderr?.flush()]);
+      if (lost) return;
+      try {
+        const body = {
+          exitCode,
+          ...(reason === null ? {} : { reason: reason.slice(0, 1000) }),
+          ...(failed ? { failed: true } : {}),
+          resourceUsage: { ...usage },
+        };
+        await client.finish(body);
+        log.info({ exitCode, reason, failed }, "finished");
+      } catch (err) {
+        log.error({ err: (err as Error).message }, "finish failed");
+      }
+    };
+    const markBroken = (reason: string) => {
+      log.error({ reason }, "marking this instance broken; no finish (the dispatcher requeues the bundle)");
+      try {
+        mkdirSync(paths.lockDir, { recursive: true });
+        writeFileSync(paths.brokenFile, `${reason}\n`);
+      } catch (err) {
+        log.error({ err: (err as Error).message }, "cannot write the broken file");
+      }
+    };
+
+    try {
+      mkdirSync(outDir, { recursive: true });
+      mkdirSync(inDir, { recursive: true });
+      stdout = new LogStream("stdout", path.join(dir, "stdout.log"), client, onLogFailure);
+      stderr = new LogStream("stderr", path.join(dir, "stderr.log"), client, onLogFailure);
+
+      // Heartbeats from here on, with the latest usage.
+      const beat = async () => {
+        if (heartbeat.stopped) return;
+        try {
+          if (container !== null) await sampleUsage(container, outDir, usage);
+          await client.heartbeat({ ...usage });
+        } catch (err) {
+          if (isNotOurs(err)) markLost(err);
+          else if (!heartbeat.stopped) log.warn({ err: (err as Error).message }, "heartbeat failed");
+        }
+        if (!heartbeat.stopped) heartbeat.timer = setTimeout(beat, doc.heartbeatIntervalMs);
+      };
+      heartbeat.timer = setTimeout(beat, doc.heartbeatIntervalMs);
+
+      // Dependencies.
+      const inputs: string[] = [];
+      for (const [i, dep] of spec.dependencies.entries()) {
+        const what = `dependency ${i} (${dep.bundle}${dep.subpath === "" ? "" : `/${dep.subpath}`})`;
+        if (!INPUT_NAME_RE.test(dep.name) || dep.name === "." || dep.name === "..") {
+          say(`${what} has an unusable mount name ${JSON.stringify(dep.name)}`);
+          await finish(null, `${what} has an unusable mount name ${JSON.stringify(dep.name)}`, true);
+          return 0;
+        }
+        const target = path.join(inDir, dep.name);
+        try {
+          const summary = await withRetries(
+            async () => {
+              await rm(target, { recursive: true, force: true });
+              mkdirSync(target, { recursive: true });
+              return extractTar(await client.dependency(i), target);
+            },
+            {
+              budgetMs: LONG_RETRY_MS,
+              signal: abort.signal,
+              onRetry: (err) =>
+                log.warn({ what, err: (err as Error).message }, "dependency download retried"),
+            },
+          );
+          say(`staged ${what} at /in/${dep.name}: ${summary.files} files, ${humanSize(summary.bytes)}`);
+        } catch (err) {
+          if (stopSignal !== null) return 1;
+          if (isNotOurs(err)) {
+            markLost(err);
+            return 1;
+          }
+          if (isNoSpace(err)) throw err;
+          const reason = `${what} could not be staged: ${(err as Error).message}`;
+          say(reason);
+          await finish(null, reason, true);
+          return 0;
+        }
+        inputs.push(dep.name);
+      }
+      if (stopSignal !== null || lost) return 1;
+
+      // Runtime.
+      const runtime = await chooseRuntime(doc.runtimeEngine, env, log);
+      say(`runtime: ${runtime.name}`);
+      for (const w of runtime.warnings) {
+        log.warn(w);
+        stderr.write(`[crunch-run] WARNING: ${w}\n`);
+      }
+      try {
+        await runtime.prepare(spec);
+        if (stopSignal !== null || lost) return 1;
+        container = await runtime.start({
+          uuid: doc.uuid,
+          attempt: doc.attempt,
+          spec,
+          outDir,
+          inDir,
+          inputs,
+          gpuDevices: doc.gpuDevices,
+          vmRoot: paths.root,
+        });
+      } catch (err) {
+        if (err instanceof DispatchCloudError && err.code === "crunchrun.image_missing") {
+          say(err.message);
+          await finish(null, err.message, true);
+          return 0;
+        }
+        if (err instanceof DockerApiError && err.status < 500) {
+          const reason = `docker refused the container: ${err.daemonMessage}`;
+          say(reason);
+          await finish(null, reason, true);
+          return 0;
+        }
+        throw err;
+      }
+      const startedAt = Date.now();
+      // Record what runs the bundle in the lock, so --list can tell "stale" from "dead" if we die.
+      const lockText = await readLockText(lockFile(paths, doc.uuid)).catch(() => null);
+      const lockInfo = lockText === null ? null : parseLock(lockText);
+      if (lockInfo !== null && lockInfo.pid === process.pid) {
+        await replaceLock(lockFile(paths, doc.uuid), { ...lockInfo, container: container.ref }).catch(
+          () => {},
+        );
+      }
+      if (stopSignal !== null) void container.stop(KILL_GRACE_S).catch(() => {});
+      const running = container;
+      const streamsDone = Promise.all([pipeInto(running.stdout, stdout), pipeInto(running.stderr, stderr)]);
+
+      // Limits, checked every second.
+      let limitReason: string | null = null;
+      let diskExceeded = false;
+      const stopFor = (reason: string) => {
+        if (limitReason !== null) return;
+        limitReason = reason;
+        say(reason);
+        void running
+          .stop(STOP_GRACE_S)
+          .catch((err: unknown) => log.warn({ err }, "stopping the container failed"));
+      };
+      const limits = spec.limits;
+      let limitTimer: NodeJS.Timeout | null = null;
+      let checking = false;
+      const checkLimits = async () => {
+        if (checking) return;
+        checking = true;
+        try {
+          if (limits.time !== null && Date.now() - startedAt > limits.time) {
+            stopFor(`time limit of ${formatDuration(limits.time)} exceeded`);
+          }
+          if (limits.disk !== null && limitReason === null) {
+            const used = (await diskUsage(outDir)) + (await running.writableLayerBytes().catch(() => 0));
+            usage.diskBytes = used;
+            if (used > limits.disk) {
+              diskExceeded = true;
+              stopFor(`disk limit of ${sizeText(limits.disk)} exceeded: used ${humanSize(used)}`);
+            }
+          }
+        } finally {
+          checking = false;
+        }
+      };
+      if (limits.time !== null || limits.disk !== null) {
+        limitTimer = setInterval(() => void checkLimits(), LIMIT_CHECK_MS);
+        if (limits.time !== null) {
+          // Also exactly at the deadline, not up to a second after it.
+          const t = setTimeout(() => void checkLimits(), limits.time + 1);
+          abort.signal.addEventListener("abort", () => clearTimeout(t), { once: true });
+          void running.wait().finally(() => clearTimeout(t));
+        }
+      }
+
+      let exit: Awaited<ReturnType<RunningContainer["wait"]>>;
+      try {
+        exit = await running.wait();
+      } finally {
+        if (limitTimer !== null) clearInterval(limitTimer);
+      }
+      await Promise.race([streamsDone, new Promise((r) => setTimeout(r, DRAIN_MS).unref())]);
+      heartbeat.stopped = true;
+      if (heartbeat.timer !== null) clearTimeout(heartbeat.timer);
+      await sampleUsage(running, outDir, usage).catch(() => {});
+
+      if (stopSignal !== null || lost) {
+        await running.remove().catch((err: unknown) => log.warn({ err }, "removing the container failed"));
+        return 1;
+      }
+      let failed = false;
+      let reason: string | null = limitReason;
+      let exitCode: number | null = exit.exitCode;
+      if (reason === null && exit.oomKilled) {
+        reason = `memory limit of ${sizeText(spec.resources.ram)} exceeded`;
+        say(reason);
+      }
+      if (reason !== null) {
+        failed = true;
+        exitCode = null;
+      } else if (exit.exitCode !== 0) {
+        say(`the command exited with code ${exit.exitCode}`);
+      }
+      await running.remove().catch((err: unknown) => log.warn({ err }, "removing the container failed"));
+
+      // Outputs (not after a disk limit: they are what was too large).
+      if (!diskExceeded) {
+        try {
+          const up = await client.putOutputs(() => packTar(outDir));
+          say(`uploaded outputs: ${up.files} files, ${humanSize(up.bytes)}`);
+        } catch (err) {
+          if (isNotOurs(err)) {
+            markLost(err);
+            return 1;
+          }
+          if (isNoSpace(err)) throw err;
+          const why =
+            err instanceof RunnerApiError ? `${err.code}: ${err.apiMessage}` : (err as Error).message;
+          say(`uploading the outputs failed: ${why}`);
+          failed = true;
+          reason = reason ?? `uploading the outputs failed: ${why}`;
+        }
+      }
+      await finish(exitCode, reason, failed);
+      return 0;
+    } catch (err) {
+      if (stopSignal !== null || lost) return 1;
+      if (isNoSpace(err)) {
+        markBroken(`no space left on device: ${(err as Error).message}`);
+      } else if (err instanceof DispatchCloudError && err.code === "crunchrun.docker_error") {
+        markBroken(err.message);
+      } else {
+        // Anything else is a bug or an unexpected failure: fail the attempt with the reason.
+        log.error({ err }, "supervisor failed");
+        await finish(null, `crunch-run failed: ${(err as Error).message}`, true).catch(() => {});
+        return 1;
+      }
+      stderr?.write(`[crunch-run] this instance is broken: ${(err as Error).message}\n`);
+      await Promise.all([stdout?.flush(), stderr?.flush()]).catch(() => {});
+      return 1;
+    } finally {
+      heartbeat.stopped = true;
+      if (heartbeat.timer !== null) clearTimeout(heartbeat.timer);
+      if (container !== null) await container.remove().catch(() => {});
+      stdout?.close();
+      stderr?.close();
+      await rm(dir, { recursive: true, force: true }).catch(() => {});
+    }
+  }
+}
+
+async function sampleUsage(container: RunningContainer, outDir: string, usage: ResourceUsage): Promise<void> {
+  const s = await container.stats().catch(() => null);
+  if (s !== null) {
+    usage.cpuSeconds = Math.max(usage.cpuSeconds, s.cpuSeconds);
+    usage.memoryBytes = s.memoryBytes;
+    usage.maxMemoryBytes = Math.max(usage.maxMemoryBytes, s.maxMemoryBytes, s.memoryBytes);
+  }
+  usage.diskBytes = Math.max(
+    usage.diskBytes,
+    (await diskUsage(outDir)) + (await container.writableLayerBytes().catch(() => 0)),
+  );
+}
+
+function pipeInto(source: NodeJS.ReadableStream, target: LogStream): Promise<void> {
+  return new Promise((resolve) => {
+    source.on("data", (chunk: Buffer) => target.write(chunk));
+    source.on("end", () => resolve());
+    source.on("close", () => resolve());
+    source.on("error", () => resolve());
+  });
+}
+
+async function chooseRuntime(
+  engine: StartDocument["runtimeEngine"],
+  env: NodeJS.ProcessEnv,
+  log: Logger,
+): Promise<ContainerRuntime> {
+  if (engine === "process") return createProcessRuntime();
+  const docker = createDockerClient(env);
+  let ok = false;
+  try {
+    const res = await docker.call("GET", "/_ping", undefined, { timeoutMs: 1000 });
+    ok = res.status === 200;
+    if (!ok && engine === "docker") {
+      throw new DispatchCloudError(
+        "crunchrun.docker_error",
+        `the Docker daemon answered /_ping with ${res.status}`,
+      );
+    }
+  } catch (err) {
+    if (engine === "docker") throw err;
+  }
+  if (!ok) {
+    log.warn(
+      { socket: docker.socketPath },
+      "runtime auto: no Docker daemon answers; using the process runtime",
+    );
+    return createProcessRuntime();
+  }
+  return createDockerRuntime(docker);
+}

@@ -1,0 +1,239 @@
+/**
+ * Reading bundle logs: the users' `GET /bundles/:uuid/logs` streams the stored chunks of one stream of one
+ * attempt, and with follow=1 keeps the response open, waking on the database's NOTIFY (LOG_CHANNEL for new
+ * chunks, BUNDLE_CHANNEL for state changes) with a poll as the fallback, until the bundle is final (or a newer
+ * attempt started) and every chunk has been sent.
+ */
+import { Readable } from "node:stream";
+import type { Logger } from "pino";
+import { DispatchCloudError } from "../lib/errors.ts";
+import type { Db } from "../store/db.ts";
+import { getBundle, readLogChunks } from "../store/queries.ts";
+import { BUNDLE_CHANNEL, isFinalState, LOG_CHANNEL, LOG_STREAMS, type LogStream } from "../store/types.ts";
+
+/** Chunks read per query (each at most 1 MiB). */
+const CHUNKS_PER_READ = 8;
+
+export interface LogQuery {
+  stream: LogStream;
+  follow: boolean;
+  /** null = the bundle's current attempt. */
+  attempt: number | null;
+}
+
+const badQuery = (path: string, message: string) =>
+  new DispatchCloudError("request.invalid_query", `${path}: ${message}`, { path });
+
+function single(key: string, raw: unknown): string {
+  if (Array.isArray(raw)) throw badQuery(key, "given more than once");
+  return String(raw);
+}
+
+/** `stream` must be stdout or stderr (default stdout). */
+export function parseStream(raw: unknown): LogStream {
+  if (raw === undefined) return "stdout";
+  const s = single("stream", raw);
+  if (!(LOG_STREAMS as readonly string[]).includes(s)) {
+    throw badQuery(
+      "stream",
+      `must be one of ${LOG_STREAMS.join(", ")}, not ${JSON.stringify(s.slice(0, 40))}`,
+    );
+  }
+  return s as LogStream;
+}
+
+/** A non-negative whole number in decimal, at most 2^53 - 1. */
+export function parseCount(key: string, raw: unknown, min = 0): number {
+  const s = single(key, raw);
+  if (!/^(0|[1-9][0-9]{0,15})$/.test(s) || !Number.isSafeInteger(Number(s)) || Number(s) < min) {
+    throw badQuery(key, `must be a whole number >= ${min}, not ${JSON.stringify(s.slice(0, 40))}`);
+  }
+  return Number(s);
+}
+
+/** `?stream=stdout|stderr&follow=1&attempt=N`; anything else is refused. */
+export function parseLogQuery(query: unknown): LogQuery {
+  const out: LogQuery = { stream: "stdout", follow: false, attempt: null };
+  for (const [key, raw] of Object.entries((query ?? {}) as Record<string, unknown>)) {
+    if (key === "stream") out.stream = parseStream(raw);
+    else if (key === "follow") {
+      const v = single(key, raw);
+      if (!["0", "1", "true", "false"].includes(v)) throw badQuery(key, "must be 1 or 0");
+      out.follow = v === "1" || v === "true";
+    } else if (key === "attempt") out.attempt = parseCount(key, raw, 1);
+    else throw badQuery(key, "unknown query parameter; known: stream, follow, attempt");
+  }
+  return out;
+}
+
+/** Wakes log followers of a bundle. One LISTEN per server, shared by every follower. */
+export interface LogNotifier {
+  /**
+   * Registers interest in `uuid` (after the server listens, so nothing notified from now on is missed);
+   * `wait` resolves on a notification for it, after `timeoutMs`, on abort, or when the notifier closes.
+   */
+  watch(
+    uuid: string,
+  ): Promise<{ wait(timeoutMs: number, signal: AbortSignal): Promise<void>; cancel(): void }>;
+  readonly closed: boolean;
+  /** Wakes every follower for good (they end their responses) and stops listening. */
+  close(): Promise<void>;
+}
+
+export function createLogNotifier(db: Db, logger: Logger): LogNotifier {
+  const waiters = new Map<string, Set<() => void>>();
+  let listening: Promise<(() => Promise<void>)[]> | null = null;
+  let closed = false;
+
+  const wake = (payload: string) => {
+    const uuid = payload.split(" ", 1)[0] ?? "";
+    for (const fn of [...(waiters.get(uuid) ?? [])]) fn();
+  };
+  const listen = () => {
+    listening ??= Promise.all([db.listen(LOG_CHANNEL, wake), db.listen(BUNDLE_CHANNEL, wake)]).catch(
+      (err: unknown) => {
+        listening = null;
+        logger.warn({ err }, "cannot listen for log notifications; followers poll");
+        return [];
+      },
+    );
+    return listening;
+  };
+
+  return {
+    get closed() {
+      return closed;
+    },
+    async watch(uuid) {
+      if (!closed) await listen();
+      let fired = false;
+      let onFire: (() => void) | null = null;
+      const fire = () => {
+        fired = true;
+        onFire?.();
+      };
+      let set = waiters.get(uuid);
+      if (set === undefined) {
+        set = new Set();
+        waiters.set(uuid, set);
+      }
+      set.add(fire);
+      const cancel = () => {
+        const s = waiters.get(uuid);
+        if (s?.delete(fire) && s.size === 0) waiters.delete(uuid);
+      };
+      return {
+        cancel,
+        wait(timeoutMs, signal) {
+          if (fired || closed || signal.aborted) return Promise.resolve();
+          return new Promise<void>((resolve) => {
+            const done = () => {
+              clearTimeout(timer);
+              signal.removeEventListener("abort", done);
+              onFire = null;
+              resolve();
+            };
+            const timer = setTimeout(done, timeoutMs);
+            signal.addEventListener("abort", done, { once: true });
+            onFire = done;
+          });
+        },
+      };
+    },
+    async close() {
+      closed = true;
+      for (const set of waiters.values()) for (const fn of [...set]) fn();
+      const unlisten = await (listening ?? Promise.resolve([]));
+      listening = null;
+      await Promise.all(unlisten.map((u) => u().catch(() => {})));
+    },
+  };
+}
+
+export interface LogReadArgs {
+  db: Db;
+  notifier: LogNotifier;
+  uuid: string;
+  stream: LogStream;
+  /** The attempt to read. */
+  attempt: number;
+  /** The attempt was not given by the caller: a follower of attempt 0 (not started yet) moves to attempt 1. */
+  attemptDefaulted: boolean;
+  follow: boolean;
+  pollIntervalMs: number;
+  logger: { warn(obj: object, msg: string): void };
+}
+
+/**
+ * The bytes of one stream of one attempt as a Readable; a follower waits for more until the bundle is final
+ * or a newer attempt has started, and everything stored is sent.
+ */
+export function logReadable(args: LogReadArgs): Readable {
+  const { db, notifier, uuid, stream } = args;
+  const ac = new AbortController();
+  let attempt = args.attempt;
+  let sent = 0;
+  let sawEnd = false;
+  const pending: Buffer[] = [];
+
+  async function next(): Promise<Buffer | null> {
+    for (;;) {
+      const chunk = pending.shift();
+      if (chunk !== undefined) return chunk;
+      if (ac.signal.aborted) return null;
+      const watch = args.follow && !sawEnd ? await notifier.watch(uuid) : null;
+      try {
+        const chunks =
+          attempt === 0
+            ? []
+            : await readLogChunks(db, { uuid, attempt, stream, from: sent, limit: CHUNKS_PER_READ });
+        for (const c of chunks) {
+          const data = c.offset < sent ? c.data.subarray(sent - c.offset) : c.data;
+          if (data.length === 0) continue;
+          pending.push(data);
+          sent = c.offset + c.data.length;
+        }
+        if (pending.length > 0) continue;
+        if (!args.follow || sawEnd || notifier.closed) return null;
+        const b = await getBundle(db, uuid);
+        if (b === null) return null;
+        if (attempt === 0 && args.attemptDefaulted && b.attempt > 0) {
+          attempt = 1;
+          continue;
+        }
+        if (isFinalState(b.state) || b.attempt !== attempt) {
+          // Every chunk of this attempt committed before the state changed: one more read gets the rest.
+          sawEnd = true;
+          continue;
+        }
+        await watch?.wait(args.pollIntervalMs, ac.signal);
+      } finally {
+        watch?.cancel();
+      }
+    }
+  }
+
+  let reading = false;
+  const readable = new Readable({
+    read() {
+      if (reading) return;
+      reading = true;
+      next().then(
+        (buf) => {
+          reading = false;
+          readable.push(buf);
+        },
+        (err: unknown) => {
+          reading = false;
+          args.logger.warn({ err, bundle: uuid }, "reading a log failed");
+          readable.destroy(err instanceof Error ? err : new Error(String(err)));
+        },
+      );
+    },
+    destroy(err, callback) {
+      ac.abort();
+      callback(err);
+    },
+  });
+  return readable;
+}

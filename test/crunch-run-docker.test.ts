@@ -1,0 +1,167 @@
+/**
+ * crunch-run end to end with the docker runtime: the real Docker daemon (image dctest/busybox:1), a real REST
+ * server in process, crunch-run as a real process from sources. A missing daemon or image fails the suite
+ * with how to get them.
+ */
+import { existsSync, rmSync } from "node:fs";
+import { join } from "node:path";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createDockerClient, listBundleContainers } from "../crunch-run/docker-api.ts";
+import { type RunnerHarness, startRunnerHarness, supervisorLog } from "./crunch-run-harness.ts";
+import { useTestDb } from "./db.ts";
+
+const IMAGE = "dctest/busybox:1";
+const MiB = 1024 * 1024;
+
+describe("crunch-run (docker runtime)", () => {
+  const getDb = useTestDb("pglite");
+  const docker = createDockerClient(process.env);
+  let h: RunnerHarness;
+
+  beforeAll(async () => {
+    const ping = await docker
+      .call("GET", "/_ping", undefined, { timeoutMs: 2000 })
+      .catch((err: Error) => err);
+    if (ping instanceof Error || ping.status !== 200) {
+      throw new Error(
+        `no Docker daemon answers at ${docker.socketPath} (${ping instanceof Error ? ping.message : ping.status}); ` +
+          "install docker.io and start dockerd (or set DOCKER_HOST=unix:///path/to/docker.sock)",
+      );
+    }
+    const image = await docker.call("GET", `/images/${encodeURIComponent(IMAGE)}/json`);
+    if (image.status !== 200) {
+      throw new Error(
+        `the test image ${IMAGE} is missing; make it with: docker import -c 'ENV PATH=/bin' <busybox-static root tar> ${IMAGE}`,
+      );
+    }
+    h = await startRunnerHarness(getDb());
+  });
+  afterAll(async () => {
+    if (h !== undefined) {
+      for (const c of await listBundleContainers(docker, h.root, { all: true }).catch(() => [])) {
+        await docker.call("DELETE", `/containers/${c.Id}?force=true`).catch(() => {});
+      }
+      await h.close();
+    }
+  });
+
+  const bundle = (command: string[], extra: Record<string, unknown> = {}) =>
+    h.newStartingBundle({ image: IMAGE, command, ...extra });
+  const run = async (b: { uuid: string; token: string; attempt: number }) => {
+    const res = await h.detach(b, { runtimeEngine: "docker" });
+    expect(res.code, res.stderr).toBe(0);
+    return h.waitFinal(b.uuid);
+  };
+  const containersOf = (uuid: string) => listBundleContainers(docker, h.root, { uuid, all: true });
+
+  it("runs a container to ready with its output, logs and env; the container is removed", async () => {
+    const b = await bundle([
+      "sh",
+      "-c",
+      'echo "hi $GREETING" > /out/greeting.txt; echo "out=$DISPATCH_OUTPUT_DIR"; id -u',
+    ]);
+    const final = await run(b);
+    expect(final.state, await supervisorLog(h.root, b.uuid)).toBe("ready");
+    expect(await h.output(b.uuid, "greeting.txt")).toEqual({ status: 200, body: "hi hello\n" });
+    expect(await h.log(b.uuid, "stdout")).toBe(`out=/out\n${process.getuid?.()}\n`);
+    expect(await h.log(b.uuid, "stderr")).toContain("[crunch-run] runtime: docker");
+    expect(await containersOf(b.uuid)).toEqual([]);
+    expect(await supervisorLog(h.root, b.uuid)).not.toContain(b.token);
+
+    // A bundle depending on it sees its output read-only at /in/<name>.
+    const dep = await bundle(
+      [
+        "sh",
+        "-c",
+        "cat /in/first/greeting.txt > /out/copy.txt; if touch /in/first/x 2>/dev/null; then echo writable; fi",
+      ],
+      { dependencies: [{ bundle: b.uuid, subpath: "", name: "first" }] },
+    );
+    const depFinal = await run(dep);
+    expect(depFinal.state, await supervisorLog(h.root, dep.uuid)).toBe("ready");
+    expect(await h.output(dep.uuid, "copy.txt")).toEqual({ status: 200, body: "hi hello\n" });
+    expect(await h.log(dep.uuid, "stdout")).not.toContain("writable");
+  });
+
+  it("fails with the container's exit code", async () => {
+    const final = await run(await bundle(["sh", "-c", "exit 3"]));
+    expect(final.state).toBe("failed");
+    expect(final.exitCode).toBe(3);
+  });
+
+  it("fails a bundle over its memory limit with the reason", async () => {
+    const b = await bundle(["sh", "-c", 'x=$(head -c 200000000 /dev/zero | tr "\\0" a); echo survived'], {
+      resources: { vcpus: 1, ram: 64 * MiB, scratch: 0, gpu: null },
+    });
+    const final = await run(b);
+    expect(final.state).toBe("failed");
+    expect(final.stateReason).toContain("memory limit of 64MiB exceeded");
+    expect(await h.log(b.uuid, "stdout")).not.toContain("survived");
+  });
+
+  it("stops a container at its time limit", async () => {
+    const b = await bundle(["sleep", "60"], { limits: { time: 1000, disk: null, network: false } });
+    const final = await run(b);
+    expect(final.state).toBe("failed");
+    expect(final.stateReason).toContain("time limit of 1s exceeded");
+    expect(await containersOf(b.uuid)).toEqual([]);
+  });
+
+  it("--kill TERM stops and removes the container, without finishing", async () => {
+    const b = await bundle(["sleep", "60"]);
+    const res = await h.detach(b, { runtimeEngine: "docker" });
+    expect(res.code, res.stderr).toBe(0);
+    await h.waitState(b.uuid, ["running"]);
+    const deadline = Date.now() + 30_000;
+    while ((await listBundleContainers(docker, h.root, { uuid: b.uuid })).length === 0) {
+      if (Date.now() > deadline) throw new Error(`no container: ${await supervisorLog(h.root, b.uuid)}`);
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    let killed = await h.crunchRun(["--kill", "TERM", b.uuid]);
+    for (let i = 0; i < 5 && killed.code !== 0; i++) killed = await h.crunchRun(["--kill", "TERM", b.uuid]);
+    expect(killed.code, killed.stderr).toBe(0);
+    expect(await containersOf(b.uuid)).toEqual([]);
+    expect((await h.crunchRun(["--list"])).stdout).toBe("");
+    expect((await h.waitState(b.uuid, ["running"])).state).toBe("running");
+  });
+
+  it("--list says stale while a dead supervisor's container runs; --kill then removes the container", async () => {
+    const b = await bundle(["sleep", "60"]);
+    expect((await h.detach(b, { runtimeEngine: "docker" })).code).toBe(0);
+    const deadline = Date.now() + 30_000;
+    while ((await listBundleContainers(docker, h.root, { uuid: b.uuid })).length === 0) {
+      if (Date.now() > deadline) throw new Error(`no container: ${await supervisorLog(h.root, b.uuid)}`);
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    expect((await h.crunchRun(["--kill", "KILL", b.uuid])).code).toBe(0);
+    expect((await h.crunchRun(["--list"])).stdout).toBe(`${b.uuid} stale\n`);
+    expect((await h.detach(b, { runtimeEngine: "docker" })).stderr).toContain("stale");
+    expect((await h.crunchRun(["--kill", "TERM", b.uuid])).code).toBe(0);
+    expect(await listBundleContainers(docker, h.root, { uuid: b.uuid })).toEqual([]);
+    expect((await h.crunchRun(["--list"])).stdout).toBe("");
+  });
+
+  it("marks the instance broken, without finishing, when the Docker daemon is unreachable", async () => {
+    const b = await bundle(["true"]);
+    const gone = { DOCKER_HOST: `unix://${join(h.root, "no-such-docker.sock")}` };
+    expect((await h.detach(b, { runtimeEngine: "docker" }, gone)).code).toBe(0);
+    const deadline = Date.now() + 30_000;
+    while (!(await h.crunchRun(["--list"], "", gone)).stdout.includes("broken")) {
+      if (Date.now() > deadline) throw new Error(`not broken: ${await supervisorLog(h.root, b.uuid)}`);
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    expect((await h.crunchRun(["--list"], "", gone)).stdout).toBe("broken\n");
+    expect((await h.waitState(b.uuid, ["running"])).state).toBe("running");
+    rmSync(join(h.root, "var", "lock", "crunch-run-broken"));
+  });
+
+  it("fails at once, naming the image, when the image is missing; the instance is not broken", async () => {
+    const b = await h.newStartingBundle({ image: "dctest/no-such-image:7", command: ["true"] });
+    const final = await run(b);
+    expect(final.state).toBe("failed");
+    expect(final.exitCode).toBeNull();
+    expect(final.stateReason).toContain("dctest/no-such-image:7");
+    expect(existsSync(join(h.root, "var", "lock", "crunch-run-broken"))).toBe(false);
+    expect((await h.crunchRun(["--list"])).stdout).not.toContain("broken");
+  });
+});

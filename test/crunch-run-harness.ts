@@ -1,0 +1,190 @@
+/**
+ * For the crunch-run tests: an in-process REST server (createRestServer on a test database) listening on a
+ * loopback port, bundles taken straight to `starting` with a fresh runner token, and crunch-run run as a real
+ * process from sources (`bin/dispatch-cloud --detach ...`) with its own DISPATCH_VM_ROOT.
+ */
+import { spawn } from "node:child_process";
+import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import http from "node:http";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { FastifyInstance } from "fastify";
+import { createRestServer } from "../rest-server/server.ts";
+import { hashToken, newRunnerToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
+import type { Db } from "../store/db.ts";
+import { createUser, getBundle, insertBundle } from "../store/queries.ts";
+import { stageBundle, startBundle } from "../store/transitions.ts";
+import type { Bundle, NewBundle } from "../store/types.ts";
+import { testBundleUuid, testNewBundle } from "./db.ts";
+import { BIN } from "./serve-process.ts";
+
+export interface RunResult {
+  code: number | null;
+  stdout: string;
+  stderr: string;
+}
+
+export interface RunnerHarness {
+  apiUrl: string;
+  /** DISPATCH_VM_ROOT of the crunch-run processes. */
+  root: string;
+  env: NodeJS.ProcessEnv;
+  /** A bundle of the harness's user, taken to `starting` (attempt 1) with a fresh runner token. */
+  newStartingBundle(
+    overrides?: Partial<NewBundle>,
+  ): Promise<{ uuid: string; token: string; attempt: number }>;
+  /** `crunch-run --detach uuid` with the start document on stdin. */
+  detach(
+    bundle: { uuid: string; token: string; attempt: number },
+    doc?: Record<string, unknown>,
+    extraEnv?: NodeJS.ProcessEnv,
+  ): Promise<RunResult>;
+  /** Any crunch-run command. */
+  crunchRun(args: string[], stdin?: string, extraEnv?: NodeJS.ProcessEnv): Promise<RunResult>;
+  /** Polls the store until the bundle is final (ready, failed, killed). */
+  waitFinal(uuid: string, timeoutMs?: number): Promise<Bundle>;
+  /** Polls until the bundle is in one of the states. */
+  waitState(uuid: string, states: string[], timeoutMs?: number): Promise<Bundle>;
+  /** One stream of the bundle's log through the users' API. */
+  log(uuid: string, stream: "stdout" | "stderr"): Promise<string>;
+  /** One output file through the users' API (status and body). */
+  output(uuid: string, path: string): Promise<{ status: number; body: string }>;
+  close(): Promise<void>;
+}
+
+export async function startRunnerHarness(db: Db): Promise<RunnerHarness> {
+  const dataDir = await mkdtemp(join(tmpdir(), "crunch-run-data-"));
+  const root = await mkdtemp(join(tmpdir(), "crunch-run-vm-"));
+  const app: FastifyInstance = await createRestServer({
+    db,
+    logger: false,
+    clusterId: "zzzzz",
+    maxRequestBodySize: 1024 * 1024,
+    defaultMaxAttempts: 3,
+    dataDir,
+    logPollInterval: 200,
+  });
+  await app.listen({ host: "127.0.0.1", port: 0 });
+  const address = app.server.address();
+  if (address === null || typeof address === "string") throw new Error("no listening address");
+  const apiUrl = `http://127.0.0.1:${address.port}`;
+  const userToken = newUserToken();
+  const user = await createUser(db, {
+    uuid: newUserUuid("zzzzz"),
+    name: `cr-${Math.random().toString(36).slice(2, 10)}`,
+    isAdmin: false,
+    tokenHash: hashToken(userToken),
+  });
+  const env: NodeJS.ProcessEnv = { ...process.env, DISPATCH_VM_ROOT: root };
+  delete env["NODE_OPTIONS"];
+
+  const run = (args: string[], stdin = "", extraEnv: NodeJS.ProcessEnv = {}): Promise<RunResult> =>
+    new Promise((resolve, reject) => {
+      const child = spawn(BIN, args, { env: { ...env, ...extraEnv }, stdio: ["pipe", "pipe", "pipe"] });
+      let stdout = "";
+      let stderr = "";
+      child.stdout.on("data", (d: Buffer) => {
+        stdout += d.toString();
+      });
+      child.stderr.on("data", (d: Buffer) => {
+        stderr += d.toString();
+      });
+      child.on("error", reject);
+      child.on("close", (code) => resolve({ code, stdout, stderr }));
+      child.stdin.end(stdin);
+    });
+
+  const get = (path: string): Promise<{ status: number; body: string }> =>
+    new Promise((resolve, reject) => {
+      http
+        .get(`${apiUrl}${path}`, { headers: { authorization: `Bearer ${userToken}` } }, (res) => {
+          let body = "";
+          res.on("data", (d: Buffer) => {
+            body += d.toString();
+          });
+          res.on("end", () => resolve({ status: res.statusCode ?? 0, body }));
+        })
+        .on("error", reject);
+    });
+
+  const waitState = async (uuid: string, states: string[], timeoutMs = 60_000): Promise<Bundle> => {
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      const b = await getBundle(db, uuid);
+      if (b === null) throw new Error(`bundle ${uuid} is gone`);
+      if (states.includes(b.state)) return b;
+      if (Date.now() > deadline) {
+        throw new Error(
+          `bundle ${uuid} is still ${b.state} after ${timeoutMs} ms; wanted ${states.join("|")}`,
+        );
+      }
+      await new Promise((r) => setTimeout(r, 100));
+    }
+  };
+
+  return {
+    apiUrl,
+    root,
+    env,
+    async newStartingBundle(overrides = {}) {
+      const uuid = testBundleUuid();
+      await insertBundle(db, uuid, testNewBundle(user.uuid, overrides), "created");
+      const staged = await stageBundle(db, uuid, { actor: "test" });
+      if (!staged.ok) throw new Error(`cannot stage ${uuid}`);
+      const token = newRunnerToken();
+      const started = await startBundle(db, uuid, {
+        instanceId: "i-test",
+        instanceType: "small",
+        runnerTokenHash: hashToken(token),
+        gpuDevices: [],
+        actor: "test",
+      });
+      if (!started.ok) throw new Error(`cannot start ${uuid}`);
+      return { uuid, token, attempt: started.bundle.attempt };
+    },
+    detach(bundle, doc = {}, extraEnv = {}) {
+      const start = {
+        uuid: bundle.uuid,
+        attempt: bundle.attempt,
+        apiUrl,
+        token: bundle.token,
+        instanceType: "small",
+        gpuDevices: [],
+        runtimeEngine: "process",
+        heartbeatIntervalMs: 200,
+        ...doc,
+      };
+      return run(["--detach", bundle.uuid], JSON.stringify(start), extraEnv);
+    },
+    crunchRun: run,
+    waitFinal: (uuid, timeoutMs) => waitState(uuid, ["ready", "failed", "killed"], timeoutMs),
+    waitState,
+    async log(uuid, stream) {
+      const res = await get(`/api/v1/bundles/${uuid}/logs?stream=${stream}`);
+      if (res.status !== 200) throw new Error(`logs of ${uuid}: ${res.status} ${res.body}`);
+      return res.body;
+    },
+    output: (uuid, path) => get(`/api/v1/bundles/${uuid}/outputs/${path}`),
+    async close() {
+      // Stop any supervisor still running from this root (a failed test), then the server.
+      const lockDir = join(root, "var", "lock");
+      for (const name of await readdir(lockDir).catch(() => [] as string[])) {
+        if (!name.endsWith(".lock")) continue;
+        try {
+          const { pid } = JSON.parse(await readFile(join(lockDir, name), "utf8")) as { pid: number };
+          process.kill(pid, "SIGKILL");
+        } catch {
+          // gone
+        }
+      }
+      await app.close();
+      await rm(dataDir, { recursive: true, force: true });
+      await rm(root, { recursive: true, force: true });
+    },
+  };
+}
+
+/** The supervisor's own log (its stdout and stderr), for failure messages. */
+export async function supervisorLog(root: string, uuid: string): Promise<string> {
+  return readFile(join(root, "var", "log", "crunch-run", `${uuid}.log`), "utf8").catch(() => "(no log)");
+}
