@@ -5,21 +5,22 @@
  * p50/p99 of the time from the submit request to crunch-run's `start` call (the bundle's runningAt), the
  * stages in between, and the SSH exec round trip to the same VM measured in the same run, with the ratio.
  *
- * Usage: npm run bench:dispatch [-- --bundles N]
+ * Usage: npm run bench:dispatch [-- --bundles N] [--runner sea|cjs]
  */
-import { type ChildProcess, spawn } from "node:child_process";
-import { appendFileSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { type ChildProcess, execFileSync, spawn } from "node:child_process";
+import { appendFileSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import net from "node:net";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { parseArgs } from "node:util";
-import { Registry } from "prom-client";
 import ssh2 from "ssh2";
-import { localDriver } from "../cloud-drivers/local/driver.ts";
-import { systemClock } from "../lib/clock.ts";
+import { destroyLocalVms, withLocalVms } from "../cloud-drivers/local/driver.ts";
 import { createLogger } from "../lib/logger.ts";
 
-const { values } = parseArgs({ options: { bundles: { type: "string", default: "200" } } });
+const { values } = parseArgs({
+  options: { bundles: { type: "string", default: "200" }, runner: { type: "string", default: "sea" } },
+});
+if (values.runner !== "sea" && values.runner !== "cjs") throw new Error("--runner is sea or cjs");
 const COUNT = Number(values.bundles);
 const ROOT = path.resolve(import.meta.dirname, "..");
 const BIN = path.join(ROOT, "bin", "dispatch-cloud");
@@ -39,7 +40,27 @@ interface View {
 }
 
 const dir = mkdtempSync(path.join(tmpdir(), "dc-bench-dispatch-"));
+const quiet = createLogger({ level: "silent", format: "json" });
 const progress = (line: string) => process.stderr.write(`${line}\n`);
+
+/**
+ * What the dispatcher deploys: `sea`, the single executable (npm run build:sea; built here if missing), as a
+ * production install would; or `cjs`, the one-file build the dispatcher makes of its sources when run from them.
+ */
+async function runnerBinaryFor(kind: string): Promise<string> {
+  if (kind === "cjs") return "";
+  const sea = path.join(ROOT, "dist", "dispatch-cloud");
+  if (!existsSync(sea)) {
+    progress("bench:dispatch: building the single executable (npm run build:sea)");
+    execFileSync("npm", ["run", "--silent", "build:sea"], {
+      cwd: ROOT,
+      stdio: ["ignore", "ignore", "inherit"],
+    });
+  }
+  return sea;
+}
+
+let runnerBinary = "";
 
 function startServe(): Promise<ChildProcess> {
   const config = path.join(dir, "config.yml");
@@ -53,6 +74,7 @@ function startServe(): Promise<ChildProcess> {
       `logging:\n  level: ${process.env["BENCH_LOG_LEVEL"] ?? "warn"}`,
       "dispatcher:\n  runtimeEngine: process",
       `cloud:\n  driver: local\n  driverParameters:\n    stateDir: ${dir}/vms\n  timeoutIdle: 1h\n  maxInstances: 1`,
+      ...(runnerBinary === "" ? [] : [`  deployRunnerBinary: ${runnerBinary}`]),
       "instanceTypes:\n  bench.large:\n    vcpus: 64\n    ram: 256GiB\n    price: 1",
       "",
     ].join("\n"),
@@ -107,18 +129,7 @@ function summary(xs: number[]): string {
 }
 
 async function sshRoundTrips(n: number): Promise<number[]> {
-  const set = await localDriver.instanceSet(
-    { stateDir: `${dir}/vms` },
-    "bench",
-    {},
-    {
-      logger: createLogger({ level: "silent", format: "json" }),
-      clock: systemClock,
-      registry: new Registry(),
-    },
-  );
-  const [vm] = await set.instances({});
-  await set.stop();
+  const vm = await withLocalVms(`${dir}/vms`, quiet, async ([first]) => first);
   if (vm === undefined) throw new Error("no VM");
   const [host, port] = [
     vm.address.slice(0, vm.address.lastIndexOf(":")),
@@ -152,7 +163,8 @@ async function sshRoundTrips(n: number): Promise<number[]> {
 }
 
 async function main(): Promise<void> {
-  progress(`bench:dispatch: starting serve in ${dir}`);
+  runnerBinary = await runnerBinaryFor(values.runner as string);
+  progress(`bench:dispatch: starting serve in ${dir}; crunch-run is ${runnerBinary || "the one-file build"}`);
   const serve = await startServe();
   try {
     token = readFileSync(`${dir}/data/admin-token`, "utf8").trim();
@@ -183,7 +195,9 @@ async function main(): Promise<void> {
       [...ssh].sort((a, b) => a - b),
       50,
     );
-    console.log(`bench:dispatch: ${COUNT} bundles submitted one after another to one idle local VM`);
+    console.log(
+      `bench:dispatch: ${COUNT} bundles submitted one after another to one idle local VM; crunch-run deployed from ${values.runner === "sea" ? "the single executable" : "the one-file .cjs"}`,
+    );
     console.log(`  submit -> crunch-run start: ${summary(total)}   (target: p50 <= 150 ms)`);
     console.log(`    submit -> staged:         ${summary(toStaged)}`);
     console.log(`    staged -> starting:       ${summary(toStarting)}   (queue, scheduler, guarded UPDATE)`);
@@ -195,18 +209,7 @@ async function main(): Promise<void> {
   } finally {
     serve.kill("SIGTERM");
     await new Promise((r) => serve.once("exit", r));
-    const set = await localDriver.instanceSet(
-      { stateDir: `${dir}/vms` },
-      "bench",
-      {},
-      {
-        logger: createLogger({ level: "silent", format: "json" }),
-        clock: systemClock,
-        registry: new Registry(),
-      },
-    );
-    for (const vm of await set.instances({})) await vm.destroy();
-    await set.stop();
+    await destroyLocalVms(`${dir}/vms`, quiet);
     rmSync(dir, { recursive: true, force: true });
   }
 }

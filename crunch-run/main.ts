@@ -7,6 +7,7 @@
  *   crunch-run --kill <signal> <uuid>   signals the supervisor; exit 0 once it is gone (within ~1 s)
  *   crunch-run --version
  *   crunch-run --supervise <uuid>       (internal) the supervisor; start document on stdin
+ *   crunch-run --spare                  (internal) a warm supervisor waiting for a bundle (spare.ts)
  *
  * Exit codes: 0 ok, 1 failed (lock held, still running, ...), 2 usage or bad start document.
  * The lock semantics are described in lock.ts. This module loads only node built-ins and small local
@@ -14,10 +15,11 @@
  * every probe. The supervisor's heavier modules are imported only in `--supervise`.
  */
 import { spawn } from "node:child_process";
-import { closeSync, existsSync, mkdirSync, openSync } from "node:fs";
+import { closeSync, createWriteStream, existsSync, mkdirSync, openSync } from "node:fs";
 import { readdir } from "node:fs/promises";
 import { constants as osConstants } from "node:os";
 import { DispatchCloudError } from "../lib/errors.ts";
+import type { Logger } from "../lib/logger.ts";
 import { selfCommand } from "../lib/self.ts";
 import {
   holderAlive,
@@ -32,7 +34,8 @@ import {
   tryCreateLock,
 } from "./lock.ts";
 import { BUNDLE_UUID_RE, lockFile, logFile, type RunnerPaths, runnerPaths } from "./paths.ts";
-import { parseStartDocument } from "./start-doc.ts";
+import { handToSpare, spareSocketPath, startSpare, waitForWork } from "./spare.ts";
+import { parseStartDocument, type StartDocument } from "./start-doc.ts";
 import type { RetryHook } from "./supervisor.ts";
 import { VERSION } from "./version.ts";
 
@@ -92,26 +95,12 @@ export async function runCrunchRun(
         const uuid = uuidArg(rest[0]);
         if (rest.length !== 1 || uuid === null) return usage("--supervise needs one bundle uuid");
         process.title = `crunch-run ${uuid}`;
-        const text = await readStdin(io.stdin);
-        const doc = parseStartDocument(text, uuid);
-        // The runner `start` call goes out while the supervisor's heavier modules load.
-        const { createRunnerClient } = await import("./api-client.ts");
-        const abort = new AbortController();
-        const retryHook: RetryHook = {};
-        const client = createRunnerClient({
-          apiUrl: doc.apiUrl,
-          token: doc.token,
-          signal: abort.signal,
-          onRetry: (what, err, delayMs) => retryHook.onRetry?.(what, err, delayMs),
-        });
-        const started = client.start();
-        started.catch(() => {}); // handled by supervise()
-        const { supervise } = await import("./supervisor.ts");
-        const code = await supervise({ doc, paths, env, early: { client, abort, started, retryHook } });
-        // Whatever a runtime left behind (a stuck socket) must not keep a finished supervisor alive.
-        setTimeout(() => process.exit(code), 2000).unref();
-        return code;
+        const doc = parseStartDocument(await readStdin(io.stdin), uuid);
+        return await superviseBundle(doc, paths, env);
       }
+      case "--spare":
+        if (rest.length > 0) return usage("--spare takes no arguments");
+        return await spare(paths, env);
       default:
         return usage(mode === undefined ? "no mode given" : `unknown mode ${JSON.stringify(mode)}`);
     }
@@ -123,6 +112,64 @@ export async function runCrunchRun(
     io.err(`crunch-run: ${(err as Error).message}`);
     return 1;
   }
+}
+
+/**
+ * Supervises one bundle. The runner `start` call goes out while the supervisor's heavier modules load (a
+ * spare has loaded them already).
+ */
+async function superviseBundle(
+  doc: StartDocument,
+  paths: RunnerPaths,
+  env: NodeJS.ProcessEnv,
+  logger?: Logger,
+): Promise<number> {
+  const { createRunnerClient } = await import("./api-client.ts");
+  const abort = new AbortController();
+  const retryHook: RetryHook = {};
+  const client = createRunnerClient({
+    apiUrl: doc.apiUrl,
+    token: doc.token,
+    signal: abort.signal,
+    onRetry: (what, err, delayMs) => retryHook.onRetry?.(what, err, delayMs),
+  });
+  const started = client.start();
+  started.catch(() => {}); // handled by supervise()
+  const { supervise } = await import("./supervisor.ts");
+  const code = await supervise({
+    doc,
+    paths,
+    env,
+    ...(logger === undefined ? {} : { logger }),
+    early: { client, abort, started, retryHook },
+  });
+  // Whatever a runtime left behind (a stuck socket) must not keep a finished supervisor alive.
+  setTimeout(() => process.exit(code), 2000).unref();
+  return code;
+}
+
+/** `--spare`: a warm supervisor waiting for a `--detach` to hand it a bundle (spare.ts). */
+async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv): Promise<number> {
+  process.title = "crunch-run spare";
+  const socket = spareSocketPath(paths, selfCommand());
+  if (socket === null) return 0;
+  // Load what supervising needs now, so that a hand-off calls `start` at once.
+  await Promise.all([import("./api-client.ts"), import("./supervisor.ts"), import("../lib/logger.ts")]);
+  let doc: StartDocument | null = null;
+  const work = await waitForWork(socket, (w) => {
+    try {
+      doc = BUNDLE_UUID_RE.test(w.uuid) ? parseStartDocument(w.doc, w.uuid) : null;
+    } catch {
+      doc = null;
+    }
+    return doc !== null;
+  });
+  if (work === null || doc === null) return 0;
+  process.title = `crunch-run ${work.uuid}`;
+  mkdirSync(paths.logDir, { recursive: true });
+  const { createLogger } = await import("../lib/logger.ts");
+  const destination = createWriteStream(logFile(paths, work.uuid), { flags: "a" });
+  return superviseBundle(doc, paths, env, createLogger({ level: "info", format: "json", destination }));
 }
 
 /** A signal given as a number (15) or a name (TERM, SIGTERM, term); null if unknown. */
@@ -239,11 +286,25 @@ async function detach(
       return 1;
     }
   }
+  const command = selfCommand();
+  const socket = spareSocketPath(paths, command);
+  const sparePid = socket === null ? null : await handToSpare(socket, uuid, text);
+  if (sparePid !== null) {
+    try {
+      await replaceLock(file, { uuid, pid: sparePid, startTime: procStartTime(sparePid) ?? "" });
+    } catch (err) {
+      await releaseLock(file, process.pid);
+      throw err;
+    }
+    io.out(JSON.stringify({ uuid, pid: sparePid }));
+    startSpare(paths, command, env);
+    return 0;
+  }
   let child: ReturnType<typeof spawn>;
   try {
     mkdirSync(paths.logDir, { recursive: true });
     const out = openSync(logFile(paths, uuid), "a");
-    const [cmd, ...args] = selfCommand();
+    const [cmd, ...args] = command;
     try {
       child = spawn(cmd as string, [...args, "--supervise", uuid], {
         detached: true,
@@ -270,6 +331,7 @@ async function detach(
   }
   child.unref();
   io.out(JSON.stringify({ uuid, pid: child.pid }));
+  if (socket !== null) startSpare(paths, command, env);
   return 0;
 }
 

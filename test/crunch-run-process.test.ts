@@ -5,6 +5,7 @@
 import { readdir } from "node:fs/promises";
 import { join } from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { findPids, readCmdline } from "../cloud-drivers/local/procs.ts";
 import { parseLock, processGroupAlive, readLockText } from "../crunch-run/lock.ts";
 import { lockFile, runnerPaths } from "../crunch-run/paths.ts";
 import { type RunnerHarness, startRunnerHarness, supervisorLog } from "./crunch-run-harness.ts";
@@ -47,6 +48,30 @@ describe("crunch-run (process runtime)", () => {
     const log = await supervisorLog(h.root, b.uuid);
     expect(log).not.toContain(b.token);
     expect(log).toContain("finished");
+  });
+
+  it("hands the next bundle to the warm spare the previous --detach left behind", async () => {
+    const first = await h.newStartingBundle({ command: ["true"] });
+    expect((await h.detach(first)).code).toBe(0);
+    expect((await h.waitFinal(first.uuid)).state).toBe("ready");
+    let spares: number[] = [];
+    await waitFor(async () => {
+      spares = sparesOf(h.root);
+      return spares.length === 1;
+    });
+    const second = await h.newStartingBundle({
+      command: ["sh", "-c", 'echo from-spare > "$DISPATCH_OUTPUT_DIR/x"'],
+    });
+    const detached = await h.detach(second);
+    expect(detached.code, detached.stderr).toBe(0);
+    expect(JSON.parse(detached.stdout)).toEqual({ uuid: second.uuid, pid: spares[0] });
+    expect((await h.waitFinal(second.uuid)).state).toBe("ready");
+    expect(await h.output(second.uuid, "x")).toEqual({ status: 200, body: "from-spare\n" });
+    const log = await supervisorLog(h.root, second.uuid);
+    expect(log).toContain("finished");
+    expect(log).not.toContain(second.token);
+    // That --detach left the next spare.
+    await waitFor(async () => sparesOf(h.root).some((pid) => pid !== spares[0]));
   });
 
   it("fails with the exit code of a failing command", async () => {
@@ -133,4 +158,11 @@ async function waitFor(cond: () => Promise<boolean>, timeoutMs = 30_000): Promis
     if (Date.now() > deadline) throw new Error("condition not met in time");
     await new Promise((r) => setTimeout(r, 100));
   }
+}
+
+/** Spare supervisors waiting on the instance whose root is `root`. */
+function sparesOf(root: string): number[] {
+  return findPids({ env: ["DISPATCH_VM_ROOT", root] }).filter((pid) =>
+    (readCmdline(pid) ?? []).join(" ").startsWith("crunch-run spare"),
+  );
 }

@@ -7,13 +7,10 @@ import { type ChildProcess, spawn } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { Registry } from "prom-client";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { localDriver } from "../cloud-drivers/local/driver.ts";
-import { systemClock } from "../lib/clock.ts";
-import { createLogger } from "../lib/logger.ts";
+import { destroyLocalVms } from "../cloud-drivers/local/driver.ts";
 import { requireDockerImage } from "./local-driver-helpers.ts";
-import { BIN } from "./serve-process.ts";
+import { BIN, quiet } from "./serve-process.ts";
 
 const IMAGE = requireDockerImage();
 
@@ -58,18 +55,7 @@ describe("the embedded default (serve with no config)", () => {
       await new Promise((r) => serve.once("exit", r));
     }
     if (dir !== undefined) {
-      const set = await localDriver.instanceSet(
-        { stateDir: path.join(dir, "data", "local-vms") },
-        "local",
-        {},
-        {
-          logger: createLogger({ level: "silent", format: "json" }),
-          clock: systemClock,
-          registry: new Registry(),
-        },
-      );
-      for (const vm of await set.instances({})) await vm.destroy();
-      await set.stop();
+      await destroyLocalVms(path.join(dir, "data", "local-vms"), quiet);
       rmSync(dir, { recursive: true, force: true });
     }
   }, 60_000);

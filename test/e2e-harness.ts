@@ -9,13 +9,10 @@ import { chmod, mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import net from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { Registry } from "prom-client";
-import { localDriver } from "../cloud-drivers/local/driver.ts";
-import { systemClock } from "../lib/clock.ts";
-import { createLogger } from "../lib/logger.ts";
+import { destroyLocalVms } from "../cloud-drivers/local/driver.ts";
 import { openTestDb, type TestDb } from "./db.ts";
 import { requireOpenSsh } from "./local-driver-helpers.ts";
-import { BIN } from "./serve-process.ts";
+import { BIN, quiet } from "./serve-process.ts";
 
 export interface SystemOptions {
   database: "pg" | "pglite";
@@ -236,24 +233,8 @@ export class E2eSystem {
       await p.exited;
       clearTimeout(timer);
     }
-    await destroyVms(join(this.dir, "vms"));
+    await destroyLocalVms(join(this.dir, "vms"), quiet);
     await this.db?.close();
     await rm(this.dir, { recursive: true, force: true });
   }
-}
-
-/** VMs outlive their dispatcher, as cloud VMs do: a test destroys what it created. */
-async function destroyVms(stateDir: string): Promise<void> {
-  const set = await localDriver.instanceSet(
-    { stateDir },
-    "e2e01",
-    {},
-    {
-      logger: createLogger({ level: "silent", format: "json" }),
-      clock: systemClock,
-      registry: new Registry(),
-    },
-  );
-  for (const vm of await set.instances({})) await vm.destroy();
-  await set.stop();
 }

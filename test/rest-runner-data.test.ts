@@ -6,7 +6,7 @@ import { mkdir, mkdtemp, readdir, readFile, rm, writeFile } from "node:fs/promis
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Readable } from "node:stream";
-import type { FastifyInstance, InjectOptions } from "fastify";
+import type { FastifyInstance } from "fastify";
 import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { extractTar, packTar } from "../lib/tar.ts";
@@ -17,45 +17,13 @@ import { hashToken, newRunnerToken, newUserToken, newUserUuid } from "../rest-se
 import { appendLogChunk, createUser, getBundle, recordHeartbeat } from "../store/queries.ts";
 import { requeueStarting, startBundle } from "../store/transitions.ts";
 import { describeEachDb } from "./db.ts";
+import { injectClient, type Json } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
 const MAX_OUTPUT = 64 * 1024;
 const silent = pino({ level: "silent" });
 
-// biome-ignore lint/suspicious/noExplicitAny: response bodies are JSON of many shapes, checked by assertions
-type Json = any;
-
-interface Res {
-  status: number;
-  body: Json;
-  raw: Buffer;
-  headers: Record<string, unknown>;
-}
-
-function client(app: FastifyInstance) {
-  return async (
-    method: "GET" | "POST" | "PUT",
-    url: string,
-    token?: string,
-    payload?: string | object | Buffer,
-    headers: Record<string, string> = {},
-  ): Promise<Res> => {
-    const opts: InjectOptions = {
-      method,
-      url,
-      headers: { ...(token === undefined ? {} : { authorization: `Bearer ${token}` }), ...headers },
-    };
-    if (payload !== undefined) opts.payload = payload;
-    const res = await app.inject(opts);
-    let body: unknown;
-    try {
-      body = res.json();
-    } catch {
-      body = res.body;
-    }
-    return { status: res.statusCode, body, raw: res.rawPayload, headers: res.headers };
-  };
-}
+const client = injectClient;
 
 const BIN = { "content-type": "application/octet-stream" };
 const TAR = { "content-type": "application/x-tar" };

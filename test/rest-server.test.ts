@@ -1,7 +1,7 @@
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Writable } from "node:stream";
-import type { FastifyInstance, InjectOptions } from "fastify";
+import type { FastifyInstance } from "fastify";
 import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { createLogger } from "../lib/logger.ts";
@@ -20,43 +20,13 @@ import {
   startBundle,
 } from "../store/transitions.ts";
 import { describeEachDb } from "./db.ts";
+import { injectClient, type Json } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
 const BODY_LIMIT = 64 * 1024;
 const silent = pino({ level: "silent" });
 
-// biome-ignore lint/suspicious/noExplicitAny: response bodies are JSON of many shapes, checked by assertions
-type Json = any;
-
-interface Res {
-  status: number;
-  body: Json;
-}
-
-function client(app: FastifyInstance) {
-  return async (
-    method: "GET" | "POST" | "DELETE",
-    url: string,
-    token?: string,
-    payload?: string | object,
-    headers: Record<string, string> = {},
-  ): Promise<Res> => {
-    const opts: InjectOptions = {
-      method,
-      url,
-      headers: { ...(token === undefined ? {} : { authorization: `Bearer ${token}` }), ...headers },
-    };
-    if (payload !== undefined) opts.payload = payload;
-    const res = await app.inject(opts);
-    let body: unknown;
-    try {
-      body = res.json();
-    } catch {
-      body = res.body;
-    }
-    return { status: res.statusCode, body };
-  };
-}
+const client = injectClient;
 
 /** An admin made directly in the database (how the CLI bootstraps the first one). */
 async function makeAdmin(db: Db): Promise<string> {
@@ -135,7 +105,10 @@ describeEachDb("REST server", (getDb) => {
   });
 
   it("answers the health check", async () => {
-    expect(await api("GET", "/_health/ping")).toEqual({ status: 200, body: { health: "OK" } });
+    expect(await api("GET", "/_health/ping").then((r) => ({ status: r.status, body: r.body }))).toEqual({
+      status: 200,
+      body: { health: "OK" },
+    });
   });
 
   describe("users", () => {
@@ -643,7 +616,7 @@ describe("REST server failures and logs", () => {
       expect((await api("POST", "/api/v1/runner/start", runner, {})).status).toBe(401);
       await db.close();
       const res = await api("GET", "/api/v1/bundles", token);
-      expect(res).toEqual({
+      expect({ status: res.status, body: res.body }).toEqual({
         status: 500,
         body: {
           error: { code: "internal.error", message: "internal error; the server log has the details" },

@@ -2,9 +2,7 @@ import { type ChildProcess, spawn } from "node:child_process";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
-import { Registry } from "prom-client";
-import { localDriver } from "../cloud-drivers/local/driver.ts";
-import { systemClock } from "../lib/clock.ts";
+import { destroyLocalVms } from "../cloud-drivers/local/driver.ts";
 import { createLogger } from "../lib/logger.ts";
 
 export const REPO = resolve(import.meta.dirname, "..");
@@ -61,25 +59,12 @@ export async function startServe(extraYaml = ""): Promise<ServeProcess> {
       const exited = new Promise<number | null>((ok) => child.once("exit", (code) => ok(code)));
       child.kill("SIGTERM");
       const code = await exited;
-      await destroyLocalVms(join(dir, "data", "local-vms"));
+      await destroyLocalVms(join(dir, "data", "local-vms"), quiet);
       await rm(dir, { recursive: true, force: true });
       return code;
     },
   };
 }
 
-/** VMs outlive the dispatcher that made them (as cloud VMs do): a test destroys what its serve created. */
-async function destroyLocalVms(stateDir: string): Promise<void> {
-  const set = await localDriver.instanceSet(
-    { stateDir },
-    "tst01",
-    {},
-    {
-      logger: createLogger({ level: "silent", format: "json" }),
-      clock: systemClock,
-      registry: new Registry(),
-    },
-  );
-  for (const vm of await set.instances({})) await vm.destroy();
-  await set.stop();
-}
+/** A silent logger for clean-up (VMs outlive the serve that made them, as cloud VMs do). */
+export const quiet = createLogger({ level: "silent", format: "json" });

@@ -20,6 +20,8 @@ import {
 } from "node:fs";
 import { userInfo } from "node:os";
 import path from "node:path";
+import { Registry } from "prom-client";
+import { systemClock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { CloudError, CloudQuotaError } from "../errors.ts";
@@ -407,4 +409,34 @@ function checkTags(tags: Tags): Tags {
     }
   }
   return { ...tags };
+}
+
+/**
+ * The local VMs under `stateDir`, seen outside any dispatcher, with `use` applied to them; for tests,
+ * benchmarks and clean-up (local VMs, like cloud VMs, outlive the dispatcher that made them).
+ */
+export async function withLocalVms<T>(
+  stateDir: string,
+  logger: Logger,
+  use: (vms: Instance[]) => Promise<T>,
+): Promise<T> {
+  const set = await localDriver.instanceSet(
+    { stateDir },
+    "local",
+    {},
+    { logger, clock: systemClock, registry: new Registry() },
+  );
+  try {
+    return await use(await set.instances({}));
+  } finally {
+    await set.stop();
+  }
+}
+
+/** Destroys every local VM under `stateDir`; returns how many there were. */
+export function destroyLocalVms(stateDir: string, logger: Logger): Promise<number> {
+  return withLocalVms(stateDir, logger, async (vms) => {
+    for (const vm of vms) await vm.destroy();
+    return vms.length;
+  });
 }
