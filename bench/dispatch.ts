@@ -1,7 +1,8 @@
 /**
  * bench:dispatch — how fast a submitted bundle reaches its runner. Starts `dispatch-cloud serve` (PGlite,
  * local driver with embedded SSH, the `process` runtime) as its own process, boots one VM with a warm-up
- * bundle, then submits 200 bundles one after another (each once the previous one has started) and prints
+ * bundle, then submits 200 bundles one after another (each once the previous one has ended, so each finds
+ * the VM idle) and prints
  * p50/p99 of the time from the submit request to crunch-run's `start` call (the bundle's runningAt), the
  * stages in between, and the SSH exec round trip to the same VM measured in the same run, with the ratio.
  *
@@ -73,7 +74,7 @@ function startServe(): Promise<ChildProcess> {
       `restServer:\n  listen: "127.0.0.1:${PORT}"`,
       `logging:\n  level: ${process.env["BENCH_LOG_LEVEL"] ?? "warn"}`,
       "dispatcher:\n  runtimeEngine: process",
-      `cloud:\n  driver: local\n  driverParameters:\n    stateDir: ${dir}/vms\n  timeoutIdle: 1h\n  maxInstances: 1`,
+      `cloud:\n  driver: local\n  driverParameters:\n    stateDir: ${dir}/vms\n  timeoutIdle: 1h\n  maxInstances: 1\n  probeInterval: 2s`,
       ...(runnerBinary === "" ? [] : [`  deployRunnerBinary: ${runnerBinary}`]),
       "instanceTypes:\n  bench.large:\n    vcpus: 64\n    ram: 256GiB\n    price: 1",
       "",
@@ -179,6 +180,8 @@ async function main(): Promise<void> {
       const t0 = Date.now();
       const b = await call<View>("POST", "/bundles", BUNDLE);
       const v = await waitStarted(b.uuid);
+      // The next bundle comes to an idle VM again: this one has ended.
+      await waitStarted(b.uuid, true);
       const at = (s: string | null) => Date.parse(s ?? "");
       total.push(at(v.timings.runningAt) - t0);
       toStaged.push(at(v.timings.stagedAt) - t0);

@@ -3,7 +3,7 @@
  *
  *   crunch-run --detach <uuid>          start document (JSON) on stdin; takes the bundle's lock, starts the
  *                                       supervisor in its own session, prints {"uuid","pid"}
- *   crunch-run --list                   one line per live bundle; `<uuid> stale`; `broken`
+ *   crunch-run --list                   one line per live bundle; `<uuid> stale`; `broken`; `spare <socket>`
  *   crunch-run --kill <signal> <uuid>   signals the supervisor; exit 0 once it is gone (within ~1 s)
  *   crunch-run --version
  *   crunch-run --supervise <uuid>       (internal) the supervisor; start document on stdin
@@ -156,19 +156,24 @@ async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv): Promise<number
   // Load what supervising needs now, so that a hand-off calls `start` at once.
   await Promise.all([import("./api-client.ts"), import("./supervisor.ts"), import("../lib/logger.ts")]);
   let doc: StartDocument | null = null;
-  const work = await waitForWork(socket, (w) => {
+  const work = await waitForWork(socket, async (w) => {
+    if (!BUNDLE_UUID_RE.test(w.uuid)) return "not a bundle uuid";
     try {
-      doc = BUNDLE_UUID_RE.test(w.uuid) ? parseStartDocument(w.doc, w.uuid) : null;
-    } catch {
-      doc = null;
+      doc = parseStartDocument(w.doc, w.uuid);
+    } catch (err) {
+      return (err as Error).message;
     }
-    return doc !== null;
+    // From the dispatcher directly: no --detach holds the lock for this process.
+    return w.mode === "start" ? takeLock(w.uuid, paths, env) : null;
   });
   if (work === null || doc === null) return 0;
   process.title = `crunch-run ${work.uuid}`;
   mkdirSync(paths.logDir, { recursive: true });
   const { createLogger } = await import("../lib/logger.ts");
   const destination = createWriteStream(logFile(paths, work.uuid), { flags: "a" });
+  // No --detach will leave the next spare: this one does, first, so that it is ready sooner (a new process
+  // takes a few hundred ms of CPU to get ready; starting it after the start call made more hand-offs miss).
+  if (work.mode === "start") startSpare(paths, selfCommand(), env);
   return superviseBundle(doc, paths, env, createLogger({ level: "info", format: "json", destination }));
 }
 
@@ -247,7 +252,29 @@ export async function listBundles(paths: RunnerPaths, env: NodeJS.ProcessEnv): P
     }
   }
   if (existsSync(paths.brokenFile)) lines.push("broken");
+  const socket = spareSocketPath(paths, selfCommand());
+  if (socket !== null && existsSync(socket)) lines.push(`spare ${socket}`);
   return lines;
+}
+
+/**
+ * Takes the bundle's lock for this process; resolves to null, or to why not (a live supervisor holds it, or
+ * the bundle still runs without one). A dead holder's lock is removed and retaken.
+ */
+async function takeLock(uuid: string, paths: RunnerPaths, env: NodeJS.ProcessEnv): Promise<string | null> {
+  mkdirSync(paths.lockDir, { recursive: true });
+  const file = lockFile(paths, uuid);
+  const self: LockInfo = { uuid, pid: process.pid, startTime: procStartTime(process.pid) ?? "" };
+  if (await tryCreateLock(file, self)) return null;
+  const held = await readLockText(file);
+  const info = held === null ? null : parseLock(held);
+  if (info !== null && holderAlive(info))
+    return `bundle ${uuid} is already running (supervisor pid ${info.pid})`;
+  if (await bundleStillRuns(info, uuid, paths, env))
+    return `bundle ${uuid} is stale: its supervisor is gone but it still runs`;
+  if (held !== null) await removeDeadLock(file, held);
+  if (await tryCreateLock(file, self)) return null;
+  return `bundle ${uuid} is already running (lock taken meanwhile)`;
 }
 
 async function detach(
@@ -258,33 +285,11 @@ async function detach(
 ): Promise<number> {
   const text = await readStdin(io.stdin);
   parseStartDocument(text, uuid);
-  mkdirSync(paths.lockDir, { recursive: true });
   const file = lockFile(paths, uuid);
-  const self: LockInfo = { uuid, pid: process.pid, startTime: procStartTime(process.pid) ?? "" };
-  let taken = await tryCreateLock(file, self);
-  if (!taken) {
-    const held = await readLockText(file);
-    const info = held === null ? null : parseLock(held);
-    if (info !== null && holderAlive(info)) {
-      io.err(
-        `crunch-run: bundle ${uuid} is already running (supervisor pid ${info.pid}) [crunchrun.already_running]`,
-      );
-      return 1;
-    }
-    if (await bundleStillRuns(info, uuid, paths, env)) {
-      io.err(
-        `crunch-run: bundle ${uuid} is stale: its supervisor is gone but it still runs [crunchrun.already_running]`,
-      );
-      return 1;
-    }
-    if (held !== null) await removeDeadLock(file, held);
-    taken = await tryCreateLock(file, self);
-    if (!taken) {
-      io.err(
-        `crunch-run: bundle ${uuid} is already running (lock taken meanwhile) [crunchrun.already_running]`,
-      );
-      return 1;
-    }
+  const refusal = await takeLock(uuid, paths, env);
+  if (refusal !== null) {
+    io.err(`crunch-run: ${refusal} [crunchrun.already_running]`);
+    return 1;
   }
   const command = selfCommand();
   const socket = spareSocketPath(paths, command);

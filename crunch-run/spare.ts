@@ -6,11 +6,13 @@
  * instance hands its document to the spare (which answers with its pid and becomes that bundle's supervisor)
  * instead of starting a process, and leaves the next spare.
  *
- * - The socket is `${ROOT}/var/run/crunch-run-spare-<hash>.sock`, the hash of the command that starts this
+ * - The socket is `${ROOT}/var/run/cr-spare-<hash>.sock`, the hash of the command that starts this
  *   runner, so a newly deployed runner never hands work to an old one's spare; mode 0600 (the document holds
  *   the runner token; only the instance's own user may connect).
- * - A spare holds no lock and is not listed by `--list`; `--detach` takes the lock and writes the spare's pid
- *   into it, exactly as for a supervisor it starts itself.
+ * - A spare holds no lock; `--list` prints `spare <socket>` while one waits. `--detach` takes the lock and
+ *   writes the spare's pid into it, exactly as for a supervisor it starts itself. The dispatcher may also hand
+ *   a start document to the spare straight over SSH (a streamlocal channel to the socket), skipping the
+ *   `--detach` process altogether; the spare then takes the lock itself and starts the next spare.
  * - A spare exits after SPARE_IDLE_MS without work, or as soon as its socket file is gone (its VM root was
  *   removed). A second spare for the same socket exits at once; a dead spare's socket is replaced.
  * - Anything unexpected (no spare, a refused or slow hand-off, a path too long for a unix socket) falls back
@@ -25,13 +27,13 @@ import type { RunnerPaths } from "./paths.ts";
 
 export const SPARE_IDLE_MS = 10 * 60_000;
 const HAND_OFF_TIMEOUT_MS = 1000;
-/** sun_path holds 108 bytes with its NUL; stay clear of it. */
-const MAX_SOCKET_PATH = 100;
+/** sun_path holds 108 bytes with its NUL (so a local VM's root may be up to 74 bytes long for spares). */
+const MAX_SOCKET_PATH = 107;
 
 /** The spare socket of the runner started by `command`, or null when the path is too long for a socket. */
 export function spareSocketPath(paths: RunnerPaths, command: readonly string[]): string | null {
-  const hash = createHash("sha256").update(command.join("\0")).digest("hex").slice(0, 16);
-  const file = `${paths.root}/var/run/crunch-run-spare-${hash}.sock`;
+  const hash = createHash("sha256").update(command.join("\0")).digest("hex").slice(0, 10);
+  const file = `${paths.root}/var/run/cr-spare-${hash}.sock`;
   return Buffer.byteLength(file) <= MAX_SOCKET_PATH ? file : null;
 }
 
@@ -54,7 +56,7 @@ export function handToSpare(socketPath: string, uuid: string, doc: string): Prom
     const timer = setTimeout(() => done(null), HAND_OFF_TIMEOUT_MS);
     sock.setEncoding("utf8");
     sock.on("error", () => done(null));
-    sock.on("connect", () => sock.end(`${uuid}\n${doc}`));
+    sock.on("connect", () => sock.end(`detach ${uuid}\n${doc}`));
     sock.on("data", (chunk: string) => {
       answer += chunk;
     });
@@ -88,17 +90,31 @@ export function startSpare(paths: RunnerPaths, command: readonly string[], env: 
 }
 
 export interface SpareWork {
+  /**
+   * `detach`: from `crunch-run --detach`, which holds the bundle's lock; `start`: straight from the
+   * dispatcher over SSH, so the spare takes the lock itself.
+   */
+  mode: "detach" | "start";
   uuid: string;
   doc: string;
 }
 
+/** Parses a hand-off: `<mode> <uuid>\n<start document>`. */
+export function parseHandOff(text: string): SpareWork | null {
+  const nl = text.indexOf("\n");
+  const m = /^(detach|start) (\S+)$/.exec(nl > 0 ? text.slice(0, nl) : "");
+  if (m === null) return null;
+  return { mode: m[1] as SpareWork["mode"], uuid: m[2] as string, doc: text.slice(nl + 1) };
+}
+
 /**
- * The spare's wait: listens on the socket until a hand-off arrives (answered with this pid once `accept`
- * takes it) or it is no longer needed; null means exit.
+ * The spare's wait: listens on the socket until a hand-off arrives that `accept` takes (it resolves to null,
+ * or to why it refuses), answers `pid <pid>` (or `refused <why>`), and resolves to the work; null means
+ * exit (idle too long, or the socket file is gone).
  */
 export async function waitForWork(
   socketPath: string,
-  accept: (work: SpareWork) => boolean,
+  accept: (work: SpareWork) => Promise<string | null>,
   idleMs = SPARE_IDLE_MS,
 ): Promise<SpareWork | null> {
   mkdirSync(path.dirname(socketPath), { recursive: true });
@@ -106,6 +122,7 @@ export async function waitForWork(
   if (!(await listen(server, socketPath))) return null;
   return new Promise((resolve) => {
     let finished = false;
+    let busy = false;
     const finish = (work: SpareWork | null) => {
       if (finished) return;
       finished = true;
@@ -134,14 +151,27 @@ export async function waitForWork(
         if (text.length > 128 * 1024) sock.destroy();
       });
       sock.on("end", () => {
-        const nl = text.indexOf("\n");
-        const work = nl > 0 ? { uuid: text.slice(0, nl), doc: text.slice(nl + 1) } : null;
-        if (finished || work === null || !accept(work)) {
-          sock.end("refused\n");
+        const work = parseHandOff(text);
+        if (finished || busy || work === null) {
+          sock.end(work === null ? "refused not a hand-off\n" : "refused busy\n");
           return;
         }
-        sock.end(`pid ${process.pid}\n`);
-        finish(work);
+        busy = true;
+        accept(work).then(
+          (refusal) => {
+            busy = false;
+            if (refusal !== null) {
+              sock.end(`refused ${refusal.replace(/\n/g, " ")}\n`);
+              return;
+            }
+            sock.end(`pid ${process.pid}\n`);
+            finish(work);
+          },
+          (err: unknown) => {
+            busy = false;
+            sock.end(`refused ${String(err).replace(/\n/g, " ")}\n`);
+          },
+        );
       });
     });
   });

@@ -1,16 +1,21 @@
 /**
  * `npm run build:sea`: the Node single executable application, built into a temporary directory and run
- * from there (nothing beside it).
+ * from there (nothing beside it), and deployed by a dispatcher as crunch-run to run a bundle.
  */
 import { execFile } from "node:child_process";
-import { mkdtemp, readFile, rm } from "node:fs/promises";
+import { createHash } from "node:crypto";
+import { existsSync } from "node:fs";
+import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { promisify } from "node:util";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { buildSea, ROOT } from "../scripts/build.ts";
+import { E2eSystem } from "./e2e-harness.ts";
+import { requireDockerImage } from "./local-driver-helpers.ts";
 
 const run = promisify(execFile);
+const IMAGE = requireDockerImage();
 const VERSION = (JSON.parse(await readFile(path.join(ROOT, "package.json"), "utf8")) as { version: string })
   .version;
 
@@ -43,4 +48,34 @@ describe("npm run build:sea: dist/dispatch-cloud", () => {
     const { stdout } = await run(exe, ["--list"], { env: { ...process.env, DISPATCH_VM_ROOT: root } });
     expect(stdout).toBe("");
   });
+});
+
+describe("the single executable as the deployed crunch-run", () => {
+  let sys: E2eSystem;
+  beforeAll(async () => {
+    sys = await E2eSystem.start({
+      database: "pglite",
+      sshServer: "embedded",
+      runtimeEngine: "docker",
+      cloudYaml: `  deployRunnerBinary: ${exe}`,
+    });
+  }, 180_000);
+  afterAll(async () => {
+    await sys?.stop();
+  }, 120_000);
+
+  it("runs a bundle to ready on a local VM, where the runner is the executable's bytes", async () => {
+    const uuid = await sys.submit({ image: IMAGE, command: ["sh", "-c", "echo sea > /out/which"] });
+    const b = await sys.waitState(uuid);
+    expect(b.state, sys.output().slice(-4000)).toBe("ready");
+    expect((await sys.text(`/bundles/${uuid}/outputs/which`)).body).toBe("sea\n");
+    const sha = createHash("sha256")
+      .update(await readFile(exe))
+      .digest("hex");
+    const vms = path.join(sys.dir, "vms");
+    const deployed = (await readdir(vms)).map((vm) =>
+      path.join(vms, vm, "root/tmp/dispatch-cloud", `crunch-run~${sha}`),
+    );
+    expect(deployed.some((f) => existsSync(f))).toBe(true);
+  }, 180_000);
 });

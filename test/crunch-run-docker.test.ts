@@ -121,7 +121,7 @@ describe("crunch-run (docker runtime)", () => {
     for (let i = 0; i < 5 && killed.code !== 0; i++) killed = await h.crunchRun(["--kill", "TERM", b.uuid]);
     expect(killed.code, killed.stderr).toBe(0);
     expect(await containersOf(b.uuid)).toEqual([]);
-    expect((await h.crunchRun(["--list"])).stdout).toBe("");
+    expect(await h.listBundles()).toBe("");
     expect((await h.waitState(b.uuid, ["running"])).state).toBe("running");
   });
 
@@ -134,25 +134,27 @@ describe("crunch-run (docker runtime)", () => {
       await new Promise((r) => setTimeout(r, 100));
     }
     expect((await h.crunchRun(["--kill", "KILL", b.uuid])).code).toBe(0);
-    expect((await h.crunchRun(["--list"])).stdout).toBe(`${b.uuid} stale\n`);
+    expect(await h.listBundles()).toBe(`${b.uuid} stale\n`);
     expect((await h.detach(b, { runtimeEngine: "docker" })).stderr).toContain("stale");
     expect((await h.crunchRun(["--kill", "TERM", b.uuid])).code).toBe(0);
     expect(await listBundleContainers(docker, h.root, { uuid: b.uuid })).toEqual([]);
-    expect((await h.crunchRun(["--list"])).stdout).toBe("");
+    expect(await h.listBundles()).toBe("");
   });
 
   it("marks the instance broken, without finishing, when the Docker daemon is unreachable", async () => {
     const b = await bundle(["true"]);
     const gone = { DOCKER_HOST: `unix://${join(h.root, "no-such-docker.sock")}` };
+    h.dropSpares();
     expect((await h.detach(b, { runtimeEngine: "docker" }, gone)).code).toBe(0);
     const deadline = Date.now() + 30_000;
-    while (!(await h.crunchRun(["--list"], "", gone)).stdout.includes("broken")) {
+    while (!(await h.listBundles(gone)).includes("broken")) {
       if (Date.now() > deadline) throw new Error(`not broken: ${await supervisorLog(h.root, b.uuid)}`);
       await new Promise((r) => setTimeout(r, 100));
     }
-    expect((await h.crunchRun(["--list"], "", gone)).stdout).toBe("broken\n");
+    expect(await h.listBundles(gone)).toBe("broken\n");
     expect((await h.waitState(b.uuid, ["running"])).state).toBe("running");
     rmSync(join(h.root, "var", "lock", "crunch-run-broken"));
+    h.dropSpares(); // the spare that --detach left has the unreachable daemon too
   });
 
   it("fails at once, naming the image, when the image is missing; the instance is not broken", async () => {
@@ -162,6 +164,6 @@ describe("crunch-run (docker runtime)", () => {
     expect(final.exitCode).toBeNull();
     expect(final.stateReason).toContain("dctest/no-such-image:7");
     expect(existsSync(join(h.root, "var", "lock", "crunch-run-broken"))).toBe(false);
-    expect((await h.crunchRun(["--list"])).stdout).not.toContain("broken");
+    expect(await h.listBundles()).not.toContain("broken");
   });
 });

@@ -4,6 +4,7 @@
  * process from sources (`bin/dispatch-cloud --detach ...`) with its own DISPATCH_VM_ROOT.
  */
 import { spawn } from "node:child_process";
+import { existsSync, readdirSync, rmSync } from "node:fs";
 import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
 import http from "node:http";
 import { tmpdir } from "node:os";
@@ -41,6 +42,13 @@ export interface RunnerHarness {
   ): Promise<RunResult>;
   /** Any crunch-run command. */
   crunchRun(args: string[], stdin?: string, extraEnv?: NodeJS.ProcessEnv): Promise<RunResult>;
+  /**
+   * Sends the warm spares away (removes their sockets; they exit), so that the next --detach starts its
+   * supervisor with the environment it is given rather than handing the bundle to a spare started earlier.
+   */
+  dropSpares(): void;
+  /** `--list`'s output without its `spare <socket>` line (whether a warm spare waits is beside the point). */
+  listBundles(extraEnv?: NodeJS.ProcessEnv): Promise<string>;
   /** Polls the store until the bundle is final (ready, failed, killed). */
   waitFinal(uuid: string, timeoutMs?: number): Promise<Bundle>;
   /** Polls until the bundle is in one of the states. */
@@ -157,6 +165,13 @@ export async function startRunnerHarness(db: Db): Promise<RunnerHarness> {
       return run(["--detach", bundle.uuid], JSON.stringify(start), extraEnv);
     },
     crunchRun: run,
+    dropSpares: () => {
+      const dir = join(root, "var", "run");
+      for (const name of existsSync(dir) ? readdirSync(dir) : []) {
+        if (name.startsWith("cr-spare-")) rmSync(join(dir, name), { force: true });
+      }
+    },
+    listBundles: async (extraEnv) => (await run(["--list"], "", extraEnv)).stdout.replace(/^spare .*\n/m, ""),
     waitFinal: (uuid, timeoutMs) => waitState(uuid, ["ready", "failed", "killed"], timeoutMs),
     waitState,
     async log(uuid, stream) {

@@ -43,7 +43,7 @@ describe("crunch-run (process runtime)", () => {
     expect(stderr).toContain("[crunch-run] runtime: process");
     expect(stderr).toContain("NO ISOLATION");
     // The supervisor cleans up after itself: no lock, no work dir; --list shows nothing.
-    await waitFor(async () => (await h.crunchRun(["--list"])).stdout === "");
+    await waitFor(async () => (await h.listBundles()) === "");
     expect(await readdir(join(h.root, "tmp", "crunch-run")).catch(() => [])).toEqual([]);
     const log = await supervisorLog(h.root, b.uuid);
     expect(log).not.toContain(b.token);
@@ -114,7 +114,7 @@ describe("crunch-run (process runtime)", () => {
     expect(again.code).toBe(1);
     expect(again.stderr).toContain("already running");
     expect(again.stderr).not.toContain(b.token);
-    expect((await h.crunchRun(["--list"])).stdout).toContain(b.uuid);
+    expect(await h.listBundles()).toContain(b.uuid);
     // The lock records the process group that runs the command.
     let pgid = 0;
     await waitFor(async () => {
@@ -126,7 +126,7 @@ describe("crunch-run (process runtime)", () => {
     let killed = await h.crunchRun(["--kill", "TERM", b.uuid]);
     for (let i = 0; i < 5 && killed.code !== 0; i++) killed = await h.crunchRun(["--kill", "15", b.uuid]);
     expect(killed.code).toBe(0);
-    expect((await h.crunchRun(["--list"])).stdout).toBe("");
+    expect(await h.listBundles()).toBe("");
     expect(processGroupAlive(pgid)).toBe(false);
     // No finish: the bundle stays running for the dispatcher to sort out.
     expect((await h.waitState(b.uuid, ["running"])).state).toBe("running");
@@ -136,7 +136,7 @@ describe("crunch-run (process runtime)", () => {
     const b = await h.newStartingBundle({ command: ["true"] });
     const detached = await h.detach({ ...b, token: `dcr_${"x".repeat(43)}` });
     expect(detached.code).toBe(0);
-    await waitFor(async () => (await h.crunchRun(["--list"])).stdout === "");
+    await waitFor(async () => (await h.listBundles()) === "");
     expect(await supervisorLog(h.root, b.uuid)).toContain("runner start refused");
     expect((await h.waitState(b.uuid, ["starting"])).state).toBe("starting");
   });

@@ -164,4 +164,11 @@ describe("end to end: PostgreSQL, OpenSSH VMs, Docker", () => {
       expect(events.items.filter((e) => e.toState === "starting")).toHaveLength(1);
     }
   }, 180_000);
+
+  it("starts bundles through the instance's warm spare supervisor, without a --detach process", async () => {
+    for (let i = 0; i < 3; i++) {
+      expect((await sys.waitState(await sh("true"))).state).toBe("ready");
+    }
+    expect(sys.output()).toMatch(/"via":"spare","msg":"runner started"/);
+  }, 120_000);
 });

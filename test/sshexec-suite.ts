@@ -4,7 +4,8 @@
  * server that can be stopped and started again on the same address and port.
  */
 import { createHash, randomBytes } from "node:crypto";
-import { chownSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { chmodSync, chownSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import net from "node:net";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { Readable } from "node:stream";
@@ -87,6 +88,7 @@ async function createVm(kind: ServerKind): Promise<Vm> {
           hostKey,
           authorizedKeys: [keys.publicKey],
           env: { DISPATCH_VM_ROOT: root },
+          streamLocalUnder: root,
           logger,
         });
         port = server.port;
@@ -183,6 +185,33 @@ export function sshExecutorSuite(kind: ServerKind): void {
     afterAll(async () => {
       await vm?.stop();
       for (const c of cleanupBase.splice(0)) c();
+    });
+
+    it("exchanges a payload with a unix socket on the instance over the same connection", async () => {
+      const sock = vm.file("var/run/echo.sock");
+      const server = net.createServer({ allowHalfOpen: true }, (c) => {
+        let text = "";
+        c.on("data", (d: Buffer) => {
+          text += d.toString();
+        });
+        c.on("end", () => c.end(text.toUpperCase()));
+      });
+      await new Promise<void>((ok) => server.listen(sock, ok));
+      chmodSync(sock, 0o777); // sshd's session runs as the VM user
+      try {
+        const exec = executor();
+        expect((await exec.exchange(sock, "hand this to the spare")).toString()).toBe(
+          "HAND THIS TO THE SPARE",
+        );
+        await expect(exec.exchange(vm.file("var/run/nobody.sock"), "x")).rejects.toMatchObject({
+          code: "ssh.closed",
+        });
+        // The connection stays usable, and it is still the only one.
+        expect((await exec.execute("true")).exitCode).toBe(0);
+        expect(exec.stats().connections).toBe(1);
+      } finally {
+        server.close();
+      }
     });
 
     it("returns output and exit status; a non-zero exit or a signal is not an error", async () => {

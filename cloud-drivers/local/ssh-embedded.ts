@@ -1,12 +1,14 @@
 /**
  * An SSH server in this process (ssh2), for local VMs and tests: public-key authentication against a fixed
- * list of keys, `exec` requests only (no shell, pty, forwarding or subsystems), stdin/stdout/stderr, exit
+ * list of keys, `exec` requests (no shell, pty or subsystems) and, under one directory, channels to unix
+ * sockets (direct-streamlocal, as OpenSSH's); stdin/stdout/stderr, exit
  * codes, and signals the client sends. By default each command runs as `sh -c <command>` in its own process
  * group, as the user this process runs as.
  */
 import { type ChildProcess, spawn } from "node:child_process";
 import net from "node:net";
 import { constants as osConstants } from "node:os";
+import path from "node:path";
 import { Writable } from "node:stream";
 import type { Connection, ParsedKey, ServerChannel } from "ssh2";
 import ssh2 from "ssh2";
@@ -45,6 +47,11 @@ export interface EmbeddedSshServerOptions {
   env?: Record<string, string>;
   /** Runs one command; the default spawns `sh -c command` in its own process group. */
   onExec?: ExecHandler;
+  /**
+   * Allows channels to unix sockets under this directory (OpenSSH's direct-streamlocal, which the pool uses to
+   * hand bundles to crunch-run's spare supervisor); none when unset.
+   */
+  streamLocalUnder?: string;
   logger?: Logger;
 }
 
@@ -92,6 +99,23 @@ export async function startEmbeddedSshServer(opts: EmbeddedSshServerOptions): Pr
       else ctx.reject(["publickey"]);
     });
     conn.on("ready", () => {
+      conn.on("openssh.streamlocal", (accept, reject, info) => {
+        const under = opts.streamLocalUnder;
+        const target = path.resolve(info.socketPath);
+        if (under === undefined || !target.startsWith(`${path.resolve(under)}/`)) {
+          reject();
+          return;
+        }
+        const sock = net.connect(target);
+        sock.once("error", () => reject());
+        sock.once("connect", () => {
+          sock.removeAllListeners("error");
+          sock.on("error", () => channel.destroy());
+          const channel = accept();
+          channel.on("error", () => sock.destroy());
+          sock.pipe(channel).pipe(sock);
+        });
+      });
       conn.on("session", (acceptSession) => {
         const session = acceptSession();
         const signalListeners = new Set<(name: string) => void>();

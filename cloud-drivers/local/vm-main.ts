@@ -62,6 +62,7 @@ async function main(dir: string): Promise<void> {
       hostKey: readFileSync(files.hostKey),
       authorizedKeys,
       env: vmEnv,
+      streamLocalUnder: files.root,
       logger,
     });
     stoppers.push(() => server.close());

@@ -712,6 +712,7 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
 
   function updateRunners(w: Worker, listed: ListedRunners, now: number): void {
     if (listed.unknown.length > 0) w.log.warn({ lines: listed.unknown }, "unexpected lines from --list");
+    w.spareSocket = listed.spare;
     if (listed.broken && !w.listBroken) {
       w.listBroken = true;
       w.log.warn("crunch-run reports the instance broken");
@@ -798,6 +799,34 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     emit({ type: "runner:start_failed", workerId: w.id, uuid: entry.uuid, reason });
   }
 
+  /**
+   * Hands the start document straight to the instance's warm spare supervisor (crunch-run/spare.ts) over the
+   * SSH connection, which skips starting a `crunch-run --detach` process. True when the spare took it;
+   * false (no spare known, the executor cannot, the spare is gone or busy or refused) means use --detach.
+   */
+  async function handToSpare(w: Worker, uuid: string, doc: object, log: Logger): Promise<boolean> {
+    const socket = w.spareSocket;
+    const executor = executorOf(w);
+    if (socket === null || executor.exchange === undefined) return false;
+    const t0 = clock.now();
+    try {
+      const answer = (
+        await executor.exchange(socket, `start ${uuid}\n${JSON.stringify(doc)}\n`, { timeoutMs: 5000 })
+      ).toString("utf8");
+      if (/^pid \d+\n$/.test(answer)) {
+        log.debug({ ms: clock.now() - t0 }, "handed to the spare supervisor");
+        return true;
+      }
+      log.debug({ answer: answer.slice(0, 200) }, "the spare supervisor refused the bundle; using --detach");
+    } catch (err) {
+      log.debug(
+        { err: err instanceof Error ? err.message : String(err) },
+        "no spare supervisor; using --detach",
+      );
+    }
+    return false;
+  }
+
   async function startRunner(w: Worker, entry: PoolRunner, bundle: Bundle): Promise<void> {
     const uuid = bundle.uuid;
     const log = w.log.child({ uuid });
@@ -841,20 +870,24 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       runtimeEngine: config.dispatcher.runtimeEngine,
     };
     let failure: string | null = null;
+    let via: "spare" | "detach" = "spare";
     try {
       if (isGone(w)) throw new Error("the instance is shutting down");
-      const res = await executorOf(w).execute(cmds.detach(uuid), {
-        stdin: `${JSON.stringify(doc)}\n`,
-        timeoutMs: PROBE_COMMAND_TIMEOUT_MS,
-      });
-      if (res.exitCode !== 0)
-        failure = `crunch-run --detach exited ${res.exitCode}: ${tail(res.stderr, 200)}`;
+      if (!(await handToSpare(w, uuid, doc, log))) {
+        via = "detach";
+        const res = await executorOf(w).execute(cmds.detach(uuid), {
+          stdin: `${JSON.stringify(doc)}\n`,
+          timeoutMs: PROBE_COMMAND_TIMEOUT_MS,
+        });
+        if (res.exitCode !== 0)
+          failure = `crunch-run --detach exited ${res.exitCode}: ${tail(res.stderr, 200)}`;
+      }
     } catch (err) {
       failure = `crunch-run --detach failed: ${err instanceof Error ? err.message : String(err)}`;
     }
     if (failure === null) {
       entry.detachedAt = clock.now();
-      log.info({ attempt: started.attempt }, "runner started");
+      log.info({ attempt: started.attempt, via }, "runner started");
       emit({ type: "runner:started", workerId: w.id, uuid });
       return;
     }

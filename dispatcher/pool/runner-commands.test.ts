@@ -43,6 +43,13 @@ describe("runner commands", () => {
     ]);
     expect(out.broken).toBe(true);
     expect(out.unknown).toEqual(["something odd", `${UUID} weird`]);
-    expect(parseList("")).toEqual({ runners: new Map(), broken: false, unknown: [] });
+    expect(parseList("")).toEqual({ runners: new Map(), broken: false, spare: null, unknown: [] });
+    expect(parseList("spare /vm/1/var/run/cr-spare-0123456789.sock\n").spare).toBe(
+      "/vm/1/var/run/cr-spare-0123456789.sock",
+    );
+    // Anything else is not a socket path the pool will connect to.
+    for (const bad of ["spare relative.sock", "spare /a b.sock", "spare /x/../y.sock", "spare /x/y"]) {
+      expect(parseList(`${bad}\n`)).toMatchObject({ spare: null, unknown: [bad] });
+    }
   });
 });

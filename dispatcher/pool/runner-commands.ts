@@ -55,18 +55,27 @@ export interface ListedRunners {
   /** uuid -> listed state. */
   runners: Map<string, "running" | "stale">;
   broken: boolean;
+  /** The socket of a warm spare supervisor (`spare <path>`), to hand start documents to directly. */
+  spare: string | null;
   /** Lines that were none of the above (logged, otherwise ignored). */
   unknown: string[];
 }
 
-/** Parses `crunch-run --list`: `<uuid>`, `<uuid> stale`, or `broken`, one per line. */
+const SPARE_SOCKET = /^spare (\/[A-Za-z0-9._/+-]*\.sock)$/;
+
+/** Parses `crunch-run --list`: `<uuid>`, `<uuid> stale`, `broken`, or `spare <socket>`, one per line. */
 export function parseList(stdout: string): ListedRunners {
-  const out: ListedRunners = { runners: new Map(), broken: false, unknown: [] };
+  const out: ListedRunners = { runners: new Map(), broken: false, spare: null, unknown: [] };
   for (const raw of stdout.split("\n")) {
     const line = raw.trim();
     if (line === "") continue;
     if (line === "broken") {
       out.broken = true;
+      continue;
+    }
+    const spare = SPARE_SOCKET.exec(line);
+    if (spare !== null && !spare[1]!.includes("/../")) {
+      out.spare = spare[1]!;
       continue;
     }
     const [uuid, flag, ...rest] = line.split(/\s+/);

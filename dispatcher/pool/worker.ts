@@ -43,6 +43,8 @@ export class Worker implements WorkerView {
   /** Order in which the pool learned the instance's id (sync forgets only instances known before its list). */
   knownSeq = 0;
   listBroken = false;
+  /** The warm spare supervisor's socket from the last `--list`, if one waited. */
+  spareSocket: string | null = null;
   secretMismatch = false;
   deployFailed = false;
   /** The runner binary was found or put in place by this pool. */

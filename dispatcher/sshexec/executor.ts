@@ -74,6 +74,7 @@ export interface SshExecutorStats {
 
 export interface SshExecutor extends Executor {
   execute(command: string, opts?: ExecOptions): Promise<SshExecResult>;
+  exchange(socketPath: string, payload: string, opts?: { timeoutMs?: number }): Promise<Buffer>;
   stats(): SshExecutorStats;
 }
 
@@ -226,6 +227,49 @@ class SshExecutorImpl implements SshExecutor {
       stdinStream?.off("error", noteStdinError);
       deadline.abort(new Error("done"));
       if (!slot.deferred) slot.release();
+    }
+  }
+
+  async exchange(socketPath: string, payload: string, opts: { timeoutMs?: number } = {}): Promise<Buffer> {
+    this.checkUsable();
+    const slot = await this.acquire();
+    const timeoutMs = opts.timeoutMs ?? this.commandTimeoutMs;
+    const deadline = new AbortController();
+    this.clock.sleep(timeoutMs, deadline.signal).then(
+      () =>
+        deadline.abort(
+          new SshError("ssh.timeout", `${socketPath} on ${this.name}: no answer in ${timeoutMs} ms`),
+        ),
+      () => {},
+    );
+    try {
+      const conn = await abortable(this.connection(), deadline.signal);
+      const stream = await abortable(openStreamLocal(conn.client, socketPath), deadline.signal, (late) =>
+        late.close(),
+      );
+      return await abortable(
+        new Promise<Buffer>((resolve, reject) => {
+          const chunks: Buffer[] = [];
+          let size = 0;
+          stream.on("data", (chunk: Buffer) => {
+            size += chunk.length;
+            if (size <= this.maxOutputBytes) chunks.push(chunk);
+          });
+          stream.on("error", (err: Error) => reject(new SshError("ssh.closed", err.message)));
+          stream.on("close", () => resolve(Buffer.concat(chunks)));
+          stream.end(payload);
+        }),
+        deadline.signal,
+      ).finally(() => stream.close());
+    } catch (err) {
+      throw this.noteError(
+        err instanceof SshError
+          ? err
+          : new SshError("ssh.closed", `${socketPath} on ${this.name}: ${errMessage(err)}`),
+      );
+    } finally {
+      deadline.abort(new Error("done"));
+      slot.release();
     }
   }
 
@@ -600,6 +644,19 @@ interface OpenedChannel {
  * The exit status can arrive in the same packet batch as the exec reply, before anyone awaiting this promise
  * runs: it is recorded here, synchronously, or it would be lost.
  */
+/** A streamlocal channel to a unix socket on the server (OpenSSH's direct-streamlocal@openssh.com). */
+function openStreamLocal(client: SshClient, socketPath: string): Promise<ClientChannel> {
+  return new Promise<ClientChannel>((resolve, reject) => {
+    try {
+      client.openssh_forwardOutStreamLocal(socketPath, (err, channel) =>
+        err ? reject(err) : resolve(channel),
+      );
+    } catch (err) {
+      reject(err);
+    }
+  });
+}
+
 function openExec(client: SshClient, command: string): Promise<OpenedChannel> {
   return new Promise<OpenedChannel>((resolve, reject) => {
     try {

@@ -20,5 +20,11 @@ export interface Executor {
   /** Runs `command` with `sh -c` semantics on the instance. Rejects with SshError on transport failure,
    *  timeout (code "ssh.timeout"), or identity mismatch ("ssh.host_mismatch"); a non-zero exit is NOT an error. */
   execute(command: string, opts?: ExecOptions): Promise<ExecResult>;
+  /**
+   * Sends `payload` to the unix socket `socketPath` on the instance and resolves to everything the socket
+   * answers until it closes (over SSH: a streamlocal channel on the same connection). Optional: an executor
+   * without it makes the pool start runners with `crunch-run --detach` only.
+   */
+  exchange?(socketPath: string, payload: string, opts?: { timeoutMs?: number }): Promise<Buffer>;
   close(): Promise<void>;
 }
