@@ -40,6 +40,57 @@ export function splitImageRef(image: string): { fromImage: string; tag: string }
   return { fromImage: image, tag: "latest" };
 }
 
+/**
+ * The Docker Engine API body that creates a bundle's container: its limits, mounts (outputs read-write, inputs
+ * read-only), no network unless asked, the runner's uid:gid, labels, and exactly the GPU devices assigned.
+ */
+export function containerCreateBody(config: ContainerConfig, user: { uid: number; gid: number }) {
+  const { spec } = config;
+  const env = containerEnv(spec, "/out", "/in");
+  // ROCm has no per-device request: every GPU node is passed, and the runtime is told which ones are this
+  // bundle's, so packed bundles never share one.
+  const rocm = config.gpuDevices.length > 0 && spec.resources.gpu?.stack === "rocm";
+  if (rocm) env["ROCR_VISIBLE_DEVICES"] = config.gpuDevices.join(",");
+  const binds = [`${config.outDir}:/out:rw`, ...config.inputs.map((n) => `${config.inDir}/${n}:/in/${n}:ro`)];
+  const hostConfig: Record<string, unknown> = {
+    Binds: binds,
+    Memory: spec.resources.ram,
+    MemorySwap: spec.resources.ram,
+    NanoCpus: Math.round(spec.resources.vcpus * 1e9),
+    PidsLimit: 4096,
+    NetworkMode: spec.limits.network ? "default" : "none",
+  };
+  if (config.gpuDevices.length > 0) {
+    if (rocm) {
+      hostConfig["Devices"] = ["/dev/kfd", "/dev/dri"].map((d) => ({
+        PathOnHost: d,
+        PathInContainer: d,
+        CgroupPermissions: "rwm",
+      }));
+    } else {
+      hostConfig["DeviceRequests"] = [
+        { Driver: "nvidia", DeviceIDs: config.gpuDevices.map(String), Capabilities: [["gpu"]] },
+      ];
+    }
+  }
+  return {
+    Image: spec.image,
+    Cmd: spec.command,
+    Env: Object.entries(env).map(([k, v]) => `${k}=${v}`),
+    User: `${user.uid}:${user.gid}`,
+    WorkingDir: "/out",
+    Labels: {
+      [LABEL_BUNDLE]: config.uuid,
+      [LABEL_ATTEMPT]: String(config.attempt),
+      [LABEL_VM_ROOT]: config.vmRoot,
+    },
+    AttachStdout: true,
+    AttachStderr: true,
+    Tty: false,
+    HostConfig: hostConfig,
+  };
+}
+
 export function createDockerRuntime(docker: DockerClient): ContainerRuntime {
   return {
     name: "docker",
@@ -81,50 +132,11 @@ export function createDockerRuntime(docker: DockerClient): ContainerRuntime {
     },
 
     async start(config: ContainerConfig): Promise<RunningContainer> {
-      const { spec } = config;
       const name = `crunch-run-${config.uuid}-${config.attempt}`;
-      const env = containerEnv(spec, "/out", "/in");
-      const binds = [
-        `${config.outDir}:/out:rw`,
-        ...config.inputs.map((n) => `${config.inDir}/${n}:/in/${n}:ro`),
-      ];
-      const hostConfig: Record<string, unknown> = {
-        Binds: binds,
-        Memory: spec.resources.ram,
-        MemorySwap: spec.resources.ram,
-        NanoCpus: Math.round(spec.resources.vcpus * 1e9),
-        PidsLimit: 4096,
-        NetworkMode: spec.limits.network ? "default" : "none",
-      };
-      if (config.gpuDevices.length > 0) {
-        if (spec.resources.gpu?.stack === "rocm") {
-          hostConfig["Devices"] = ["/dev/kfd", "/dev/dri"].map((d) => ({
-            PathOnHost: d,
-            PathInContainer: d,
-            CgroupPermissions: "rwm",
-          }));
-        } else {
-          hostConfig["DeviceRequests"] = [
-            { Driver: "nvidia", DeviceIDs: config.gpuDevices.map(String), Capabilities: [["gpu"]] },
-          ];
-        }
-      }
-      const body = {
-        Image: spec.image,
-        Cmd: spec.command,
-        Env: Object.entries(env).map(([k, v]) => `${k}=${v}`),
-        User: `${process.getuid?.() ?? 0}:${process.getgid?.() ?? 0}`,
-        WorkingDir: "/out",
-        Labels: {
-          [LABEL_BUNDLE]: config.uuid,
-          [LABEL_ATTEMPT]: String(config.attempt),
-          [LABEL_VM_ROOT]: config.vmRoot,
-        },
-        AttachStdout: true,
-        AttachStderr: true,
-        Tty: false,
-        HostConfig: hostConfig,
-      };
+      const body = containerCreateBody(config, {
+        uid: process.getuid?.() ?? 0,
+        gid: process.getgid?.() ?? 0,
+      });
       const create = () =>
         docker.json<{ Id: string }>("POST", `/containers/create?name=${encodeURIComponent(name)}`, body);
       let id: string;

@@ -5,7 +5,7 @@
  * import`. Every bundle goes the whole way: submit, stage, schedule, start over SSH, container, outputs, finish.
  */
 import { execFileSync } from "node:child_process";
-import { existsSync, readdirSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
 import path from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { E2eSystem } from "./e2e-harness.ts";
@@ -19,6 +19,22 @@ function containersOf(uuid: string): string[] {
   })
     .split("\n")
     .filter(Boolean);
+}
+
+/** Pids whose command line or environment contains `text`. */
+function processesWith(text: string): number[] {
+  const found: number[] = [];
+  for (const name of readdirSync("/proc")) {
+    if (!/^\d+$/.test(name)) continue;
+    for (const what of ["cmdline", "environ"]) {
+      try {
+        if (readFileSync(`/proc/${name}/${what}`, "latin1").includes(text)) found.push(Number(name));
+      } catch {
+        // Gone, or not ours to read.
+      }
+    }
+  }
+  return found;
 }
 
 async function until<T>(
@@ -90,6 +106,8 @@ describe("end to end: PostgreSQL, OpenSSH VMs, Docker", () => {
     const uuid = await sh("sleep 300");
     await sys.waitState(uuid, ["running"]);
     await until("the container", () => (containersOf(uuid).length > 0 ? true : undefined));
+    // While it runs, no process on this machine carries a runner token in its command line or environment.
+    expect(processesWith("dcr_")).toEqual([]);
     await sys.json("POST", `/bundles/${uuid}/kill`, { reason: "test" });
     expect((await sys.get(uuid)).state).toBe("killed");
     await until("container removal", () => (containersOf(uuid).length === 0 ? true : undefined), 60_000);
