@@ -2,6 +2,8 @@ import { runConfigCheck, runConfigDefaults } from "../config/check.ts";
 import { bundlesCommand } from "./commands/bundles.ts";
 import { cloudtestCommand } from "./commands/cloudtest.ts";
 import { dispatcherCommand } from "./commands/dispatcher.ts";
+import { instanceCommand } from "./commands/instance.ts";
+import { queueCommand } from "./commands/queue.ts";
 import { migrateCommand, serveCommand } from "./commands/serve.ts";
 import { submitCommand } from "./commands/submit.ts";
 import { usersCommand } from "./commands/users.ts";
@@ -25,6 +27,11 @@ users and bundles (clients of the REST server: --api-url URL, token from DISPATC
   users create NAME [--admin]   create a user (admin only); prints its token once
   submit [FILE] [flags] -- CMD  submit a bundle; --wait follows it until it is final
   bundles list|show|kill|events
+operators (clients of the management API: --management-url URL, default http://127.0.0.1:8901; token from
+DISPATCH_CLOUD_MANAGEMENT_TOKEN or --token-file F):
+  instance list [--header]      every instance as the dispatcher sees it
+  instance hold|drain|run|kill ID...  change an instance's idle behaviour, or destroy it
+  queue [--header]              the queue in scheduler order, with why each bundle is not running
 
 'dispatch-cloud COMMAND --help' tells more where a command has options.`;
 
@@ -45,6 +52,8 @@ export const COMMANDS: Record<string, Command> = {
   users: usersCommand,
   submit: submitCommand,
   bundles: bundlesCommand,
+  instance: instanceCommand,
+  queue: queueCommand,
 };
 
 /** Runs one command line; returns the exit code. Every error is printed with its stable code. */

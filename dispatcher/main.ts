@@ -22,6 +22,7 @@ import type { Clock } from "../lib/clock.ts";
 import type { Logger } from "../lib/logger.ts";
 import type { AdvisoryLock, Db } from "../store/db.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
+import { createDispatcherMetrics } from "./metrics.ts";
 import { loadDispatcherKey } from "./pool/bootstrap.ts";
 import { createWorkerPool, type PoolEvent, type WorkerPool } from "./pool/pool.ts";
 import { type BundleQueue, createBundleQueue } from "./queue/queue.ts";
@@ -145,6 +146,8 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
   const lockKey = `dispatch-cloud:${instanceSetId(config)}`;
   const retryInterval = opts.lockRetryInterval ?? LOCK_RETRY_INTERVAL_MS;
   let runner: RunnerArtifact | undefined = opts.runner;
+  // Registered now, so every series exists (at zero) on a standby too.
+  const metrics = createDispatcherMetrics({ registry, config, clock, db, logger: opts.logger });
 
   let lock: AdvisoryLock | null = null;
   let parts: Parts | null = null;
@@ -205,7 +208,8 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
       throw err;
     }
     const instanceTypes = instanceTypesFromConfig(config);
-    const { connect, publicKey } = await connectWith();
+    const { connect: rawConnect, publicKey } = await connectWith();
+    const connect = metrics.timeConnect(rawConnect);
     const queue = createBundleQueue({
       db,
       clock,
@@ -250,6 +254,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
     loops = [schedulerLoop, syncLoop];
     unsubscribe = [
       queue.subscribe(() => schedulerLoop.wake()),
+      metrics.watch({ queue, pool }),
       pool.subscribe((event: PoolEvent) => {
         schedulerLoop.wake();
         if (event.type !== "create:error") syncLoop.wake();

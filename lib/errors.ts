@@ -31,6 +31,20 @@ export const ERROR_CODES = {
     description: "The bearer token is not valid (unknown, revoked or expired).",
   },
   "auth.forbidden": { status: 403, description: "The token is valid but not allowed to do this." },
+  "management.unknown_instance": {
+    status: 404,
+    description: "The management API knows no instance with that id (the dispatcher's pool has none).",
+  },
+  "management.unknown_bundle": {
+    status: 404,
+    description:
+      "The management API knows no bundle with that uuid (in the dispatcher's queue, or at all for kill).",
+  },
+  "management.not_active": {
+    status: 503,
+    description:
+      "This dispatcher is a standby (another one holds the lock): it has no instances or queue to show or steer.",
+  },
   "bundle.not_found": {
     status: 404,
     description:

@@ -19,12 +19,12 @@ import { bundleView, decodeCursor, encodeCursor, eventView, type ListCursor } fr
 export const DEFAULT_LIST_LIMIT = 50;
 export const MAX_LIST_LIMIT = 500;
 
-const KillRequest = Type.Object(
+export const KillRequest = Type.Object(
   { reason: Type.Optional(Type.String({ minLength: 1, maxLength: 1000 })) },
   { additionalProperties: false },
 );
 
-const UserRequest = Type.Object(
+export const UserRequest = Type.Object(
   {
     name: Type.String({
       pattern: "^[A-Za-z0-9][A-Za-z0-9._@-]{0,99}$",

@@ -13,6 +13,7 @@ import { pino } from "pino";
 import type { Clock } from "../lib/clock.ts";
 import { DispatchCloudError, ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
+import { usersApiDocument } from "../management-api/openapi.ts";
 import type { Db } from "../store/db.ts";
 import { createLogNotifier, type LogNotifier } from "./logs.ts";
 import { createOutputStore, type OutputStore } from "./outputs.ts";
@@ -36,6 +37,8 @@ export interface RestServerOptions {
   maxOutputSize?: number;
   /** How often a log follower re-reads when no notification woke it, in ms; default 5000. */
   logPollInterval?: number;
+  /** An instance type's price in dollars per hour (config), for the cost stored at finish; none: no cost. */
+  instancePrice?: (instanceType: string) => number | undefined;
 }
 
 /** What the routes need, built once by createRestServer. */
@@ -48,6 +51,7 @@ export interface RouteContext {
   maxOutputSize: number;
   logNotifier: LogNotifier;
   logPollInterval: number;
+  instancePrice(instanceType: string): number | undefined;
 }
 
 export const DEFAULT_MAX_OUTPUT_SIZE = 10 * 2 ** 30;
@@ -85,6 +89,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     maxOutputSize: opts.maxOutputSize ?? DEFAULT_MAX_OUTPUT_SIZE,
     logNotifier: createLogNotifier(opts.db, logger),
     logPollInterval: opts.logPollInterval ?? 5000,
+    instancePrice: opts.instancePrice ?? (() => undefined),
   };
   const app = Fastify({
     loggerInstance: logger as FastifyBaseLogger,
@@ -151,6 +156,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   });
 
   app.get("/_health/ping", async () => ({ health: "OK" }));
+  app.get("/api/v1/openapi.json", async () => usersApiDocument());
   registerUserRoutes(app, ctx);
   registerRunnerRoutes(app, ctx);
   await app.ready();

@@ -14,6 +14,7 @@ pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || tr
 command -v unshare >/dev/null || need_apt+=(util-linux)
 command -v dockerd >/dev/null || need_apt+=(docker.io)
 [ -x /bin/busybox ] || need_apt+=(busybox-static)
+command -v promtool >/dev/null || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     log "missing Debian packages: ${need_apt[*]}; install them as root: apt-get install -y ${need_apt[*]}"

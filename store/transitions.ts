@@ -222,6 +222,11 @@ export function finishBundle(
     reason?: string | null;
     resourceUsage?: Record<string, number> | null;
     costDollars?: number | null;
+    /**
+     * The instance type's price (dollars per hour): without costDollars, the cost stored is this price x
+     * (finished_at - running_at) in hours.
+     */
+    pricePerHour?: number | null;
     actor: string;
   },
 ): Promise<TransitionResult> {
@@ -235,7 +240,7 @@ export function finishBundle(
     set: [
       "exit_code = $7::int",
       "resource_usage = coalesce($8::jsonb, b.resource_usage)",
-      "cost_dollars = coalesce($9::float8, b.cost_dollars)",
+      `cost_dollars = coalesce($9::float8, $10::float8 * extract(epoch FROM ${NOW} - b.running_at)::float8 / 3600, b.cost_dollars)`,
       "runner_token_hash = NULL",
       `finished_at = ${NOW}`,
     ],
@@ -243,6 +248,7 @@ export function finishBundle(
       args.exitCode,
       args.resourceUsage == null ? null : JSON.stringify(args.resourceUsage),
       args.costDollars ?? null,
+      args.pricePerHour ?? null,
     ],
     reason: args.reason || (ok ? null : fallback),
     actor: args.actor,

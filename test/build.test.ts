@@ -76,7 +76,7 @@ describe("npm run build: dist/dispatch-cloud.cjs", () => {
     await writeFile(
       config,
       `clusterId: tst01\ndataDir: ${work}/data\ndatabase:\n  url: "pglite:${work}/data/pglite"\n` +
-        `restServer:\n  listen: "127.0.0.1:0"\nlogging:\n  level: warn\n`,
+        `restServer:\n  listen: "127.0.0.1:0"\nmanagement:\n  listen: "127.0.0.1:0"\nlogging:\n  level: warn\n`,
     );
     const child = spawn(file, ["serve", "--config", config], {
       cwd: work,

@@ -27,7 +27,8 @@ async function configFile(dbUrl: string): Promise<{ dir: string; file: string }>
   await writeFile(
     file,
     `clusterId: tst02\ndataDir: ${dir}/data\ndatabase: {url: "${dbUrl}"}\nlogging: {level: silent}\n` +
-      "cloud: {driver: stub, driverParameters: {seed: 3}, deployPublicKey: false}\n",
+      "cloud: {driver: stub, driverParameters: {seed: 3}, deployPublicKey: false}\n" +
+      'management: {listen: "127.0.0.1:0"}\n',
   );
   return { dir, file };
 }

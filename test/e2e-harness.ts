@@ -5,6 +5,7 @@
  * of the users' API.
  */
 import { type ChildProcess, spawn } from "node:child_process";
+import { randomBytes } from "node:crypto";
 import { chmod, mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import net from "node:net";
 import { tmpdir } from "node:os";
@@ -26,6 +27,11 @@ export interface SystemOptions {
   extraYaml?: string;
   /** More cloud: keys (indented by the caller with two spaces). */
   cloudYaml?: string;
+  /** cloud.timeoutIdle (default 10m) and cloud.maxInstances (default 3). */
+  timeoutIdle?: string;
+  maxInstances?: number;
+  /** Serve the management API on a free port, its token from the environment (`env:`). */
+  management?: boolean;
 }
 
 export interface BundleView {
@@ -36,6 +42,9 @@ export interface BundleView {
   attempt: number;
   [key: string]: unknown;
 }
+
+/** The environment variable the management token reaches the processes through (config: `env:`). */
+export const MANAGEMENT_TOKEN_ENV = "DC_E2E_MANAGEMENT_TOKEN";
 
 const FINAL = new Set(["ready", "failed", "killed"]);
 
@@ -86,6 +95,8 @@ export class E2eSystem {
     readonly apiUrl: string,
     private readonly opts: SystemOptions,
     private readonly db: TestDb | null,
+    /** The management API's URL and token (systems started with `management: true`). */
+    readonly management: { url: string; token: string } | null = null,
   ) {}
 
   static async start(opts: SystemOptions): Promise<E2eSystem> {
@@ -95,6 +106,10 @@ export class E2eSystem {
     const db = opts.database === "pg" ? await openTestDb("pg") : null;
     const url = db?.url ?? `pglite:${dir}/data/pglite`;
     const port = await freePort();
+    const management =
+      opts.management === true
+        ? { url: `http://127.0.0.1:${await freePort()}`, token: `dcm-e2e-${randomBytes(16).toString("hex")}` }
+        : null;
     const user = opts.sshServer === "openssh" ? requireOpenSsh() : undefined;
     const configFile = join(dir, "config.yml");
     const yaml = [
@@ -113,8 +128,8 @@ export class E2eSystem {
       ...(opts.addressPrefix === undefined ? [] : [`    addressPrefix: "${opts.addressPrefix}"`]),
       "  probeInterval: 500ms",
       "  syncInterval: 5s",
-      "  timeoutIdle: 10m",
-      "  maxInstances: 3",
+      `  timeoutIdle: ${opts.timeoutIdle ?? "10m"}`,
+      `  maxInstances: ${opts.maxInstances ?? 3}`,
       ...(opts.cloudYaml === undefined ? [] : [opts.cloudYaml]),
       "instanceTypes:",
       "  e2e.medium:",
@@ -122,10 +137,15 @@ export class E2eSystem {
       "    ram: 16GiB",
       "    includedScratch: 20GiB",
       "    price: 0.2",
+      ...(management === null
+        ? ['management:\n  listen: "127.0.0.1:0"']
+        : [
+            `management:\n  listen: "${management.url.slice("http://".length)}"\n  token: env:${MANAGEMENT_TOKEN_ENV}`,
+          ]),
       opts.extraYaml ?? "",
     ].join("\n");
     await writeFile(configFile, `${yaml}\n`);
-    const system = new E2eSystem(dir, configFile, `http://127.0.0.1:${port}`, opts, db);
+    const system = new E2eSystem(dir, configFile, `http://127.0.0.1:${port}`, opts, db, management);
     try {
       await system.startRest();
       if (opts.split === true) await system.startDispatcher();
@@ -142,6 +162,10 @@ export class E2eSystem {
       spawn(BIN, [...args, "--config", this.configFile], {
         cwd: this.dir,
         stdio: ["ignore", "pipe", "pipe"],
+        env:
+          this.management === null
+            ? process.env
+            : { ...process.env, [MANAGEMENT_TOKEN_ENV]: this.management.token },
       }),
     );
   }
@@ -149,12 +173,16 @@ export class E2eSystem {
   private async startRest(): Promise<void> {
     this.rest = this.spawn([this.opts.split === true ? "rest-server" : "serve"]);
     await this.rest.waitFor(/REST API at/, "REST server start");
+    if (this.management !== null && this.opts.split !== true)
+      await this.rest.waitFor(/management API at/, "management API start");
   }
 
   /** Starts the dispatcher process (split systems). */
   async startDispatcher(): Promise<void> {
     this.dispatcherProc = this.spawn(["dispatcher"]);
     await this.dispatcherProc.waitFor(/dispatcher: active/, "dispatcher start");
+    if (this.management !== null)
+      await this.dispatcherProc.waitFor(/management API at/, "management API start");
   }
 
   /** SIGKILLs the dispatcher process (split systems): no clean-up of any kind. */
@@ -218,6 +246,17 @@ export class E2eSystem {
       }
       await new Promise((r) => setTimeout(r, 100));
     }
+  }
+
+  /** A management API call (`path` under /management/v1), its JSON answer; any HTTP error throws. */
+  async manage<T>(method: string, path: string, query: Record<string, string> = {}): Promise<T> {
+    if (this.management === null) throw new Error("the system was started without management: true");
+    const url = new URL(`/management/v1${path}`, this.management.url);
+    for (const [k, v] of Object.entries(query)) url.searchParams.set(k, v);
+    const res = await fetch(url, { method, headers: { authorization: `Bearer ${this.management.token}` } });
+    const text = await res.text();
+    if (!res.ok) throw new Error(`${method} ${url.pathname}: HTTP ${res.status} ${text}`);
+    return JSON.parse(text) as T;
   }
 
   async text(path: string): Promise<{ status: number; body: string }> {

@@ -342,8 +342,12 @@ describe("pool: shutdown rules", () => {
     });
     for (let i = 0; i < 15; i++) await h.tick(10 * SEC);
     expect(h.pool.worker(id)).toMatchObject({ state: "idle", idleBehavior: "hold" });
-    // Back to run: the idle clock has long run out.
+    // Back to run: a whole timeoutIdle (1 min) from the release to take work, then the usual shutdown.
     await h.pool.setIdleBehavior(id, "run");
+    expect(h.pool.worker(id)).toMatchObject({ state: "idle", idleBehavior: "run" });
+    for (let i = 0; i < 5; i++) await h.tick(10 * SEC);
+    expect(h.pool.worker(id)?.state).toBe("idle");
+    for (let i = 0; i < 2; i++) await h.tick(10 * SEC);
     expect(h.pool.worker(id)?.state).toBe("shutdown");
   });
 

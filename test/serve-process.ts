@@ -26,7 +26,7 @@ export async function startServe(extraYaml = ""): Promise<ServeProcess> {
   await writeFile(
     config,
     `clusterId: tst01\ndataDir: ${dir}/data\ndatabase:\n  url: "pglite:${dir}/data/pglite"\n` +
-      `restServer:\n  listen: "127.0.0.1:0"\nlogging:\n  level: warn\n${extraYaml}`,
+      `restServer:\n  listen: "127.0.0.1:0"\nmanagement:\n  listen: "127.0.0.1:0"\nlogging:\n  level: warn\n${extraYaml}`,
   );
   const child = spawn(BIN, ["serve", "--config", config], { cwd: dir, stdio: ["ignore", "pipe", "pipe"] });
   let err = "";

@@ -6,7 +6,7 @@ import { DispatchCloudError } from "../../lib/errors.ts";
 import { createLogger } from "../../lib/logger.ts";
 import { parse } from "../args.ts";
 import { type CliIo, EXIT_OK } from "../io.ts";
-import { configFromArgs, openMigrated } from "./serve.ts";
+import { configFromArgs, listenManagement, openMigrated } from "./serve.ts";
 
 const USAGE = `usage: dispatch-cloud dispatcher [--config F]
 Runs the dispatcher alone, on PostgreSQL (the REST server runs apart: dispatch-cloud rest-server). One dispatcher
@@ -42,16 +42,22 @@ export async function dispatcherCommand(io: CliIo): Promise<number> {
   const logger = createLogger(config.logging);
   const runner = await loadRunnerArtifact({ deployRunnerBinary: config.cloud.deployRunnerBinary, logger });
   const db = await openMigrated(config, logger);
+  // One registry: the dispatcher's metrics, served by the management API at /metrics.
+  const registry = new Registry();
   const dispatcher = await createDispatcher({
     config,
     db,
     clock: systemClock,
     logger,
-    registry: new Registry(),
+    registry,
     runner,
     runnerApiUrl: runnerApiUrl(config),
   });
+  let management: Awaited<ReturnType<typeof listenManagement>> | null = null;
   try {
+    // A standby serves it too: /metrics and /_health/ping, and 503 management.not_active for the rest.
+    management = await listenManagement(config, { dispatcher, db, registry, logger, env: io.env });
+    io.progress(`dispatch-cloud dispatcher: management API at ${management.address}`);
     await dispatcher.start();
     io.progress(
       dispatcher.active
@@ -66,6 +72,7 @@ export async function dispatcherCommand(io: CliIo): Promise<number> {
     });
     logger.info("shutting down");
   } finally {
+    await management?.app.close();
     await dispatcher.stop();
     await db.close();
   }

@@ -1,12 +1,16 @@
 import { chmod, mkdir, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
+import type { FastifyInstance } from "fastify";
+import { Registry } from "prom-client";
 import { loadConfig } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
 import { createDispatcher } from "../../dispatcher/main.ts";
+import { instancePriceLookup } from "../../dispatcher/metrics.ts";
 import { loadRunnerArtifact } from "../../dispatcher/runner-artifact.ts";
 import { systemClock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { createLogger, type Logger } from "../../lib/logger.ts";
+import { createManagementServer } from "../../management-api/server.ts";
 import { createBundleManager } from "../../rest-server/bundle-manager.ts";
 import { createRestServer } from "../../rest-server/server.ts";
 import { hashToken, newUserToken, newUserUuid } from "../../rest-server/tokens.ts";
@@ -78,7 +82,7 @@ export async function ensureAdmin(db: Db, config: Config, logger: Logger): Promi
   logger.info({ user: user.uuid, tokenFile: file }, "created the admin user; its token is in the token file");
 }
 
-function splitListen(listen: string, key: string): { host: string; port: number } {
+export function splitListen(listen: string, key: string): { host: string; port: number } {
   const m = /^(.*):(\d+)$/.exec(listen);
   if (m === null)
     throw new DispatchCloudError("config.invalid_value", `${listen} is not host:port`, { path: key });
@@ -117,6 +121,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
     dataDir: resolve(config.dataDir),
     maxOutputSize: config.restServer.maxOutputSize,
+    instancePrice: instancePriceLookup(config),
   });
   const manager = createBundleManager({
     db,
@@ -126,7 +131,9 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
   await manager.start();
   const { host, port } = splitListen(config.restServer.listen, "restServer.listen");
   const address = await app.listen({ host, port });
-  // `serve` runs the dispatcher in-process; it deploys this program as crunch-run.
+  // `serve` runs the dispatcher in-process; it deploys this program as crunch-run. One registry holds the
+  // dispatcher's metrics, which the management API serves at /metrics.
+  const registry = new Registry();
   const dispatcher =
     mode === "serve"
       ? await createDispatcher({
@@ -134,13 +141,26 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
           db,
           clock: systemClock,
           logger,
+          registry,
           runner: runner!,
           runnerApiUrl: config.restServer.publicUrl !== "" ? config.restServer.publicUrl : address,
         })
       : null;
+  let management: { app: FastifyInstance; address: string } | null = null;
+  if (dispatcher !== null) {
+    try {
+      management = await listenManagement(config, { dispatcher, db, registry, logger, env: io.env });
+    } catch (err) {
+      await app.close();
+      await manager.stop();
+      await db.close();
+      throw err;
+    }
+  }
   await dispatcher?.start();
   logger.info({ address, mode, database: config.database.url.split(":")[0] }, "dispatch-cloud is serving");
   io.progress(`dispatch-cloud ${mode}: REST API at ${address}/api/v1 (Ctrl-C stops it)`);
+  if (management !== null) io.progress(`dispatch-cloud ${mode}: management API at ${management.address}`);
 
   await new Promise<void>((done) => {
     const stop = () => done();
@@ -149,9 +169,29 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     io.signal?.addEventListener("abort", stop, { once: true });
   });
   logger.info("shutting down");
+  await management?.app.close();
   await dispatcher?.stop();
   await app.close();
   await manager.stop();
   await db.close();
   return EXIT_OK;
+}
+
+/**
+ * The management API (management-api/server.ts) on management.listen, for the process that runs the
+ * dispatcher. Throws before listening when management.token cannot be read.
+ */
+export async function listenManagement(
+  config: Config,
+  parts: Omit<Parameters<typeof createManagementServer>[0], "config">,
+): Promise<{ app: FastifyInstance; address: string }> {
+  const app = await createManagementServer({ config, ...parts });
+  const { host, port } = splitListen(config.management.listen, "management.listen");
+  try {
+    const address = await app.listen({ host, port });
+    return { app, address };
+  } catch (err) {
+    await app.close();
+    throw err;
+  }
 }

@@ -4,7 +4,8 @@
  */
 import { Counter, Gauge, Histogram, type Registry } from "prom-client";
 import type { InstanceType } from "../../cloud-drivers/types.ts";
-import { WORKER_STATES, type WorkerState } from "../types.ts";
+import type { Clock } from "../../lib/clock.ts";
+import { WORKER_STATES, type WorkerState, type WorkerView } from "../types.ts";
 
 export const POOL_METRIC = {
   instances: "dispatchcloud_instances",
@@ -88,4 +89,174 @@ export function createPoolMetrics(
 
 function single<M>(registry: Registry, name: string, create: () => M): M {
   return (registry.getSingleMetric(name) as M | undefined) ?? create();
+}
+
+/**
+ * How an instance counts in the by-category gauges (ARVADOS-FACTS.md §3 instances_total{category}): `inuse`
+ * when a runner is on it, else `hold` when held, else its state (`booting`, `unknown`, `shutdown`), else
+ * `idle`. Placeholders of creates in flight count as `booting`.
+ */
+export const INSTANCE_CATEGORIES = ["inuse", "hold", "booting", "unknown", "idle", "shutdown"] as const;
+export type InstanceCategory = (typeof INSTANCE_CATEGORIES)[number];
+
+export function categoryOf(w: WorkerView): InstanceCategory {
+  if (w.runners.size > 0) return "inuse";
+  if (w.idleBehavior === "hold") return "hold";
+  if (w.state === "booting" || w.state === "unknown" || w.state === "shutdown") return w.state;
+  return "idle";
+}
+
+export const INSTANCE_METRIC = {
+  price: "dispatchcloud_instances_price_dollars_per_hour",
+  vcpus: "dispatchcloud_instances_vcpus",
+  memory: "dispatchcloud_instances_memory_bytes",
+  cost: "dispatchcloud_instance_cost_dollars_total",
+  probeAgeMax: "dispatchcloud_probe_age_seconds_max",
+  probeAgeMedian: "dispatchcloud_probe_age_seconds_median",
+  bundlesRunning: "dispatchcloud_bundles_running",
+  maxConcurrent: "dispatchcloud_max_concurrent_bundles",
+} as const;
+
+export interface InstanceMetrics {
+  /**
+   * Accrues instance cost up to now and updates the max-concurrent gauge (called on pool events, so an
+   * instance's last minutes before it is forgotten and short bursts of bundles are counted too).
+   */
+  update(): void;
+}
+
+/**
+ * Collect-time metrics of the pool's instances: price, vCPUs and memory by category, probe age (max and
+ * median over instances that exist in the cloud and are not shut down: seconds since their last successful
+ * probe, or since they entered their state when never probed), runners on instances and the most seen at
+ * once, and `dispatchcloud_instance_cost_dollars_total{instance_type}`: each instance's price x the time it
+ * was known to exist (placeholders excluded), accrued at every scrape and pool event. `workers()` returns
+ * null while the dispatcher is not active (every gauge reads 0).
+ */
+export function createInstanceMetrics(
+  registry: Registry,
+  types: readonly InstanceType[],
+  clock: Clock,
+  workers: () => readonly WorkerView[] | null,
+): InstanceMetrics {
+  const typeNames = types.map((t) => t.name);
+  /** Per instance (by identity: an id may change once), its price and when its cost was last accrued. */
+  const accrued = new Map<WorkerView, { type: string; price: number; at: number }>();
+  let maxConcurrent = 0;
+  const costCounter = single(
+    registry,
+    INSTANCE_METRIC.cost,
+    () =>
+      new Counter({
+        name: INSTANCE_METRIC.cost,
+        help: "Dollars spent on instances, by instance type: price per hour x the time each instance existed, accrued while the dispatcher is active.",
+        labelNames: ["instance_type"],
+        registers: [registry],
+      }),
+  );
+  for (const name of typeNames) costCounter.inc({ instance_type: name }, 0);
+
+  const running = (): number => {
+    let n = 0;
+    for (const w of workers() ?? []) n += w.runners.size;
+    return n;
+  };
+  const update = (): void => {
+    const now = clock.now();
+    const seen = new Set<WorkerView>();
+    for (const w of workers() ?? []) {
+      if (w.placeholder) continue;
+      seen.add(w);
+      const a = accrued.get(w);
+      if (a === undefined) {
+        accrued.set(w, { type: w.instanceType.name, price: w.instanceType.price, at: now });
+        continue;
+      }
+      if (now > a.at) costCounter.inc({ instance_type: a.type }, (a.price * (now - a.at)) / 3_600_000);
+      a.at = now;
+    }
+    // Forgotten instances: billed up to the moment they were noticed gone (this call).
+    for (const [w, a] of accrued) {
+      if (seen.has(w)) continue;
+      if (now > a.at) costCounter.inc({ instance_type: a.type }, (a.price * (now - a.at)) / 3_600_000);
+      accrued.delete(w);
+    }
+    maxConcurrent = Math.max(maxConcurrent, running());
+  };
+
+  const byCategory = (name: string, help: string, value: (t: InstanceType) => number) => {
+    registry.removeSingleMetric(name);
+    new Gauge({
+      name,
+      help,
+      labelNames: ["category"],
+      registers: [registry],
+      collect() {
+        const sums = new Map<InstanceCategory, number>(INSTANCE_CATEGORIES.map((c) => [c, 0]));
+        for (const w of workers() ?? []) {
+          const c = categoryOf(w);
+          sums.set(c, (sums.get(c) ?? 0) + value(w.instanceType));
+        }
+        for (const [category, v] of sums) this.set({ category }, v);
+      },
+    });
+  };
+  byCategory(
+    INSTANCE_METRIC.price,
+    "Summed hourly price of the instances, in dollars per hour, by category (inuse, hold, booting, unknown, idle, shutdown).",
+    (t) => t.price,
+  );
+  byCategory(INSTANCE_METRIC.vcpus, "Summed vCPUs of the instances, by category.", (t) => t.vcpus);
+  byCategory(INSTANCE_METRIC.memory, "Summed RAM of the instances, in bytes, by category.", (t) => t.ram);
+
+  const gauge = (name: string, help: string, value: () => number) => {
+    registry.removeSingleMetric(name);
+    new Gauge({
+      name,
+      help,
+      registers: [registry],
+      collect() {
+        this.set(value());
+      },
+    });
+  };
+  const probeAges = (): number[] => {
+    const now = clock.now();
+    const ages: number[] = [];
+    for (const w of workers() ?? []) {
+      if (w.placeholder || w.state === "shutdown") continue;
+      ages.push(Math.max(0, now - (w.probedAt ?? w.stateSince)) / 1000);
+    }
+    return ages.sort((a, b) => a - b);
+  };
+  gauge(
+    INSTANCE_METRIC.probeAgeMax,
+    "Longest time since an instance's last successful probe (or since it entered its state, if never probed), in seconds.",
+    () => probeAges().at(-1) ?? 0,
+  );
+  gauge(
+    INSTANCE_METRIC.probeAgeMedian,
+    "Median time since the instances' last successful probes, in seconds.",
+    () => {
+      const ages = probeAges();
+      return ages[Math.floor(ages.length / 2)] ?? 0;
+    },
+  );
+  gauge(
+    INSTANCE_METRIC.bundlesRunning,
+    "Runners on instances (bundles starting or running, as the pool sees them).",
+    running,
+  );
+  gauge(
+    INSTANCE_METRIC.maxConcurrent,
+    "The most runners seen on instances at once since the dispatcher process started.",
+    () => {
+      maxConcurrent = Math.max(maxConcurrent, running());
+      return maxConcurrent;
+    },
+  );
+  // The cost counter accrues at scrape time: a collect hook on a gauge registered after it would run too
+  // late, so the counter's own collect does it.
+  (costCounter as unknown as { collect?: () => void }).collect = update;
+  return { update };
 }

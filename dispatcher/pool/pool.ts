@@ -256,6 +256,9 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
   function changeBehavior(w: Worker, behavior: IdleBehavior, reason: string): void {
     if (w.idleBehavior === behavior) return;
     w.log.info({ from: w.idleBehavior, to: behavior, reason }, "idle behaviour changed");
+    // An instance released from hold gets a whole timeoutIdle to take work, rather than being shut down at
+    // once for the time it spent held.
+    if (w.idleBehavior === "hold" && behavior === "run") w.lastBusy = clock.now();
     w.idleBehavior = behavior;
     emit({ type: "worker:state", workerId: w.id, state: w.state });
   }

@@ -174,6 +174,12 @@ interface Entry {
 const byOrder = (a: Entry, b: Entry): number =>
   b.priority - a.priority || a.created - b.created || (a.uuid < b.uuid ? -1 : a.uuid > b.uuid ? 1 : 0);
 
+/** The scheduler's order of staged bundles (as byOrder): priority (desc), then age, then uuid. */
+export const queueOrder = (a: Bundle, b: Bundle): number =>
+  b.priority - a.priority ||
+  a.createdAt.getTime() - b.createdAt.getTime() ||
+  (a.uuid < b.uuid ? -1 : a.uuid > b.uuid ? 1 : 0);
+
 /** Packing first (most runners + planned), then booted over booting, then cheaper, then id. */
 const bySlot = (a: Slot, b: Slot): number =>
   b.load - a.load ||

@@ -1,0 +1,121 @@
+import { readFile } from "node:fs/promises";
+import { resolve } from "node:path";
+import { DispatchCloudError, ERROR_CODES, type ErrorCode } from "../lib/errors.ts";
+import type { CliIo } from "./io.ts";
+
+export const DEFAULT_MANAGEMENT_URL = "http://127.0.0.1:8901";
+
+/** Flags every management command takes. */
+export const MANAGEMENT_OPTIONS = {
+  "management-url": { type: "string" },
+  "token-file": { type: "string" },
+  json: { type: "boolean" },
+  help: { type: "boolean", short: "h" },
+} as const;
+
+export interface ManagementFlags {
+  "management-url"?: string | undefined;
+  "token-file"?: string | undefined;
+}
+
+/** An instance as `GET /management/v1/instances` returns it. */
+export interface ManagementInstance {
+  instanceId: string;
+  address: string;
+  instanceType: string;
+  providerType: string;
+  price: number;
+  state: string;
+  idleBehavior: string;
+  runningBundles: string[];
+  lastBusyAt: string | null;
+  stateSince: string;
+  secondsInState: number;
+}
+
+/** A queued bundle as `GET /management/v1/bundles` returns it. */
+export interface ManagementBundle {
+  uuid: string;
+  state: string;
+  priority: number;
+  resources: Record<string, unknown>;
+  eligibleTypes: string[];
+  firstSeenAt: string;
+  schedulingStatus: string | null;
+  instanceId: string | null;
+}
+
+/**
+ * The management token: `--token-file`, else DISPATCH_CLOUD_MANAGEMENT_TOKEN, else the file named by
+ * DISPATCH_CLOUD_MANAGEMENT_TOKEN_FILE. The token itself never goes on a command line nor into a message.
+ */
+export async function findManagementToken(io: CliIo, tokenFile: string | undefined): Promise<string> {
+  const fromEnv = io.env["DISPATCH_CLOUD_MANAGEMENT_TOKEN"];
+  if (tokenFile === undefined && fromEnv !== undefined && fromEnv.trim() !== "") return fromEnv.trim();
+  const file = tokenFile ?? io.env["DISPATCH_CLOUD_MANAGEMENT_TOKEN_FILE"];
+  if (file !== undefined && file !== "") {
+    let text: string;
+    try {
+      text = (await readFile(resolve(io.cwd, file), "utf8")).trim();
+    } catch (err) {
+      throw new DispatchCloudError("cli.no_token", `cannot read token file ${file}`, { cause: err });
+    }
+    if (text !== "") return text;
+    throw new DispatchCloudError("cli.no_token", `token file ${file} is empty`);
+  }
+  throw new DispatchCloudError(
+    "cli.no_token",
+    "no management token: set DISPATCH_CLOUD_MANAGEMENT_TOKEN or pass --token-file FILE (the value of management.token)",
+  );
+}
+
+/** A client of the management API; its errors come back as DispatchCloudError with the server's code. */
+export class ManagementClient {
+  constructor(
+    readonly url: string,
+    private readonly token: string,
+    private readonly signal?: AbortSignal,
+  ) {}
+
+  async request<T>(method: string, path: string, query: Record<string, string> = {}): Promise<T> {
+    const url = new URL(path, this.url.endsWith("/") ? this.url : `${this.url}/`);
+    for (const [k, v] of Object.entries(query)) url.searchParams.set(k, v);
+    let res: Response;
+    try {
+      res = await fetch(url, {
+        method,
+        headers: { authorization: `Bearer ${this.token}` },
+        ...(this.signal === undefined ? {} : { signal: this.signal }),
+      });
+    } catch (err) {
+      throw new DispatchCloudError(
+        "cli.unreachable",
+        `cannot reach the management API at ${this.url} (is the dispatcher running? --management-url or DISPATCH_CLOUD_MANAGEMENT_URL sets the address)`,
+        { cause: err },
+      );
+    }
+    const text = await res.text();
+    let parsed: unknown;
+    try {
+      parsed = text === "" ? undefined : JSON.parse(text);
+    } catch {
+      parsed = undefined;
+    }
+    if (res.ok) return parsed as T;
+    const e = (parsed as { error?: { code?: string; message?: string; path?: string } } | undefined)?.error;
+    const code: ErrorCode =
+      e?.code !== undefined && e.code in ERROR_CODES ? (e.code as ErrorCode) : "internal.error";
+    throw new DispatchCloudError(
+      code,
+      e?.message ?? `HTTP ${res.status} from ${url.pathname}`,
+      e?.path === undefined ? {} : { path: e.path },
+    );
+  }
+}
+
+/** A client for the URL and token the flags and environment name. */
+export async function connectManagement(io: CliIo, flags: ManagementFlags): Promise<ManagementClient> {
+  const url = flags["management-url"] ?? io.env["DISPATCH_CLOUD_MANAGEMENT_URL"] ?? DEFAULT_MANAGEMENT_URL;
+  const token = await findManagementToken(io, flags["token-file"]);
+  return new ManagementClient(url, token, io.signal);
+}

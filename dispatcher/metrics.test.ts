@@ -1,0 +1,381 @@
+/**
+ * The metric families of dispatcher/metrics.ts, pool/metrics.ts (instances, cost) and sshexec/metrics.ts:
+ * every series at zero from start-up, and the values each family reads from the pool, the queue and the store.
+ * The per-bundle cost stored at finish is checked through the runner API.
+ */
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { pino } from "pino";
+import { Registry } from "prom-client";
+import { describe, expect, it } from "vitest";
+import { createRestServer } from "../rest-server/server.ts";
+import { hashToken, newRunnerToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
+import { createUser, getBundle } from "../store/queries.ts";
+import { finishBundle, markRunning, stageBundle, startBundle } from "../store/transitions.ts";
+import { createTestBundle, createTestUser } from "../test/db.ts";
+import { stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
+import { FakeClock, flushMicrotasks } from "../test/fake-clock.ts";
+import { injectClient } from "../test/rest-client.ts";
+import { MemoryQueue, testBundle } from "../test/stub-pool.ts";
+import { instanceTypesFromConfig } from "./instance-types.ts";
+import {
+  createDispatcherMetrics,
+  DISPATCHER_METRIC,
+  instancePriceLookup,
+  type MetricParts,
+} from "./metrics.ts";
+import { categoryOf, createInstanceMetrics, INSTANCE_METRIC } from "./pool/metrics.ts";
+import { createSshMetrics, SSH_METRIC } from "./sshexec/metrics.ts";
+import type { RunnerView, WorkerState, WorkerView } from "./types.ts";
+
+const logger = pino({ level: "silent" });
+const HOUR = 3_600_000;
+
+/** name -> (sorted label pairs -> value) of every series in the registry. */
+async function series(registry: Registry): Promise<Map<string, Map<string, number>>> {
+  const out = new Map<string, Map<string, number>>();
+  for (const m of await registry.getMetricsAsJSON()) {
+    for (const v of m.values as Array<{
+      labels: Record<string, string | number>;
+      value: number;
+      metricName?: string;
+    }>) {
+      const name = v.metricName ?? m.name;
+      const key = Object.entries(v.labels)
+        .sort(([a], [b]) => a.localeCompare(b))
+        .map(([k, x]) => `${k}=${x}`)
+        .join(",");
+      const map = out.get(name) ?? new Map<string, number>();
+      map.set(key, v.value);
+      out.set(name, map);
+    }
+  }
+  return out;
+}
+
+function worker(init: {
+  id: string;
+  type: string;
+  state: WorkerState;
+  idleBehavior?: WorkerView["idleBehavior"];
+  placeholder?: boolean;
+  runners?: number;
+  probedAt?: number | null;
+  stateSince?: number;
+}): WorkerView {
+  const types = new Map(instanceTypesFromConfig(stubConfig()).map((t) => [t.name, t]));
+  const runners = new Map<string, RunnerView>();
+  for (let i = 0; i < (init.runners ?? 0); i++) {
+    runners.set(`r${i}`, { uuid: `r${i}`, state: "running", gpuDevices: [], since: 0 });
+  }
+  return {
+    id: init.id,
+    instanceType: types.get(init.type)!,
+    state: init.state,
+    idleBehavior: init.idleBehavior ?? "run",
+    placeholder: init.placeholder ?? false,
+    address: "10.0.0.1",
+    runners,
+    probedAt: init.probedAt ?? null,
+    stateSince: init.stateSince ?? 0,
+    lastBusy: 0,
+    broken: false,
+  };
+}
+
+describe("instance metrics (pool/metrics.ts)", () => {
+  it("sorts instances into categories", () => {
+    expect(
+      categoryOf(worker({ id: "a", type: "small", state: "running", runners: 1, idleBehavior: "hold" })),
+    ).toBe("inuse");
+    expect(categoryOf(worker({ id: "b", type: "small", state: "idle", idleBehavior: "hold" }))).toBe("hold");
+    expect(categoryOf(worker({ id: "c", type: "small", state: "booting" }))).toBe("booting");
+    expect(categoryOf(worker({ id: "d", type: "small", state: "unknown" }))).toBe("unknown");
+    expect(categoryOf(worker({ id: "e", type: "small", state: "shutdown" }))).toBe("shutdown");
+    expect(categoryOf(worker({ id: "f", type: "small", state: "idle", idleBehavior: "drain" }))).toBe("idle");
+  });
+
+  it("sums price, vCPUs and memory by category, ages probes, accrues cost and keeps the concurrency peak", async () => {
+    const clock = new FakeClock();
+    const registry = new Registry();
+    const t0 = clock.now();
+    let list: WorkerView[] = [
+      worker({ id: "i-small", type: "small", state: "idle", probedAt: t0 }),
+      worker({ id: "i-medium", type: "medium", state: "running", runners: 2, probedAt: t0 }),
+      worker({ id: "i-big", type: "big", state: "idle", idleBehavior: "hold", probedAt: t0 }),
+      worker({ id: "creating-1", type: "gpu", state: "booting", placeholder: true, stateSince: t0 }),
+      worker({ id: "i-gone", type: "gpu", state: "shutdown", probedAt: t0 }),
+    ];
+    const types = instanceTypesFromConfig(stubConfig());
+    const m = createInstanceMetrics(registry, types, clock, () => list);
+    m.update();
+    await clock.advance(HOUR / 2);
+    const s = await series(registry);
+    expect(s.get(INSTANCE_METRIC.price)).toEqual(
+      new Map([
+        ["category=inuse", 0.2],
+        ["category=hold", 0.8],
+        ["category=booting", 1.2],
+        ["category=unknown", 0],
+        ["category=idle", 0.1],
+        ["category=shutdown", 1.2],
+      ]),
+    );
+    expect(s.get(INSTANCE_METRIC.vcpus)?.get("category=inuse")).toBe(4);
+    expect(s.get(INSTANCE_METRIC.memory)?.get("category=hold")).toBe(64 * 2 ** 30);
+    // Half an hour of each real instance; the placeholder costs nothing.
+    const cost = s.get(INSTANCE_METRIC.cost)!;
+    expect(cost.get("instance_type=small")).toBeCloseTo(0.05, 10);
+    expect(cost.get("instance_type=medium")).toBeCloseTo(0.1, 10);
+    expect(cost.get("instance_type=big")).toBeCloseTo(0.4, 10);
+    expect(cost.get("instance_type=gpu")).toBeCloseTo(0.6, 10);
+    // Probe ages over the 3 probed, not shut down instances: all 1800 s.
+    expect(s.get(INSTANCE_METRIC.probeAgeMax)?.get("")).toBe(1800);
+    expect(s.get(INSTANCE_METRIC.probeAgeMedian)?.get("")).toBe(1800);
+    expect(s.get(INSTANCE_METRIC.bundlesRunning)?.get("")).toBe(2);
+    expect(s.get(INSTANCE_METRIC.maxConcurrent)?.get("")).toBe(2);
+
+    // The small one is forgotten after another half hour (noticed by update at a pool event); nothing runs.
+    await clock.advance(HOUR / 2);
+    list = list.filter((w) => w.id !== "i-small" && w.id !== "i-medium");
+    m.update();
+    await clock.advance(HOUR);
+    const s2 = await series(registry);
+    expect(s2.get(INSTANCE_METRIC.cost)?.get("instance_type=small")).toBeCloseTo(0.1, 10);
+    expect(s2.get(INSTANCE_METRIC.cost)?.get("instance_type=medium")).toBeCloseTo(0.2, 10);
+    expect(s2.get(INSTANCE_METRIC.cost)?.get("instance_type=big")).toBeCloseTo(1.6, 10);
+    expect(s2.get(INSTANCE_METRIC.bundlesRunning)?.get("")).toBe(0);
+    expect(s2.get(INSTANCE_METRIC.maxConcurrent)?.get("")).toBe(2);
+  });
+});
+
+describe("SSH command latency (sshexec/metrics.ts)", () => {
+  it("observes every command and exchange by outcome", async () => {
+    const clock = new FakeClock();
+    const registry = new Registry();
+    const wrap = createSshMetrics(registry, clock);
+    const connect = wrap(() => ({
+      async execute(command) {
+        await clock.sleep(command === "slow" ? 2000 : 10);
+        if (command === "broken") throw new Error("connection reset");
+        return {
+          stdout: Buffer.alloc(0),
+          stderr: Buffer.alloc(0),
+          exitCode: command === "false" ? 1 : 0,
+          signal: null,
+        };
+      },
+      async exchange() {
+        return Buffer.from("ok");
+      },
+      async close() {},
+    }));
+    const exec = connect({} as never, "secret");
+    const run = async (p: Promise<unknown>) => {
+      const done = p.then(
+        () => "ok",
+        () => "error",
+      );
+      await clock.advance(2000);
+      return done;
+    };
+    expect(await run(exec.execute("slow"))).toBe("ok");
+    expect(await run(exec.execute("false"))).toBe("ok");
+    expect(await run(exec.execute("broken"))).toBe("error");
+    expect(await exec.exchange?.("/run/sock", "{}")).toEqual(Buffer.from("ok"));
+    const s = (await series(registry)).get(`${SSH_METRIC}_count`)!;
+    expect(s).toEqual(
+      new Map([
+        ["operation=execute,outcome=success", 1],
+        ["operation=execute,outcome=nonzero", 1],
+        ["operation=execute,outcome=error", 1],
+        ["operation=exchange,outcome=success", 1],
+        ["operation=exchange,outcome=nonzero", 0],
+        ["operation=exchange,outcome=error", 0],
+      ]),
+    );
+    const sum = (await series(registry)).get(`${SSH_METRIC}_sum`)!;
+    expect(sum.get("operation=execute,outcome=success")).toBe(2);
+  });
+});
+
+describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
+  const getDb = useTestDb("pglite");
+
+  it("has every series at zero before the dispatcher is active", async () => {
+    const registry = new Registry();
+    const config = stubConfig();
+    createDispatcherMetrics({ registry, config, clock: new FakeClock(), db: getDb(), logger });
+    const s = await series(registry);
+    expect(s.get(DISPATCHER_METRIC.bundles)).toEqual(
+      new Map([
+        ["state=staged", 0],
+        ["state=starting", 0],
+        ["state=running", 0],
+      ]),
+    );
+    const entries = s.get(DISPATCHER_METRIC.queueEntries)!;
+    expect(entries.size).toBe(3 * 5);
+    expect([...entries.values()].every((v) => v === 0)).toBe(true);
+    expect(entries.has("instance_type=none,state=staged")).toBe(true);
+    expect(s.get(DISPATCHER_METRIC.atQuota)?.get("")).toBe(0);
+    expect(s.get(DISPATCHER_METRIC.longestWait)?.get("")).toBe(0);
+    expect(s.get(DISPATCHER_METRIC.bundlesFinished)).toEqual(
+      new Map([
+        ["state=ready", 0],
+        ["state=failed", 0],
+        ["state=killed", 0],
+      ]),
+    );
+    expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_count`)?.get("")).toBe(0);
+    expect(s.get(INSTANCE_METRIC.price)?.size).toBe(6);
+    expect(s.get(INSTANCE_METRIC.cost)?.size).toBe(4);
+    expect(s.get(`${SSH_METRIC}_count`)?.size).toBe(6);
+  });
+
+  it("reads the queue, the quota and the store while watching the active parts", async () => {
+    const db = getDb();
+    const clock = new FakeClock(Date.UTC(2025, 11, 1, 1));
+    const registry = new Registry();
+    const m = createDispatcherMetrics({ registry, config: stubConfig(), clock, db, logger });
+    const queue = new MemoryQueue();
+    const listeners = new Set<() => void>();
+    let atQuota = true;
+    const parts: MetricParts = {
+      queue: Object.assign(queue, {
+        subscribe(fn: () => void) {
+          listeners.add(fn);
+          return () => listeners.delete(fn);
+        },
+      }),
+      pool: { workers: () => [], quota: () => ({ atQuota }), subscribe: () => () => {} },
+    };
+    const changed = () => {
+      for (const fn of listeners) fn();
+    };
+    // A real bundle in the store, run to ready below.
+    const owner = (await createTestUser(db)).uuid;
+    const stored = await createTestBundle(db, owner);
+    await stageBundle(db, stored.uuid, { actor: "test" });
+    const staged = (await getBundle(db, stored.uuid))!;
+    const small = testBundle({ state: "staged", createdAt: new Date(clock.now() - 600_000) });
+    const gpu = testBundle({ state: "staged", gpu: { deviceCount: 1 } });
+    const huge = testBundle({ state: "staged", vcpus: 64 });
+    queue.set(small, gpu, huge, staged);
+    const stop = m.watch(parts);
+
+    let s = await series(registry);
+    expect(s.get(DISPATCHER_METRIC.bundles)?.get("state=staged")).toBe(4);
+    const entries = s.get(DISPATCHER_METRIC.queueEntries)!;
+    expect(entries.get("instance_type=small,state=staged")).toBe(2);
+    expect(entries.get("instance_type=gpu,state=staged")).toBe(1);
+    expect(entries.get("instance_type=none,state=staged")).toBe(1);
+    // The oldest staged bundle: `huge`, testBundle's createdAt is 2025-12-01 plus a few seconds.
+    const oldest = Math.min(small.stagedAt!.getTime(), gpu.stagedAt!.getTime(), huge.stagedAt!.getTime());
+    expect(s.get(DISPATCHER_METRIC.longestWait)?.get("")).toBe((clock.now() - oldest) / 1000);
+    expect(s.get(DISPATCHER_METRIC.atQuota)?.get("")).toBe(1);
+    atQuota = false;
+
+    // The stored bundle starts (runningAt 90 s after stagedAt), then finishes.
+    queue.set({
+      ...staged,
+      state: "running",
+      attempt: 1,
+      runningAt: new Date(staged.stagedAt!.getTime() + 90_000),
+    });
+    changed();
+    s = await series(registry);
+    expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_count`)?.get("")).toBe(1);
+    expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_sum`)?.get("")).toBe(90);
+    expect(s.get(DISPATCHER_METRIC.bundles)?.get("state=running")).toBe(1);
+    expect(s.get(DISPATCHER_METRIC.atQuota)?.get("")).toBe(0);
+    changed(); // seen again: not observed twice
+    const token = newRunnerToken();
+    const r = await startBundle(db, stored.uuid, {
+      instanceId: "i-1",
+      instanceType: "small",
+      runnerTokenHash: hashToken(token),
+      gpuDevices: [],
+      actor: "dispatcher",
+    });
+    expect(r.ok).toBe(true);
+    await markRunning(db, stored.uuid, 1, { actor: "runner" });
+    await finishBundle(db, stored.uuid, 1, { exitCode: 0, actor: "runner" });
+    queue.delete(stored.uuid);
+    changed();
+    await m.settled();
+    s = await series(registry);
+    expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_count`)?.get("")).toBe(1);
+    expect(s.get(DISPATCHER_METRIC.bundlesFinished)?.get("state=ready")).toBe(1);
+    expect(s.get(DISPATCHER_METRIC.bundlesFinished)?.get("state=failed")).toBe(0);
+
+    stop();
+    s = await series(registry);
+    expect(s.get(DISPATCHER_METRIC.bundles)?.get("state=staged")).toBe(0);
+    await flushMicrotasks();
+  });
+});
+
+describe("per-bundle cost at finish (runner API)", () => {
+  const getDb = useTestDb("pg");
+
+  it("stores price x running time on the bundle and shows it as costDollars", async () => {
+    const db = getDb();
+    const config = stubConfig();
+    const app = await createRestServer({
+      db,
+      logger: false,
+      clusterId: "zzzzz",
+      maxRequestBodySize: 2 ** 20,
+      defaultMaxAttempts: 3,
+      dataDir: join(tmpdir(), "dispatch-cloud-metrics-test"),
+      instancePrice: instancePriceLookup(config),
+    });
+    try {
+      const api = injectClient(app);
+      const userToken = newUserToken();
+      const owner = newUserUuid("zzzzz");
+      await createUser(db, {
+        uuid: owner,
+        name: `cost-${owner}`,
+        isAdmin: false,
+        tokenHash: hashToken(userToken),
+      });
+      const run = async (instanceType: string, ranMinutes: number) => {
+        const b = await createTestBundle(db, owner);
+        await stageBundle(db, b.uuid, { actor: "test" });
+        const token = newRunnerToken();
+        const started = await startBundle(db, b.uuid, {
+          instanceId: "i-1",
+          instanceType,
+          runnerTokenHash: hashToken(token),
+          gpuDevices: [],
+          actor: "dispatcher",
+        });
+        expect(started.ok).toBe(true);
+        expect((await api("POST", "/api/v1/runner/start", token, {})).status).toBe(200);
+        // As if the runner had started ranMinutes ago.
+        await db.query(
+          `UPDATE bundles SET running_at = running_at - make_interval(mins => $2::int) WHERE uuid = $1`,
+          [b.uuid, ranMinutes],
+        );
+        expect((await api("POST", "/api/v1/runner/finish", token, { exitCode: 0 })).status).toBe(200);
+        const stored = (await getBundle(db, b.uuid))!;
+        const view = await api("GET", `/api/v1/bundles/${b.uuid}`, userToken);
+        expect(view.status).toBe(200);
+        expect(view.body.costDollars).toBe(stored.costDollars);
+        return stored;
+      };
+      // medium: $0.20/h for 30 min (plus the test's own few milliseconds of running).
+      const medium = await run("medium", 30);
+      const hours = (medium.finishedAt!.getTime() - medium.runningAt!.getTime()) / HOUR;
+      expect(hours).toBeGreaterThanOrEqual(0.5);
+      expect(medium.costDollars).toBeCloseTo(0.2 * hours, 6);
+      // A preemptible variant or a type no longer configured: the lookup decides; unknown -> no cost.
+      const gone = await run("retired-type", 30);
+      expect(gone.costDollars).toBeNull();
+    } finally {
+      await app.close();
+    }
+  });
+});

@@ -1,0 +1,238 @@
+/**
+ * The dispatcher's own metrics (DESIGN.md §10, ARVADOS-FACTS.md §3): the queue as the dispatcher sees it,
+ * quota, queue-to-runner time and final states seen, plus the instance gauges and cost of the pool
+ * (pool/metrics.ts createInstanceMetrics) and the SSH latency wrapper (sshexec/metrics.ts). Created once per
+ * dispatcher process, before it is active, so every series exists at zero from start-up; `watch()` points
+ * the collect-time gauges at the parts while the dispatcher is active.
+ */
+import { Counter, Gauge, Histogram, type Registry } from "prom-client";
+import type { InstanceType } from "../cloud-drivers/types.ts";
+import type { Config } from "../config/schema.ts";
+import type { Clock } from "../lib/clock.ts";
+import type { Logger } from "../lib/logger.ts";
+import type { Db } from "../store/db.ts";
+import { getBundle } from "../store/queries.ts";
+import { type Bundle, FINAL_STATES } from "../store/types.ts";
+import { instanceTypesFromConfig } from "./instance-types.ts";
+import { createInstanceMetrics } from "./pool/metrics.ts";
+import { demandOf, eligibleTypes } from "./scheduler/eligible.ts";
+import { type Connect, createSshMetrics } from "./sshexec/metrics.ts";
+import type { QueueView, WorkerView } from "./types.ts";
+
+export const DISPATCHER_METRIC = {
+  bundles: "dispatchcloud_bundles",
+  bundlesFinished: "dispatchcloud_bundles_finished_total",
+  queueEntries: "dispatchcloud_queue_entries",
+  longestWait: "dispatchcloud_queue_longest_wait_seconds",
+  queueToRunner: "dispatchcloud_bundle_queue_to_runner_seconds",
+  atQuota: "dispatchcloud_at_quota",
+} as const;
+
+/** The active states (the queue's); `dispatchcloud_bundles{state}` has one series each. */
+export const QUEUE_STATES = ["staged", "starting", "running"] as const;
+/** The instance_type label of a queue entry no configured type can run. */
+export const NO_TYPE = "none";
+
+const QUEUE_TO_RUNNER_BUCKETS = [1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 21600, 86400];
+
+/** What the metrics read of the active dispatcher. */
+export interface MetricParts {
+  queue: QueueView & { subscribe(fn: () => void): () => void };
+  pool: {
+    workers(): readonly WorkerView[];
+    quota(): { atQuota: boolean };
+    subscribe(fn: (event: unknown) => void): () => void;
+  };
+}
+
+export interface DispatcherMetrics {
+  /** Reads `parts` until the returned function is called (the dispatcher's deactivation). */
+  watch(parts: MetricParts): () => void;
+  /** Wraps an executor factory with the SSH command latency histogram. */
+  timeConnect(connect: Connect): Connect;
+  /** Resolves when the final-state look-ups started so far are done (tests). */
+  settled(): Promise<void>;
+}
+
+export function createDispatcherMetrics(opts: {
+  registry: Registry;
+  config: Config;
+  clock: Clock;
+  db: Db;
+  logger: Logger;
+  instanceTypes?: readonly InstanceType[];
+}): DispatcherMetrics {
+  const { registry, config, clock, db } = opts;
+  const log = opts.logger.child({ component: "metrics" });
+  const types = opts.instanceTypes ?? instanceTypesFromConfig(config);
+  const typeLabels = [...types.map((t) => t.name), NO_TYPE];
+  let parts: MetricParts | null = null;
+  const instances = createInstanceMetrics(registry, types, clock, () => parts?.pool.workers() ?? null);
+
+  // --- collect-time gauges ----------------------------------------------------------------------------
+
+  /** The first eligible type of a resource shape (cached; the config does not change in a process). */
+  const firstType = new Map<string, string>();
+  const demandOpts = {
+    reserveExtraRam: config.dispatcher.reserveExtraRam,
+    alwaysUsePreemptibleInstances: config.dispatcher.alwaysUsePreemptibleInstances,
+  };
+  const eligibleOpts = {
+    maximumPriceFactor: config.dispatcher.maximumPriceFactor,
+    reserveExtraRam: config.dispatcher.reserveExtraRam,
+  };
+  const firstTypeOf = (b: Bundle): string => {
+    const demand = demandOf(b, demandOpts);
+    const key = JSON.stringify(demand);
+    let name = firstType.get(key);
+    if (name === undefined) {
+      const e = eligibleTypes(demand, types, eligibleOpts);
+      name = e.ok ? (e.types[0]?.name ?? NO_TYPE) : NO_TYPE;
+      firstType.set(key, name);
+    }
+    return name;
+  };
+
+  const replace = (name: string) => registry.removeSingleMetric(name);
+  replace(DISPATCHER_METRIC.bundles);
+  new Gauge({
+    name: DISPATCHER_METRIC.bundles,
+    help: "Bundles in the dispatcher's queue, by state (staged, starting, running).",
+    labelNames: ["state"],
+    registers: [registry],
+    collect() {
+      const counts = new Map<string, number>(QUEUE_STATES.map((s) => [s, 0]));
+      for (const b of parts?.queue.all() ?? []) counts.set(b.state, (counts.get(b.state) ?? 0) + 1);
+      for (const [state, n] of counts) this.set({ state }, n);
+    },
+  });
+  replace(DISPATCHER_METRIC.queueEntries);
+  new Gauge({
+    name: DISPATCHER_METRIC.queueEntries,
+    help: `Bundles in the dispatcher's queue, by state and first eligible instance type ("${NO_TYPE}": no type fits).`,
+    labelNames: ["state", "instance_type"],
+    registers: [registry],
+    collect() {
+      this.reset();
+      for (const state of QUEUE_STATES) for (const t of typeLabels) this.set({ state, instance_type: t }, 0);
+      for (const b of parts?.queue.all() ?? []) this.inc({ state: b.state, instance_type: firstTypeOf(b) });
+    },
+  });
+  replace(DISPATCHER_METRIC.longestWait);
+  new Gauge({
+    name: DISPATCHER_METRIC.longestWait,
+    help: "How long the longest-waiting staged bundle has waited since it was staged, in seconds (0: none waits).",
+    registers: [registry],
+    collect() {
+      const now = clock.now();
+      let oldest = now;
+      for (const b of parts?.queue.all() ?? []) {
+        if (b.state !== "staged") continue;
+        oldest = Math.min(oldest, (b.stagedAt ?? b.createdAt).getTime());
+      }
+      this.set(Math.max(0, now - oldest) / 1000);
+    },
+  });
+  replace(DISPATCHER_METRIC.atQuota);
+  new Gauge({
+    name: DISPATCHER_METRIC.atQuota,
+    help: "1 while the dispatcher is at its instance quota (cloud.maxInstances or the cloud's quota), else 0.",
+    registers: [registry],
+    collect() {
+      this.set(parts?.pool.quota().atQuota === true ? 1 : 0);
+    },
+  });
+
+  // --- event metrics (kept across activations) -----------------------------------------------------------
+
+  const single = <M>(name: string, create: () => M): M =>
+    (registry.getSingleMetric(name) as M | undefined) ?? create();
+  const queueToRunner = single(
+    DISPATCHER_METRIC.queueToRunner,
+    () =>
+      new Histogram({
+        name: DISPATCHER_METRIC.queueToRunner,
+        help: "Time from a bundle's staging to its runner's start call (starting -> running), in seconds.",
+        buckets: QUEUE_TO_RUNNER_BUCKETS,
+        registers: [registry],
+      }),
+  );
+  const finished = single(
+    DISPATCHER_METRIC.bundlesFinished,
+    () =>
+      new Counter({
+        name: DISPATCHER_METRIC.bundlesFinished,
+        help: "Bundles this dispatcher saw leave its queue in a final state (ready, failed, killed).",
+        labelNames: ["state"],
+        registers: [registry],
+      }),
+  );
+  for (const state of FINAL_STATES) finished.inc({ state }, 0);
+
+  /** Active bundles as last seen (uuid -> state and attempt), and the running attempts already observed. */
+  let known = new Map<string, { state: string; attempt: number }>();
+  const observedRunning = new Set<string>();
+  const lookups = new Set<Promise<void>>();
+
+  const onQueueChange = (queue: QueueView): void => {
+    const next = new Map<string, { state: string; attempt: number }>();
+    for (const b of queue.all()) {
+      next.set(b.uuid, { state: b.state, attempt: b.attempt });
+      if (b.state !== "running" || b.runningAt === null || b.stagedAt === null) continue;
+      const key = `${b.uuid}/${b.attempt}`;
+      if (observedRunning.has(key)) continue;
+      observedRunning.add(key);
+      queueToRunner.observe(Math.max(0, b.runningAt.getTime() - b.stagedAt.getTime()) / 1000);
+    }
+    const gone: string[] = [];
+    for (const [uuid, was] of known) {
+      if (next.has(uuid)) continue;
+      gone.push(uuid);
+      for (let a = 0; a <= was.attempt; a++) observedRunning.delete(`${uuid}/${a}`);
+    }
+    known = next;
+    if (gone.length > 0) lookupFinal(gone);
+  };
+
+  /** Counts the final states of bundles that left the queue (read back from the store, one at a time). */
+  const lookupFinal = (uuids: string[]): void => {
+    const p = (async () => {
+      for (const uuid of uuids) {
+        const b = await getBundle(db, uuid);
+        if (b !== null && FINAL_STATES.includes(b.state)) finished.inc({ state: b.state });
+      }
+    })().catch((err: unknown) => log.warn({ err }, "cannot read the final state of finished bundles"));
+    lookups.add(p);
+    void p.finally(() => lookups.delete(p));
+  };
+
+  const timeConnect = createSshMetrics(registry, clock);
+
+  return {
+    watch(p) {
+      parts = p;
+      known = new Map();
+      observedRunning.clear();
+      onQueueChange(p.queue);
+      const unsubscribe = [
+        p.queue.subscribe(() => onQueueChange(p.queue)),
+        p.pool.subscribe(() => instances.update()),
+      ];
+      return () => {
+        for (const u of unsubscribe) u();
+        instances.update();
+        if (parts === p) parts = null;
+      };
+    },
+    timeConnect,
+    async settled() {
+      while (lookups.size > 0) await Promise.all([...lookups]);
+    },
+  };
+}
+
+/** Instance type name -> price (dollars per hour), preemptible variants included: the REST server's cost. */
+export function instancePriceLookup(config: Config): (instanceType: string) => number | undefined {
+  const prices = new Map(instanceTypesFromConfig(config).map((t) => [t.name, t.price]));
+  return (name) => prices.get(name);
+}

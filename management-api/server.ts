@@ -1,0 +1,121 @@
+/**
+ * The management API server (issue 6; docs/operations.md): a fastify instance served on `management.listen`
+ * by the process that runs the dispatcher. Every route, /metrics and /_health/ping included, needs
+ * `Authorization: Bearer <management.token>`: no token configured -> 403 auth.forbidden for everything, no
+ * header -> 401 auth.missing_token, a wrong token -> 403 auth.forbidden (compared in constant time). Errors
+ * are `{ error: { code, message, path? } }` as on the REST server; the token never appears in a log.
+ */
+import Fastify, {
+  type FastifyBaseLogger,
+  type FastifyError,
+  type FastifyInstance,
+  type FastifyReply,
+} from "fastify";
+import { pino } from "pino";
+import type { Registry } from "prom-client";
+import type { Config } from "../config/schema.ts";
+import { resolveSecret } from "../config/secrets.ts";
+import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
+import type { Clock } from "../lib/clock.ts";
+import { DispatchCloudError, ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
+import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
+import { bearerToken } from "../rest-server/auth.ts";
+import { constantTimeEqual } from "../rest-server/tokens.ts";
+import type { Db } from "../store/db.ts";
+import { registerManagementRoutes } from "./routes.ts";
+import { createEligibleNames, type ManagementSource } from "./views.ts";
+
+export interface ManagementServerOptions {
+  /** management.token (a secret reference, resolved here once), the instance types and scheduler options. */
+  config: Config;
+  /** The dispatcher (createDispatcher's result): its parts while active. */
+  dispatcher: ManagementSource;
+  /** For bundle kills. */
+  db: Db;
+  /** The registry the dispatcher's metrics are on (served at /metrics). */
+  registry: Registry;
+  /** A pino logger (the server logs through a child of it), or false for no logging. */
+  logger: Logger | false;
+  clock?: Pick<Clock, "now">;
+  /** Where env: secrets are read; default process.env. */
+  env?: Readonly<Record<string, string | undefined>>;
+}
+
+/** fastify's own client errors, mapped to ours. */
+const FASTIFY_CODES: Record<string, ErrorCode> = {
+  FST_ERR_CTP_BODY_TOO_LARGE: "request.body_too_large",
+  FST_ERR_CTP_INVALID_MEDIA_TYPE: "request.unsupported_media_type",
+  FST_ERR_CTP_EMPTY_JSON_BODY: "request.invalid_json",
+  FST_ERR_CTP_INVALID_JSON_BODY: "request.invalid_json",
+};
+
+/**
+ * Builds the server (not listening: call app.listen). Throws config.missing_secret or config.unreadable_file
+ * when management.token points at an unset variable or an unreadable file.
+ */
+export async function createManagementServer(opts: ManagementServerOptions): Promise<FastifyInstance> {
+  const token = resolveSecret(opts.config.management.token, "management.token", opts.env ?? process.env);
+  const clock = opts.clock;
+  const logger =
+    opts.logger === false
+      ? pino({ enabled: false })
+      : opts.logger.child(
+          { component: "management-api" },
+          { redact: { paths: REDACTED_PATHS, censor: "[redacted]" } },
+        );
+  const app = Fastify({ loggerInstance: logger as FastifyBaseLogger, bodyLimit: 64 * 1024 });
+
+  app.addHook("onRequest", async (request) => {
+    if (token === "") {
+      throw new DispatchCloudError(
+        "auth.forbidden",
+        "the management API is disabled: management.token is not configured",
+      );
+    }
+    const given = bearerToken(request);
+    if (!constantTimeEqual(given, token)) {
+      throw new DispatchCloudError("auth.forbidden", "the token is not the management token");
+    }
+  });
+
+  app.setNotFoundHandler((request, reply) => {
+    sendError(reply, "request.not_found", `no route for ${request.method} ${request.url.split("?")[0]}`);
+  });
+
+  app.setErrorHandler((err: FastifyError | DispatchCloudError | Error, request, reply) => {
+    if (err instanceof DispatchCloudError) {
+      if (err.status >= 500) request.log.warn({ err }, "request failed");
+      sendError(reply, err.code, err.message, err.path);
+      return;
+    }
+    const code = "code" in err && typeof err.code === "string" ? FASTIFY_CODES[err.code] : undefined;
+    const status = "statusCode" in err && typeof err.statusCode === "number" ? err.statusCode : 500;
+    if (code !== undefined) {
+      sendError(reply, code, err.message);
+      return;
+    }
+    if (status >= 400 && status < 500) {
+      sendError(reply, status === 404 ? "request.not_found" : "request.invalid_query", err.message);
+      return;
+    }
+    request.log.error({ err }, "unexpected error while handling a management request");
+    sendError(reply, "internal.error", "internal error; the server log has the details");
+  });
+
+  registerManagementRoutes(app, {
+    dispatcher: opts.dispatcher,
+    db: opts.db,
+    registry: opts.registry,
+    nowMs: clock === undefined ? () => Date.now() : () => clock.now(),
+    eligible: createEligibleNames(opts.config, instanceTypesFromConfig(opts.config)),
+  });
+  await app.ready();
+  return app;
+}
+
+function sendError(reply: FastifyReply, code: ErrorCode, message: string, path?: string): void {
+  void reply
+    .code(ERROR_CODES[code].status)
+    .type("application/json")
+    .send(errorBody(code, message, path));
+}

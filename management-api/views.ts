@@ -1,0 +1,107 @@
+/**
+ * The adapter from the dispatcher's parts (dispatcher/main.ts `Parts`) to what the management API shows:
+ * instances as the pool sees them, and the queue in the scheduler's order with each bundle's eligible types
+ * and the scheduler's sentence. Reads only; the routes steer through the pool and the store.
+ */
+import type { InstanceType } from "../cloud-drivers/types.ts";
+import type { Config } from "../config/schema.ts";
+import type { IdleBehavior } from "../dispatcher/pool/bootstrap.ts";
+import { demandOf, eligibleTypes } from "../dispatcher/scheduler/eligible.ts";
+import { queueOrder } from "../dispatcher/scheduler/scheduler.ts";
+import type { WorkerView } from "../dispatcher/types.ts";
+import type { Bundle } from "../store/types.ts";
+import type { BundleItem, InstanceItem } from "./schemas.ts";
+
+/** What the management API needs of the dispatcher's parts (a subset of dispatcher/main.ts Parts). */
+export interface ManagementParts {
+  pool: {
+    workers(): readonly WorkerView[];
+    worker(id: string): WorkerView | undefined;
+    setIdleBehavior(workerId: string, behavior: IdleBehavior): Promise<void>;
+    shutdown(workerId: string, reason: string): void;
+  };
+  queue: { all(): Iterable<Bundle>; get(uuid: string): Bundle | undefined; apply(bundle: Bundle): void };
+  scheduler: { statusOf(uuid: string): string | undefined };
+}
+
+/** The dispatcher as the management API sees it: its parts while active, null as a standby. */
+export interface ManagementSource {
+  readonly active: boolean;
+  readonly parts: ManagementParts | null;
+}
+
+const iso = (ms: number): string => new Date(ms).toISOString();
+
+export function instanceItem(w: WorkerView, nowMs: number): InstanceItem {
+  return {
+    instanceId: w.id,
+    address: w.address,
+    instanceType: w.instanceType.name,
+    providerType: w.instanceType.providerType,
+    price: w.instanceType.price,
+    state: w.state,
+    idleBehavior: w.idleBehavior,
+    runningBundles: [...w.runners.keys()].sort(),
+    lastBusyAt: w.placeholder ? null : iso(w.lastBusy),
+    stateSince: iso(w.stateSince),
+    secondsInState: Math.max(0, Math.floor((nowMs - w.stateSince) / 1000)),
+  };
+}
+
+/** Every instance, creates in flight included (as booting, under their placeholder ids), by id. */
+export function instanceItems(parts: ManagementParts, nowMs: number): InstanceItem[] {
+  return [...parts.pool.workers()]
+    .sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0))
+    .map((w) => instanceItem(w, nowMs));
+}
+
+/** Eligible type names of a bundle, cached per resource signature (as the scheduler does). */
+export function createEligibleNames(config: Config, types: readonly InstanceType[]) {
+  const cache = new Map<string, string[]>();
+  const demandOpts = {
+    reserveExtraRam: config.dispatcher.reserveExtraRam,
+    alwaysUsePreemptibleInstances: config.dispatcher.alwaysUsePreemptibleInstances,
+  };
+  const eligibleOpts = {
+    maximumPriceFactor: config.dispatcher.maximumPriceFactor,
+    reserveExtraRam: config.dispatcher.reserveExtraRam,
+  };
+  return (bundle: Bundle): string[] => {
+    const demand = demandOf(bundle, demandOpts);
+    const key = JSON.stringify(demand);
+    let names = cache.get(key);
+    if (names === undefined) {
+      const r = eligibleTypes(demand, types, eligibleOpts);
+      names = r.ok ? r.types.map((t) => t.name) : [];
+      cache.set(key, names);
+    }
+    return names;
+  };
+}
+
+export function bundleItem(b: Bundle, parts: ManagementParts, eligible: (b: Bundle) => string[]): BundleItem {
+  const status = b.state === "staged" ? parts.scheduler.statusOf(b.uuid) : undefined;
+  return {
+    uuid: b.uuid,
+    state: b.state,
+    priority: b.priority,
+    resources: b.resources,
+    eligibleTypes: eligible(b),
+    firstSeenAt: (b.stagedAt ?? b.createdAt).toISOString(),
+    schedulingStatus: status ?? b.schedulingStatus,
+    instanceId: b.state === "staged" ? null : b.instanceId,
+  };
+}
+
+/**
+ * The queue: staged bundles in the scheduler's order (priority, then age), then the starting and running
+ * ones in the same order.
+ */
+export function bundleItems(parts: ManagementParts, eligible: (b: Bundle) => string[]): BundleItem[] {
+  const staged: Bundle[] = [];
+  const active: Bundle[] = [];
+  for (const b of parts.queue.all()) (b.state === "staged" ? staged : active).push(b);
+  staged.sort(queueOrder);
+  active.sort(queueOrder);
+  return [...staged, ...active].map((b) => bundleItem(b, parts, eligible));
+}
