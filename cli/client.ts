@@ -81,22 +81,29 @@ export class ApiClient {
       );
     }
     if (res.ok) return res;
-    const text = await res.text();
-    let parsed: unknown;
-    try {
-      parsed = text === "" ? undefined : JSON.parse(text);
-    } catch {
-      parsed = undefined;
-    }
-    const e = (parsed as { error?: { code?: string; message?: string; path?: string } } | undefined)?.error;
-    const code: ErrorCode =
-      e?.code !== undefined && e.code in ERROR_CODES ? (e.code as ErrorCode) : "internal.error";
-    throw new DispatchCloudError(
-      code,
-      e?.message ?? `HTTP ${res.status} from ${url.pathname}`,
-      e?.path === undefined ? {} : { path: e.path },
-    );
+    throw responseError(res.status, parseJsonBody(await res.text()), url);
   }
+}
+
+/** A response body as JSON; undefined when it is empty or not JSON. */
+export function parseJsonBody(text: string): unknown {
+  try {
+    return text === "" ? undefined : JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+}
+
+/** The error an API answered with (`{error: {code, message, path}}`), keeping its code when it is one of ours. */
+export function responseError(status: number, body: unknown, url: URL): DispatchCloudError {
+  const e = (body as { error?: { code?: string; message?: string; path?: string } } | undefined)?.error;
+  const code: ErrorCode =
+    e?.code !== undefined && e.code in ERROR_CODES ? (e.code as ErrorCode) : "internal.error";
+  return new DispatchCloudError(
+    code,
+    e?.message ?? `HTTP ${status} from ${url.pathname}`,
+    e?.path === undefined ? {} : { path: e.path },
+  );
 }
 
 /** A CliIo that may also write raw bytes to stdout. */

@@ -1,6 +1,7 @@
 import { readFile } from "node:fs/promises";
 import { resolve } from "node:path";
-import { DispatchCloudError, ERROR_CODES, type ErrorCode } from "../lib/errors.ts";
+import { DispatchCloudError } from "../lib/errors.ts";
+import { parseJsonBody, responseError } from "./client.ts";
 import type { CliIo } from "./io.ts";
 
 export const DEFAULT_MANAGEMENT_URL = "http://127.0.0.1:8901";
@@ -94,22 +95,9 @@ export class ManagementClient {
         { cause: err },
       );
     }
-    const text = await res.text();
-    let parsed: unknown;
-    try {
-      parsed = text === "" ? undefined : JSON.parse(text);
-    } catch {
-      parsed = undefined;
-    }
+    const parsed = parseJsonBody(await res.text());
     if (res.ok) return parsed as T;
-    const e = (parsed as { error?: { code?: string; message?: string; path?: string } } | undefined)?.error;
-    const code: ErrorCode =
-      e?.code !== undefined && e.code in ERROR_CODES ? (e.code as ErrorCode) : "internal.error";
-    throw new DispatchCloudError(
-      code,
-      e?.message ?? `HTTP ${res.status} from ${url.pathname}`,
-      e?.path === undefined ? {} : { path: e.path },
-    );
+    throw responseError(res.status, parsed, url);
   }
 }
 

@@ -15,7 +15,7 @@ import { getBundle } from "../store/queries.ts";
 import { type Bundle, FINAL_STATES } from "../store/types.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
 import { createInstanceMetrics } from "./pool/metrics.ts";
-import { demandOf, eligibleTypes } from "./scheduler/eligible.ts";
+import { createEligibleNames } from "./scheduler/eligible.ts";
 import { type Connect, createSshMetrics } from "./sshexec/metrics.ts";
 import type { QueueView, WorkerView } from "./types.ts";
 
@@ -71,27 +71,8 @@ export function createDispatcherMetrics(opts: {
 
   // --- collect-time gauges ----------------------------------------------------------------------------
 
-  /** The first eligible type of a resource shape (cached; the config does not change in a process). */
-  const firstType = new Map<string, string>();
-  const demandOpts = {
-    reserveExtraRam: config.dispatcher.reserveExtraRam,
-    alwaysUsePreemptibleInstances: config.dispatcher.alwaysUsePreemptibleInstances,
-  };
-  const eligibleOpts = {
-    maximumPriceFactor: config.dispatcher.maximumPriceFactor,
-    reserveExtraRam: config.dispatcher.reserveExtraRam,
-  };
-  const firstTypeOf = (b: Bundle): string => {
-    const demand = demandOf(b, demandOpts);
-    const key = JSON.stringify(demand);
-    let name = firstType.get(key);
-    if (name === undefined) {
-      const e = eligibleTypes(demand, types, eligibleOpts);
-      name = e.ok ? (e.types[0]?.name ?? NO_TYPE) : NO_TYPE;
-      firstType.set(key, name);
-    }
-    return name;
-  };
+  const eligibleNames = createEligibleNames(config, types);
+  const firstTypeOf = (b: Bundle): string => eligibleNames(b)[0] ?? NO_TYPE;
 
   const replace = (name: string) => registry.removeSingleMetric(name);
   replace(DISPATCHER_METRIC.bundles);

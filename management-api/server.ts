@@ -16,6 +16,7 @@ import type { Registry } from "prom-client";
 import type { Config } from "../config/schema.ts";
 import { resolveSecret } from "../config/secrets.ts";
 import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
+import { createEligibleNames } from "../dispatcher/scheduler/eligible.ts";
 import type { Clock } from "../lib/clock.ts";
 import { DispatchCloudError, ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
@@ -23,7 +24,7 @@ import { bearerToken } from "../rest-server/auth.ts";
 import { constantTimeEqual } from "../rest-server/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { registerManagementRoutes } from "./routes.ts";
-import { createEligibleNames, type ManagementSource } from "./views.ts";
+import type { ManagementSource } from "./views.ts";
 
 export interface ManagementServerOptions {
   /** management.token (a secret reference, resolved here once), the instance types and scheduler options. */

@@ -1,12 +1,4 @@
-/**
- * The adapter from the dispatcher's parts (dispatcher/main.ts `Parts`) to what the management API shows:
- * instances as the pool sees them, and the queue in the scheduler's order with each bundle's eligible types
- * and the scheduler's sentence. Reads only; the routes steer through the pool and the store.
- */
-import type { InstanceType } from "../cloud-drivers/types.ts";
-import type { Config } from "../config/schema.ts";
 import type { IdleBehavior } from "../dispatcher/pool/bootstrap.ts";
-import { demandOf, eligibleTypes } from "../dispatcher/scheduler/eligible.ts";
 import { queueOrder } from "../dispatcher/scheduler/scheduler.ts";
 import type { WorkerView } from "../dispatcher/types.ts";
 import type { Bundle } from "../store/types.ts";
@@ -53,30 +45,6 @@ export function instanceItems(parts: ManagementParts, nowMs: number): InstanceIt
   return [...parts.pool.workers()]
     .sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0))
     .map((w) => instanceItem(w, nowMs));
-}
-
-/** Eligible type names of a bundle, cached per resource signature (as the scheduler does). */
-export function createEligibleNames(config: Config, types: readonly InstanceType[]) {
-  const cache = new Map<string, string[]>();
-  const demandOpts = {
-    reserveExtraRam: config.dispatcher.reserveExtraRam,
-    alwaysUsePreemptibleInstances: config.dispatcher.alwaysUsePreemptibleInstances,
-  };
-  const eligibleOpts = {
-    maximumPriceFactor: config.dispatcher.maximumPriceFactor,
-    reserveExtraRam: config.dispatcher.reserveExtraRam,
-  };
-  return (bundle: Bundle): string[] => {
-    const demand = demandOf(bundle, demandOpts);
-    const key = JSON.stringify(demand);
-    let names = cache.get(key);
-    if (names === undefined) {
-      const r = eligibleTypes(demand, types, eligibleOpts);
-      names = r.ok ? r.types.map((t) => t.name) : [];
-      cache.set(key, names);
-    }
-    return names;
-  };
 }
 
 export function bundleItem(b: Bundle, parts: ManagementParts, eligible: (b: Bundle) => string[]): BundleItem {

@@ -8,7 +8,7 @@ import { execFileSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
 import path from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { E2eSystem } from "./e2e-harness.ts";
+import { E2eSystem, until } from "./e2e-harness.ts";
 import { requireDockerImage } from "./local-driver-helpers.ts";
 
 const IMAGE = requireDockerImage();
@@ -35,20 +35,6 @@ function processesWith(text: string): number[] {
     }
   }
   return found;
-}
-
-async function until<T>(
-  what: string,
-  probe: () => Promise<T | undefined> | T | undefined,
-  ms = 30_000,
-): Promise<T> {
-  const end = Date.now() + ms;
-  for (;;) {
-    const v = await probe();
-    if (v !== undefined) return v;
-    if (Date.now() > end) throw new Error(`${what}: not within ${ms} ms`);
-    await new Promise((r) => setTimeout(r, 100));
-  }
 }
 
 describe("end to end: PostgreSQL, OpenSSH VMs, Docker", () => {

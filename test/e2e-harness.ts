@@ -277,3 +277,18 @@ export class E2eSystem {
     await rm(this.dir, { recursive: true, force: true });
   }
 }
+
+/** Polls `probe` every 100 ms until it gives a value; throws naming `what` after `ms`. */
+export async function until<T>(
+  what: string,
+  probe: () => Promise<T | undefined> | T | undefined,
+  ms = 60_000,
+): Promise<T> {
+  const end = Date.now() + ms;
+  for (;;) {
+    const v = await probe();
+    if (v !== undefined) return v;
+    if (Date.now() > end) throw new Error(`${what}: not within ${ms} ms`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}

@@ -13,25 +13,11 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { runCli } from "../cli/cli.ts";
 import type { CliIo } from "../cli/io.ts";
 import type { ManagementBundle, ManagementInstance } from "../cli/management-client.ts";
-import { E2eSystem } from "./e2e-harness.ts";
+import { E2eSystem, until } from "./e2e-harness.ts";
 import { requireDockerImage } from "./local-driver-helpers.ts";
 
 const IMAGE = requireDockerImage();
 const TIMEOUT_IDLE_S = 3;
-
-async function until<T>(
-  what: string,
-  probe: () => Promise<T | undefined> | T | undefined,
-  ms = 60_000,
-): Promise<T> {
-  const end = Date.now() + ms;
-  for (;;) {
-    const v = await probe();
-    if (v !== undefined) return v;
-    if (Date.now() > end) throw new Error(`${what}: not within ${ms} ms`);
-    await new Promise((r) => setTimeout(r, 100));
-  }
-}
 
 describe("end to end: steering instances with the operator CLI", () => {
   let sys: E2eSystem;

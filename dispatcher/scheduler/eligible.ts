@@ -3,6 +3,7 @@
  * when none can, why not and which type came closest.
  */
 import type { InstanceType } from "../../cloud-drivers/types.ts";
+import type { Config } from "../../config/schema.ts";
 import { formatSize } from "../../lib/units.ts";
 import type { Bundle } from "../../store/types.ts";
 import type { Demand } from "../types.ts";
@@ -240,4 +241,39 @@ function explain(
       return `needs ${want}; ${againstVersion((t) => t.gpu?.hardwareTarget ?? "")}`;
     }
   }
+}
+
+/** The config's options for demandOf and eligibleTypes. */
+export function eligibilityOptions(config: Pick<Config, "dispatcher">) {
+  const d = config.dispatcher;
+  return {
+    demand: {
+      reserveExtraRam: d.reserveExtraRam,
+      alwaysUsePreemptibleInstances: d.alwaysUsePreemptibleInstances,
+    },
+    eligible: { maximumPriceFactor: d.maximumPriceFactor, reserveExtraRam: d.reserveExtraRam },
+  };
+}
+
+/**
+ * The names of a bundle's eligible types, cheapest first ([] when none fits), cached per demand (the config
+ * does not change in a process): for the management API's queue view and the queue metrics.
+ */
+export function createEligibleNames(
+  config: Pick<Config, "dispatcher">,
+  types: readonly InstanceType[],
+): (bundle: Bundle) => string[] {
+  const cache = new Map<string, string[]>();
+  const opts = eligibilityOptions(config);
+  return (bundle) => {
+    const demand = demandOf(bundle, opts.demand);
+    const key = JSON.stringify(demand);
+    let names = cache.get(key);
+    if (names === undefined) {
+      const r = eligibleTypes(demand, types, opts.eligible);
+      names = r.ok ? r.types.map((t) => t.name) : [];
+      cache.set(key, names);
+    }
+    return names;
+  };
 }

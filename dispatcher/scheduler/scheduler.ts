@@ -20,7 +20,7 @@ import { setSchedulingStatus } from "../../store/queries.ts";
 import { failStaged } from "../../store/transitions.ts";
 import type { Bundle } from "../../store/types.ts";
 import type { CreateRefusal, CreateResult, Demand, QueueView, RunnerView, WorkerView } from "../types.ts";
-import { demandOf, type EligibleResult, eligibleTypes } from "./eligible.ts";
+import { demandOf, type EligibleResult, eligibilityOptions, eligibleTypes } from "./eligible.ts";
 import * as say from "./status.ts";
 
 /** What the scheduler needs of the worker pool (a subset of WorkerPool, dispatcher/pool/pool.ts). */
@@ -218,14 +218,7 @@ async function eachLimited<T>(items: readonly T[], n: number, fn: (item: T) => P
 export function createScheduler(opts: SchedulerOptions): Scheduler {
   const { queue, pool, instanceTypes, config, db, clock } = opts;
   const log = opts.logger.child({ component: "scheduler" });
-  const demandOpts = {
-    reserveExtraRam: config.dispatcher.reserveExtraRam,
-    alwaysUsePreemptibleInstances: config.dispatcher.alwaysUsePreemptibleInstances,
-  };
-  const eligibleOpts = {
-    maximumPriceFactor: config.dispatcher.maximumPriceFactor,
-    reserveExtraRam: config.dispatcher.reserveExtraRam,
-  };
+  const { demand: demandOpts, eligible: eligibleOpts } = eligibilityOptions(config);
   const perInstance = config.cloud.maxRunningBundlesPerInstance;
   const limit = perInstance > 0 ? perInstance : Number.POSITIVE_INFINITY;
 
