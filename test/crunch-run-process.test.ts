@@ -74,6 +74,20 @@ describe("crunch-run (process runtime)", () => {
     await waitFor(async () => sparesOf(h.root).some((pid) => pid !== spares[0]));
   });
 
+  it("fails the bundle, saying which, when a dependency cannot be staged", async () => {
+    // A dependency that is not ready: the REST server has nothing to give (runner.dependency_unavailable).
+    const dep = await h.newStartingBundle({ command: ["true"] });
+    const b = await h.newStartingBundle({
+      command: ["true"],
+      dependencies: [{ bundle: dep.uuid, subpath: "", name: "input" }],
+    });
+    expect((await h.detach(b)).code).toBe(0);
+    const final = await h.waitFinal(b.uuid);
+    expect(final.state).toBe("failed");
+    expect(final.stateReason).toContain(`dependency 0 (${dep.uuid}) could not be staged`);
+    expect(await h.log(b.uuid, "stderr")).toContain("could not be staged");
+  });
+
   it("fails with the exit code of a failing command", async () => {
     const b = await h.newStartingBundle({ command: ["sh", "-c", "echo bad >&2; exit 3"] });
     expect((await h.detach(b)).code).toBe(0);
