@@ -9,10 +9,10 @@ import { pino } from "pino";
 import { Registry } from "prom-client";
 import { describe, expect, it } from "vitest";
 import { createRestServer } from "../rest-server/server.ts";
-import { hashToken, newRunnerToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
+import { hashToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
 import { createUser, getBundle } from "../store/queries.ts";
-import { finishBundle, markRunning, stageBundle, startBundle } from "../store/transitions.ts";
-import { createTestBundle, createTestUser } from "../test/db.ts";
+import { finishBundle, markRunning, stageBundle } from "../store/transitions.ts";
+import { createTestBundle, createTestUser, startWithRunnerToken } from "../test/db.ts";
 import { stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
 import { FakeClock, flushMicrotasks } from "../test/fake-clock.ts";
 import { injectClient } from "../test/rest-client.ts";
@@ -290,15 +290,7 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
     expect(s.get(DISPATCHER_METRIC.bundles)?.get("state=running")).toBe(1);
     expect(s.get(DISPATCHER_METRIC.atQuota)?.get("")).toBe(0);
     changed(); // seen again: not observed twice
-    const token = newRunnerToken();
-    const r = await startBundle(db, stored.uuid, {
-      instanceId: "i-1",
-      instanceType: "small",
-      runnerTokenHash: hashToken(token),
-      gpuDevices: [],
-      actor: "dispatcher",
-    });
-    expect(r.ok).toBe(true);
+    await startWithRunnerToken(db, stored.uuid);
     await markRunning(db, stored.uuid, 1, { actor: "runner" });
     await finishBundle(db, stored.uuid, 1, { exitCode: 0, actor: "runner" });
     queue.delete(stored.uuid);
@@ -344,15 +336,7 @@ describe("per-bundle cost at finish (runner API)", () => {
       const run = async (instanceType: string, ranMinutes: number) => {
         const b = await createTestBundle(db, owner);
         await stageBundle(db, b.uuid, { actor: "test" });
-        const token = newRunnerToken();
-        const started = await startBundle(db, b.uuid, {
-          instanceId: "i-1",
-          instanceType,
-          runnerTokenHash: hashToken(token),
-          gpuDevices: [],
-          actor: "dispatcher",
-        });
-        expect(started.ok).toBe(true);
+        const { token } = await startWithRunnerToken(db, b.uuid, { instanceType });
         expect((await api("POST", "/api/v1/runner/start", token, {})).status).toBe(200);
         // As if the runner had started ranMinutes ago.
         await db.query(

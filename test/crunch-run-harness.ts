@@ -11,12 +11,12 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
 import { createRestServer } from "../rest-server/server.ts";
-import { hashToken, newRunnerToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
+import { hashToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { createUser, getBundle, insertBundle } from "../store/queries.ts";
-import { stageBundle, startBundle } from "../store/transitions.ts";
+import { stageBundle } from "../store/transitions.ts";
 import type { Bundle, NewBundle } from "../store/types.ts";
-import { testBundleUuid, testNewBundle } from "./db.ts";
+import { startWithRunnerToken, testBundleUuid, testNewBundle } from "./db.ts";
 import { BIN } from "./serve-process.ts";
 
 export interface RunResult {
@@ -139,16 +139,8 @@ export async function startRunnerHarness(db: Db): Promise<RunnerHarness> {
       await insertBundle(db, uuid, testNewBundle(user.uuid, overrides), "created");
       const staged = await stageBundle(db, uuid, { actor: "test" });
       if (!staged.ok) throw new Error(`cannot stage ${uuid}`);
-      const token = newRunnerToken();
-      const started = await startBundle(db, uuid, {
-        instanceId: "i-test",
-        instanceType: "small",
-        runnerTokenHash: hashToken(token),
-        gpuDevices: [],
-        actor: "test",
-      });
-      if (!started.ok) throw new Error(`cannot start ${uuid}`);
-      return { uuid, token, attempt: started.bundle.attempt };
+      const { token, bundle } = await startWithRunnerToken(db, uuid, { instanceId: "i-test", actor: "test" });
+      return { uuid, token, attempt: bundle.attempt };
     },
     detach(bundle, doc = {}, extraEnv = {}) {
       const start = {

@@ -6,9 +6,11 @@
 import { createHash, randomBytes } from "node:crypto";
 import pg from "pg";
 import { afterAll, beforeAll, describe } from "vitest";
+import { hashToken, newRunnerToken } from "../rest-server/tokens.ts";
 import { type Db, openDb, redactDbUrl } from "../store/db.ts";
 import { listMigrations, migrate } from "../store/migrate.ts";
 import { createUser, insertBundle } from "../store/queries.ts";
+import { startBundle } from "../store/transitions.ts";
 import type { Bundle, NewBundle, User } from "../store/types.ts";
 
 export type DbKind = "pg" | "pglite";
@@ -196,4 +198,25 @@ export function createTestBundle(
   overrides: Partial<NewBundle> = {},
 ): Promise<Bundle> {
   return insertBundle(db, testBundleUuid(), testNewBundle(ownerUuid, overrides), "created");
+}
+
+/**
+ * Moves a staged bundle to `starting` as the pool does, with a fresh runner token (only its hash is stored);
+ * throws when the transition is refused. Returns the token and the row.
+ */
+export async function startWithRunnerToken(
+  db: Db,
+  uuid: string,
+  over: { instanceId?: string; instanceType?: string; gpuDevices?: number[]; actor?: string } = {},
+): Promise<{ token: string; bundle: Bundle }> {
+  const token = newRunnerToken();
+  const r = await startBundle(db, uuid, {
+    instanceId: over.instanceId ?? "i-1",
+    instanceType: over.instanceType ?? "small",
+    runnerTokenHash: hashToken(token),
+    gpuDevices: over.gpuDevices ?? [],
+    actor: over.actor ?? "dispatcher",
+  });
+  if (!r.ok) throw new Error(`cannot start ${uuid}: ${r.reason} (${r.current?.state ?? "gone"})`);
+  return { token, bundle: r.bundle };
 }

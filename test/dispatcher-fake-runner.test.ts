@@ -4,11 +4,10 @@ import { expect, it } from "vitest";
 import { StubCloud } from "../cloud-drivers/stub/driver.ts";
 import { runnerCommands } from "../dispatcher/pool/runner-commands.ts";
 import { createRestServer } from "../rest-server/server.ts";
-import { hashToken, newRunnerToken } from "../rest-server/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { getBundle, listEvents } from "../store/queries.ts";
-import { stageBundle, startBundle } from "../store/transitions.ts";
-import { createTestBundle, createTestUser, describeEachDb } from "./db.ts";
+import { stageBundle } from "../store/transitions.ts";
+import { createTestBundle, createTestUser, describeEachDb, startWithRunnerToken } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
 import { attachFakeRunners, defaultDuration, defaultExitCode } from "./fake-runner.ts";
 import { testInstanceType } from "./stub-pool.ts";
@@ -42,15 +41,11 @@ async function setup(db: Db) {
   const detach = async (command: string[]) => {
     const b = await createTestBundle(db, owner, { command });
     await stageBundle(db, b.uuid, { actor: "test" });
-    const token = newRunnerToken();
-    const r = await startBundle(db, b.uuid, {
+    const { token } = await startWithRunnerToken(db, b.uuid, {
       instanceId: instance.id,
       instanceType: TYPE.name,
-      runnerTokenHash: hashToken(token),
-      gpuDevices: [],
       actor: "test",
     });
-    if (!r.ok) throw new Error(r.reason);
     const doc = {
       uuid: b.uuid,
       attempt: 1,

@@ -13,10 +13,9 @@ import type { ByteIo } from "../cli/client.ts";
 import { packTar } from "../lib/tar.ts";
 import { type BundleManager, createBundleManager } from "../rest-server/bundle-manager.ts";
 import { createRestServer } from "../rest-server/server.ts";
-import { hashToken, newRunnerToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
+import { hashToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
 import { createUser, getBundle } from "../store/queries.ts";
-import { startBundle } from "../store/transitions.ts";
-import { openTestDb, type TestDb } from "./db.ts";
+import { openTestDb, startWithRunnerToken, type TestDb } from "./db.ts";
 
 interface Captured {
   code: number;
@@ -68,15 +67,7 @@ describe("CLI: bundles logs, bundles outputs, submit --wait", () => {
     opts: { stdout: string; stderr: string; exitCode: number; files?: Record<string, string> },
   ) => {
     await manager.runOnce();
-    const runner = newRunnerToken();
-    const r = await startBundle(db, uuid, {
-      instanceId: "i-1",
-      instanceType: "small",
-      runnerTokenHash: hashToken(runner),
-      gpuDevices: [],
-      actor: "dispatcher",
-    });
-    expect(r.ok).toBe(true);
+    const { token: runner } = await startWithRunnerToken(db, uuid);
     await inject("POST", "/api/v1/runner/start", runner, {});
     await inject("POST", "/api/v1/runner/logs?stream=stdout&offset=0", runner, Buffer.from(opts.stdout));
     await inject("POST", "/api/v1/runner/logs?stream=stderr&offset=0", runner, Buffer.from(opts.stderr));

@@ -13,10 +13,10 @@ import { extractTar, packTar } from "../lib/tar.ts";
 import { type BundleManager, createBundleManager } from "../rest-server/bundle-manager.ts";
 import { parseOutputPath } from "../rest-server/outputs.ts";
 import { createRestServer } from "../rest-server/server.ts";
-import { hashToken, newRunnerToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
+import { hashToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
 import { appendLogChunk, createUser, getBundle, recordHeartbeat } from "../store/queries.ts";
-import { requeueStarting, startBundle } from "../store/transitions.ts";
-import { describeEachDb } from "./db.ts";
+import { requeueStarting } from "../store/transitions.ts";
+import { describeEachDb, startWithRunnerToken } from "./db.ts";
 import { injectClient, type Json } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
@@ -96,16 +96,7 @@ describeEachDb("REST runner data", (getDb) => {
   /** Stages the bundle (dependencies permitting), moves it to starting, and returns its runner token. */
   const dispatch = async (uuid: string): Promise<string> => {
     await manager.runOnce();
-    const token = newRunnerToken();
-    const r = await startBundle(getDb(), uuid, {
-      instanceId: "i-1",
-      instanceType: "small",
-      runnerTokenHash: hashToken(token),
-      gpuDevices: [],
-      actor: "dispatcher",
-    });
-    expect(r.ok, `start ${uuid}: ${JSON.stringify(r)}`).toBe(true);
-    return token;
+    return (await startWithRunnerToken(getDb(), uuid)).token;
   };
   /** A bundle of alice's, running, and its runner token. */
   const running = async (owner = alice, body: object = {}): Promise<{ uuid: string; token: string }> => {

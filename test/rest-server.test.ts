@@ -12,14 +12,8 @@ import type { Db } from "../store/db.ts";
 import { openDb } from "../store/db.ts";
 import { migrate } from "../store/migrate.ts";
 import { createUser, getBundle } from "../store/queries.ts";
-import {
-  finishBundle,
-  markRunning,
-  requeueStarting,
-  stageBundle,
-  startBundle,
-} from "../store/transitions.ts";
-import { describeEachDb } from "./db.ts";
+import { finishBundle, markRunning, requeueStarting, stageBundle } from "../store/transitions.ts";
+import { describeEachDb, startWithRunnerToken } from "./db.ts";
 import { injectClient, type Json } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
@@ -66,16 +60,7 @@ describeEachDb("REST server", (getDb) => {
   /** Takes a created bundle with no pending dependencies to `starting` and returns its runner token. */
   const dispatch = async (uuid: string): Promise<string> => {
     await manager.runOnce();
-    const token = newRunnerToken();
-    const r = await startBundle(getDb(), uuid, {
-      instanceId: "i-1",
-      instanceType: "small",
-      runnerTokenHash: hashToken(token),
-      gpuDevices: [],
-      actor: "dispatcher",
-    });
-    expect(r.ok).toBe(true);
-    return token;
+    return (await startWithRunnerToken(getDb(), uuid)).token;
   };
   const finishAs = async (uuid: string, exitCode: number) => {
     const token = await dispatch(uuid);
@@ -398,15 +383,10 @@ describeEachDb("REST server", (getDb) => {
       expect((await requeueStarting(getDb(), b.uuid, 1, { actor: "dispatcher", reason: "test" })).ok).toBe(
         true,
       );
-      const fresh = newRunnerToken();
-      const r = await startBundle(getDb(), b.uuid, {
+      const { token: fresh } = await startWithRunnerToken(getDb(), b.uuid, {
         instanceId: "i-2",
-        instanceType: "small",
-        runnerTokenHash: hashToken(fresh),
         gpuDevices: [0],
-        actor: "dispatcher",
       });
-      expect(r.ok).toBe(true);
       expect((await api("POST", "/api/v1/runner/start", old, {})).status).toBe(401);
       expect((await api("POST", "/api/v1/runner/start", fresh, {})).body).toMatchObject({
         state: "running",
