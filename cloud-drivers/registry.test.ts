@@ -1,3 +1,8 @@
+import { spawnSync } from "node:child_process";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
 import { Registry } from "prom-client";
 import { describe, expect, it } from "vitest";
 import { parseConfig } from "../config/load.ts";
@@ -90,8 +95,44 @@ describe("DriverRegistry", () => {
   });
 });
 
+describe("the ec2 driver's registration", () => {
+  it("loads the AWS SDK only when an ec2 instance set opens", () => {
+    // A fresh process: did anything load @aws-sdk/client-ec2 (a CommonJS package) before the ec2 set opened?
+    const script = `
+      import { createRequire } from "node:module";
+      const require = createRequire(process.cwd() + "/");
+      const loaded = () => Object.keys(require.cache).some((k) => k.includes("@aws-sdk/client-ec2"));
+      const { createDefaultRegistry } = await import(process.cwd() + "/cloud-drivers/registry.ts");
+      const { createLogger } = await import(process.cwd() + "/lib/logger.ts");
+      const drivers = createDefaultRegistry();
+      await drivers.get("local").instanceSet({ stateDir: process.argv[1] }, "x", {}, deps());
+      const before = loaded();
+      const set = await drivers.get("ec2").instanceSet({ region: "us-east-1" }, "x", {}, deps());
+      console.log(JSON.stringify({ before, after: loaded() }));
+      await set.stop();
+      function deps() {
+        return { logger: createLogger({ level: "silent", format: "json" }), clock: { now: () => 0, sleep: async () => {} }, registry: undefined };
+      }
+    `;
+    const stateDir = mkdtempSync(path.join(tmpdir(), "registry-lazy-"));
+    try {
+      const out = spawnSync(
+        process.execPath,
+        ["--import", "tsx", "--no-warnings", "--input-type=module", "-e", script, stateDir],
+        { cwd: repoRoot, encoding: "utf8", timeout: 60_000 },
+      );
+      expect(out.stderr).toBe("");
+      expect(JSON.parse(out.stdout.trim())).toEqual({ before: false, after: true });
+    } finally {
+      rmSync(stateDir, { recursive: true, force: true });
+    }
+  });
+});
+
+const repoRoot = fileURLToPath(new URL("..", import.meta.url));
+
 /** The drivers createDefaultRegistry registers. */
-const DEFAULT_DRIVERS = ["local", "stub"];
+const DEFAULT_DRIVERS = ["ec2", "local", "stub"];
 
 describe("tags from config", () => {
   it("tagKey prefixes the tag name", () => {

@@ -32,9 +32,33 @@ export class DriverRegistry {
   }
 }
 
+/**
+ * `ec2`, loaded on first use: the AWS SDK is imported only when an instance set of this driver opens, so
+ * crunch-run and the other drivers never load it.
+ */
+const lazyEc2Driver: CloudDriver = {
+  async instanceSet(params, instanceSetId, sharedTags, deps) {
+    // The pinned SDK (the last line for Node 20) prints an unstructured NodeVersionSupportWarning on stderr;
+    // say it once in the structured log instead.
+    const quietWarning = "AWS_SDK_JS_NODE_VERSION_SUPPORT_WARNING_DISABLED";
+    if (Number(process.versions.node.split(".")[0]) < 22 && process.env[quietWarning] === undefined) {
+      process.env[quietWarning] = "true";
+      deps.logger.info(
+        { node: process.versions.node },
+        "AWS SDK releases after January 2027 need Node 22; dispatch-cloud pins one that runs on this Node",
+      );
+    }
+    const { ec2Driver } = await import("./ec2/driver.ts");
+    return ec2Driver.instanceSet(params, instanceSetId, sharedTags, deps);
+  },
+};
+
 /** The drivers every dispatch-cloud process knows. */
 export function createDefaultRegistry(): DriverRegistry {
-  return new DriverRegistry().register("local", localDriver).register("stub", stubDriver);
+  return new DriverRegistry()
+    .register("ec2", lazyEc2Driver)
+    .register("local", localDriver)
+    .register("stub", stubDriver);
 }
 
 /** A tag's full key: the configured prefix and one of TAG's names, e.g. `DispatchCloudInstanceSetID`. */
