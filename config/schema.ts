@@ -298,6 +298,10 @@ const Cloud = Section("Cloud instances: driver, limits and timeouts.", {
     "10s",
     "Repeat the destroy call if an instance is still listed this long after it.",
   ),
+  spotInterruptionCheckInterval: Duration(
+    "5s",
+    "How often crunch-run asks a preemptible (spot) instance's metadata service (IMDSv2) for an interruption notice while a bundle runs; on one it requeues the bundle and the instance gets no new bundles. 0 = never.",
+  ),
   deployRunnerBinary: Str(
     "",
     "crunch-run artifact copied to instances; empty = the artifact the dispatcher runs from.",

@@ -126,6 +126,11 @@ export interface RunnerClient {
   /** The tar stream of dependency index (one try; callers retry the whole staging). */
   dependency(index: number): Promise<http.IncomingMessage>;
   finish(body: FinishBody, opts?: Partial<RetryOptions>): Promise<unknown>;
+  /** Reports a spot interruption notice: the bundle goes back to staged (attempts permitting), else failed. */
+  preempted(
+    notice: { action: string; time: string },
+    opts?: Partial<RetryOptions>,
+  ): Promise<{ uuid: string; state: string; attempt: number }>;
 }
 
 export const LONG_RETRY_MS = 10 * 60_000;
@@ -251,6 +256,8 @@ export function createRunnerClient(opts: {
       ),
     dependency: (index) => send("GET", `/api/v1/runner/dependencies/${index}`, `dependency ${index}`),
     finish: (body, r) => json("POST", "/api/v1/runner/finish", "finish", jsonBody(body), LONG_RETRY_MS, r),
+    preempted: (notice, r) =>
+      json("POST", "/api/v1/runner/preempted", "preempted", jsonBody(notice), SHORT_RETRY_MS, r),
   };
 }
 

@@ -3,13 +3,15 @@
  *
  *   crunch-run --detach <uuid>          start document (JSON) on stdin; takes the bundle's lock, starts the
  *                                       supervisor in its own session, prints {"uuid","pid"}
- *   crunch-run --list                   one line per live bundle; `<uuid> stale`; `broken`; `spare <socket>`
+ *   crunch-run --list                   one line per live bundle; `<uuid> stale`; `broken`; `preempted`;
+ *                                       `spare <socket>`
  *   crunch-run --kill <signal> <uuid>   signals the supervisor; exit 0 once it is gone (within ~1 s)
  *   crunch-run --version
  *   crunch-run --supervise <uuid>       (internal) the supervisor; start document on stdin
  *   crunch-run --spare                  (internal) a warm supervisor waiting for a bundle (spare.ts)
  *
- * Exit codes: 0 ok, 1 failed (lock held, still running, ...), 2 usage or bad start document.
+ * Exit codes: 0 ok, 1 failed (lock held, still running, the instance is preempted, ...), 2 usage or bad start
+ * document.
  * The lock semantics are described in lock.ts. This module loads only node built-ins and small local
  * modules: `--detach` is on the path the dispatcher's start latency is measured on, and `--list` runs on
  * every probe. The supervisor's heavier modules are imported only in `--supervise`.
@@ -124,6 +126,12 @@ async function superviseBundle(
   env: NodeJS.ProcessEnv,
   logger?: Logger,
 ): Promise<number> {
+  // The last check against a start racing a spot interruption notice (--detach and the spare check first):
+  // without `start`, the bundle stays starting and the dispatcher requeues it when this runner is not listed.
+  if (existsSync(paths.preemptedFile)) {
+    process.stderr.write(`crunch-run: refused: this instance is preempted; not starting ${doc.uuid}\n`);
+    return 1;
+  }
   const { createRunnerClient } = await import("./api-client.ts");
   const abort = new AbortController();
   const retryHook: RetryHook = {};
@@ -163,6 +171,7 @@ async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv): Promise<number
     } catch (err) {
       return (err as Error).message;
     }
+    if (existsSync(paths.preemptedFile)) return "instance preempted";
     // From the dispatcher directly: no --detach holds the lock for this process.
     return w.mode === "start" ? takeLock(w.uuid, paths, env) : null;
   });
@@ -252,6 +261,7 @@ export async function listBundles(paths: RunnerPaths, env: NodeJS.ProcessEnv): P
     }
   }
   if (existsSync(paths.brokenFile)) lines.push("broken");
+  if (existsSync(paths.preemptedFile)) lines.push("preempted");
   const socket = spareSocketPath(paths, selfCommand());
   if (socket !== null && existsSync(socket)) lines.push(`spare ${socket}`);
   return lines;
@@ -285,6 +295,13 @@ async function detach(
 ): Promise<number> {
   const text = await readStdin(io.stdin);
   parseStartDocument(text, uuid);
+  // A start that races a spot interruption notice fails fast; the dispatcher requeues the bundle.
+  if (existsSync(paths.preemptedFile)) {
+    io.err(
+      `crunch-run: refused: this instance is preempted (spot interruption notice); not starting ${uuid} [crunchrun.preempted]`,
+    );
+    return 1;
+  }
   const file = lockFile(paths, uuid);
   const refusal = await takeLock(uuid, paths, env);
   if (refusal !== null) {

@@ -12,6 +12,13 @@ export interface RunnerPaths {
   workRoot: string;
   /** The file whose presence makes `--list` print `broken`. */
   brokenFile: string;
+  /**
+   * Written (the notice's JSON) when a spot interruption notice arrives: `--list` prints `preempted`, and no
+   * new bundle starts on the instance while it exists.
+   */
+  preemptedFile: string;
+  /** Its first line, when present, is the instance metadata service's base URL (else 169.254.169.254). */
+  imdsEndpointFile: string;
 }
 
 export function runnerPaths(env: NodeJS.ProcessEnv): RunnerPaths {
@@ -22,6 +29,8 @@ export function runnerPaths(env: NodeJS.ProcessEnv): RunnerPaths {
     logDir: `${root}/var/log/crunch-run`,
     workRoot: `${root}/tmp/crunch-run`,
     brokenFile: `${root}/var/lock/crunch-run-broken`,
+    preemptedFile: `${root}/var/lock/crunch-run-preempted`,
+    imdsEndpointFile: `${root}/etc/dispatch-cloud/imds-endpoint`,
   };
 }
 

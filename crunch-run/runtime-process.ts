@@ -74,12 +74,17 @@ export function createProcessRuntime(): ContainerRuntime {
         },
         writableLayerBytes: async () => 0,
         async stop(graceSeconds: number) {
+          const gone = async (ms: number) => {
+            const deadline = Date.now() + ms;
+            while (Date.now() < deadline && pgid > 0 && processGroupAlive(pgid)) {
+              await new Promise((r) => setTimeout(r, 50));
+            }
+          };
           kill("SIGTERM");
-          const deadline = Date.now() + graceSeconds * 1000;
-          while (Date.now() < deadline && pgid > 0 && processGroupAlive(pgid)) {
-            await new Promise((r) => setTimeout(r, 50));
-          }
+          await gone(graceSeconds * 1000);
           kill("SIGKILL");
+          // Returns once the group is gone (a SIGKILLed process still takes a moment to exit).
+          await gone(2000);
         },
         async remove() {
           kill("SIGKILL");

@@ -34,7 +34,18 @@ describe("parseStartDocument", () => {
       apiUrl: "http://127.0.0.1:8080",
       runtimeEngine: "docker",
       heartbeatIntervalMs: 5000,
+      preemptible: false,
+      spotCheckIntervalMs: 5000,
     });
+  });
+
+  it("takes preemptible and spotCheckIntervalMs (0 = never)", () => {
+    const parse = (extra: object) => parseStartDocument(JSON.stringify({ ...good, ...extra }), UUID);
+    expect(parse({ preemptible: true, spotCheckIntervalMs: 250 })).toMatchObject({
+      preemptible: true,
+      spotCheckIntervalMs: 250,
+    });
+    expect(parse({ preemptible: true, spotCheckIntervalMs: 0 })).toMatchObject({ spotCheckIntervalMs: 0 });
   });
 
   it.each([
@@ -50,6 +61,10 @@ describe("parseStartDocument", () => {
     ["an unknown field", { ...good, extra: 1 }, "extra"],
     ["no instance type", { ...good, instanceType: "" }, "instanceType"],
     ["a tiny heartbeat", { ...good, heartbeatIntervalMs: 1 }, "heartbeatIntervalMs"],
+    ["a preemptible that is not a boolean", { ...good, preemptible: "yes" }, "preemptible"],
+    ["a tiny spot check interval", { ...good, spotCheckIntervalMs: 5 }, "spotCheckIntervalMs"],
+    ["a fractional spot check interval", { ...good, spotCheckIntervalMs: 100.5 }, "spotCheckIntervalMs"],
+    ["a huge spot check interval", { ...good, spotCheckIntervalMs: 3_600_001 }, "spotCheckIntervalMs"],
   ])("rejects %s with the field's path", (_name, doc, path) => {
     const err = errorOf(doc);
     expect(err.code).toBe("crunchrun.invalid_start_document");

@@ -17,9 +17,16 @@ export interface StartDocument {
   gpuDevices: number[];
   runtimeEngine: RuntimeEngine;
   heartbeatIntervalMs: number;
+  /** The instance type is preemptible (spot): watch for interruption notices while the bundle runs. */
+  preemptible: boolean;
+  /** How often to ask the instance metadata service for a spot interruption notice; 0 = never. */
+  spotCheckIntervalMs: number;
 }
 
 export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;
+export const DEFAULT_SPOT_CHECK_INTERVAL_MS = 5000;
+/** Bounds of a non-zero spotCheckIntervalMs (the dispatcher clamps its config value into them). */
+export const SPOT_CHECK_INTERVAL_RANGE_MS = { min: 10, max: 3_600_000 } as const;
 const KNOWN = new Set([
   "uuid",
   "attempt",
@@ -29,6 +36,8 @@ const KNOWN = new Set([
   "gpuDevices",
   "runtimeEngine",
   "heartbeatIntervalMs",
+  "preemptible",
+  "spotCheckIntervalMs",
 ]);
 const ENGINES: readonly RuntimeEngine[] = ["docker", "process", "auto"];
 
@@ -97,6 +106,16 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
   if (typeof hb !== "number" || !Number.isSafeInteger(hb) || hb < 10 || hb > 3_600_000) {
     throw bad("heartbeatIntervalMs", "must be a whole number of milliseconds from 10 to 3600000");
   }
+  const preemptible = doc["preemptible"] ?? false;
+  if (typeof preemptible !== "boolean") throw bad("preemptible", "must be true or false");
+  const spot = doc["spotCheckIntervalMs"] ?? DEFAULT_SPOT_CHECK_INTERVAL_MS;
+  const { min, max } = SPOT_CHECK_INTERVAL_RANGE_MS;
+  if (typeof spot !== "number" || !Number.isSafeInteger(spot) || (spot !== 0 && (spot < min || spot > max))) {
+    throw bad(
+      "spotCheckIntervalMs",
+      `must be 0 (never) or a whole number of milliseconds from ${min} to ${max}`,
+    );
+  }
   return {
     uuid,
     attempt,
@@ -106,5 +125,7 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
     gpuDevices: gpuDevices as number[],
     runtimeEngine: engine as RuntimeEngine,
     heartbeatIntervalMs: hb,
+    preemptible,
+    spotCheckIntervalMs: spot,
   };
 }

@@ -13,6 +13,11 @@
  * - The Docker daemon is unreachable or fails with 5xx on create/start, or the disk is full (ENOSPC): the
  *   instance is broken. `${ROOT}/var/lock/crunch-run-broken` is written with the reason (`--list` then prints
  *   `broken`, the dispatcher requeues the bundle and drains the instance).
+ * - A spot interruption notice (preemptible instance types only; the instance metadata service is polled every
+ *   spotCheckIntervalMs from `start` until the container exits, imds.ts): `${ROOT}/var/lock/crunch-run-preempted`
+ *   is written with the notice first (`--list` prints `preempted`, no new bundle starts here), a line for the
+ *   user goes to the bundle's stderr, the runner route `preempted` requeues the bundle (attempts permitting),
+ *   then the container is stopped and removed.
  *
  * The runner token is in the API client's memory only; no log line or message carries it.
  */
@@ -34,6 +39,7 @@ import {
   withRetries,
 } from "./api-client.ts";
 import { createDockerClient, DockerApiError } from "./docker-api.ts";
+import { createImdsClient, imdsEndpoint, type SpotNotice, type SpotPoller, startSpotPoller } from "./imds.ts";
 import { parseLock, readLockText, releaseLock, replaceLock } from "./lock.ts";
 import { LogStream } from "./log-stream.ts";
 import { lockFile, type RunnerPaths, workDir } from "./paths.ts";
@@ -61,6 +67,10 @@ const LIMIT_CHECK_MS = 1000;
 const STOP_GRACE_S = 2;
 const KILL_GRACE_S = 1;
 const DRAIN_MS = 5000;
+/** How long a preempted supervisor waits for its log line to reach the REST server before reporting. */
+const PREEMPT_FLUSH_MS = 5000;
+/** How long it keeps retrying the `preempted` report (EC2 gives two minutes' notice). */
+const PREEMPT_REPORT_MS = 30_000;
 const INPUT_NAME_RE = /^[A-Za-z0-9._-]{1,200}$/;
 
 const isNoSpace = (err: unknown): boolean =>
@@ -118,6 +128,11 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
   let stopSignal: string | null = null;
   let container: RunningContainer | null = null;
   let lost = false;
+  /** The spot interruption notice this supervisor acted on, and its handling (awaited before exiting). */
+  let preempted: SpotNotice | null = null;
+  let preemption: Promise<void> | null = null;
+  /** Stopping without finish: a signal, the bundle is no longer ours, or the instance is being preempted. */
+  const stopping = (): boolean => stopSignal !== null || lost || preempted !== null;
 
   const onSignal = (sig: NodeJS.Signals) => {
     if (stopSignal !== null) return;
@@ -175,7 +190,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
     const usage: ResourceUsage = { cpuSeconds: 0, memoryBytes: 0, maxMemoryBytes: 0, diskBytes: 0 };
 
     const markLost = (err: unknown) => {
-      if (lost || stopSignal !== null) return;
+      if (stopping()) return;
       lost = true;
       log.warn({ err: (err as Error).message }, "the bundle is no longer this runner's: stopping, no finish");
       abort.abort(new Error("bundle no longer ours"));
@@ -192,7 +207,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
     };
     const finish = async (exitCode: number | null, reason: string | null, failed: boolean) => {
       await Promise.all([stdout?.flush(), stderr?.flush()]);
-      if (lost) return;
+      if (lost || preempted !== null) return;
       try {
         const body = {
           exitCode,
@@ -216,6 +231,74 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       }
     };
 
+    /**
+     * A spot interruption notice: the preempted file first (so no new bundle starts here, whatever happens
+     * next), the user's line, the report (the bundle goes back to staged), then the container is stopped.
+     */
+    const onPreempted = async (notice: SpotNotice): Promise<void> => {
+      if (stopping()) return;
+      preempted = notice;
+      try {
+        mkdirSync(paths.lockDir, { recursive: true });
+        writeFileSync(paths.preemptedFile, `${JSON.stringify(notice)}\n`);
+      } catch (err) {
+        log.error({ err: (err as Error).message }, "cannot write the preempted file");
+      }
+      log.warn({ action: notice.action, time: notice.time }, "spot interruption notice: stopping the bundle");
+      stderr?.write(
+        `[crunch-run] spot interruption notice (${notice.action} at ${notice.time}): this instance is being preempted; the bundle is stopped and requeued\n`,
+      );
+      // The token stops working once the report is in: the line must reach the server first.
+      let flushTimer: NodeJS.Timeout | undefined;
+      await Promise.race([
+        Promise.all([stdout?.flush(), stderr?.flush()]).catch(() => {}),
+        new Promise<void>((r) => {
+          flushTimer = setTimeout(r, PREEMPT_FLUSH_MS);
+        }),
+      ]);
+      clearTimeout(flushTimer);
+      try {
+        const res = await client.preempted(notice, { budgetMs: PREEMPT_REPORT_MS });
+        log.info(
+          { state: res.state, attempt: res.attempt },
+          `preemption reported: the bundle is ${res.state}`,
+        );
+      } catch (err) {
+        if (isNotOurs(err)) {
+          log.info({ err: (err as Error).message }, "preemption not recorded: the bundle is no longer ours");
+        } else {
+          log.error(
+            { err: (err as Error).message },
+            "cannot report the preemption; the dispatcher requeues the bundle once this runner is gone",
+          );
+        }
+      }
+      abort.abort(new Error("preempted"));
+      await container
+        ?.stop(KILL_GRACE_S)
+        .catch((err: unknown) => log.warn({ err }, "stopping the container failed"));
+    };
+    /** Polls for spot interruption notices on preemptible instances (null: not watched). */
+    const watchSpot = (): SpotPoller | null => {
+      if (!doc.preemptible || doc.spotCheckIntervalMs === 0) return null;
+      let endpoint: string;
+      try {
+        endpoint = imdsEndpoint(paths);
+      } catch (err) {
+        log.warn({ err: (err as Error).message }, "spot interruption notices are not watched");
+        return null;
+      }
+      return startSpotPoller({
+        client: createImdsClient({ endpoint }),
+        intervalMs: doc.spotCheckIntervalMs,
+        log,
+        onNotice: (notice) => {
+          preemption = onPreempted(notice);
+        },
+      });
+    };
+    let spotPoller: SpotPoller | null = null;
+
     try {
       mkdirSync(outDir, { recursive: true });
       mkdirSync(inDir, { recursive: true });
@@ -235,6 +318,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         if (!heartbeat.stopped) heartbeat.timer = setTimeout(beat, doc.heartbeatIntervalMs);
       };
       heartbeat.timer = setTimeout(beat, doc.heartbeatIntervalMs);
+      spotPoller = watchSpot();
 
       // Dependencies.
       const inputs: string[] = [];
@@ -262,7 +346,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
           );
           say(`staged ${what} at /in/${dep.name}: ${summary.files} files, ${humanSize(summary.bytes)}`);
         } catch (err) {
-          if (stopSignal !== null) return 1;
+          if (stopping()) return 1;
           if (isNotOurs(err)) {
             markLost(err);
             return 1;
@@ -275,7 +359,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         }
         inputs.push(dep.name);
       }
-      if (stopSignal !== null || lost) return 1;
+      if (stopping()) return 1;
 
       // Runtime.
       const runtime = await chooseRuntime(doc.runtimeEngine, env, log);
@@ -286,7 +370,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       }
       try {
         await runtime.prepare(spec);
-        if (stopSignal !== null || lost) return 1;
+        if (stopping()) return 1;
         container = await runtime.start({
           uuid: doc.uuid,
           attempt: doc.attempt,
@@ -320,7 +404,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
           () => {},
         );
       }
-      if (stopSignal !== null) void container.stop(KILL_GRACE_S).catch(() => {});
+      if (stopping()) void container.stop(KILL_GRACE_S).catch(() => {});
       const running = container;
       const streamsDone = Promise.all([pipeInto(running.stdout, stdout), pipeInto(running.stderr, stderr)]);
 
@@ -372,13 +456,15 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         exit = await running.wait();
       } finally {
         if (limitTimer !== null) clearInterval(limitTimer);
+        // The work is done: a notice from now on is left to the dispatcher (outputs and finish go on).
+        spotPoller?.stop();
       }
       await Promise.race([streamsDone, new Promise((r) => setTimeout(r, DRAIN_MS).unref())]);
       heartbeat.stopped = true;
       if (heartbeat.timer !== null) clearTimeout(heartbeat.timer);
       await sampleUsage(running, outDir, usage).catch(() => {});
 
-      if (stopSignal !== null || lost) {
+      if (stopping()) {
         await running.remove().catch((err: unknown) => log.warn({ err }, "removing the container failed"));
         return 1;
       }
@@ -418,7 +504,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       await finish(exitCode, reason, failed);
       return 0;
     } catch (err) {
-      if (stopSignal !== null || lost) return 1;
+      if (stopping()) return 1;
       if (isNoSpace(err)) {
         markBroken(`no space left on device: ${(err as Error).message}`);
       } else if (err instanceof DispatchCloudError && err.code === "crunchrun.docker_error") {
@@ -433,6 +519,9 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       await Promise.all([stdout?.flush(), stderr?.flush()]).catch(() => {});
       return 1;
     } finally {
+      spotPoller?.stop();
+      // A preemption being handled: its report and the container's stop come first.
+      if (preemption !== null) await preemption;
       heartbeat.stopped = true;
       if (heartbeat.timer !== null) clearTimeout(heartbeat.timer);
       if (container !== null) await container.remove().catch(() => {});

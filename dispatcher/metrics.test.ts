@@ -147,6 +147,28 @@ describe("instance metrics (pool/metrics.ts)", () => {
     expect(s2.get(INSTANCE_METRIC.bundlesRunning)?.get("")).toBe(0);
     expect(s2.get(INSTANCE_METRIC.maxConcurrent)?.get("")).toBe(2);
   });
+
+  it("accrues an instance's cost at the price its driver's history gives (spot prices), not the configured one", async () => {
+    const clock = new FakeClock();
+    const registry = new Registry();
+    const t0 = clock.now();
+    // The configured price of medium is 0.2; the spot market: 0.06 from launch, 0.09 after an hour.
+    const history = [
+      { startTime: t0 - HOUR, price: 0.06 },
+      { startTime: t0 + HOUR, price: 0.09 },
+    ];
+    const spot: WorkerView = {
+      ...worker({ id: "i-spot", type: "medium", state: "running", runners: 1, probedAt: t0 }),
+      pricePerHour: (now) => history.filter((p) => p.startTime <= now).at(-1)?.price ?? 0.2,
+    };
+    const m = createInstanceMetrics(registry, instanceTypesFromConfig(stubConfig()), clock, () => [spot]);
+    m.update();
+    await clock.advance(HOUR);
+    m.update();
+    await clock.advance(HOUR);
+    const cost = (await series(registry)).get(INSTANCE_METRIC.cost)?.get("instance_type=medium");
+    expect(cost).toBeCloseTo(0.06 + 0.09, 10);
+  });
 });
 
 describe("SSH command latency (sshexec/metrics.ts)", () => {

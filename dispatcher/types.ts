@@ -39,8 +39,18 @@ export interface WorkerView {
   readonly stateSince: number;
   /** Last time it had a runner (or its creation time). */
   readonly lastBusy: number;
-  /** `--list` said broken, a secret mismatch, or a failed runner deployment; it gets no new bundles. */
+  /**
+   * `--list` said broken or preempted, a secret mismatch, or a failed runner deployment; it gets no new
+   * bundles.
+   */
   readonly broken: boolean;
+  /** `--list` said preempted: a spot interruption notice; shut down as soon as nothing runs on it. */
+  readonly preempted?: boolean;
+  /**
+   * Dollars per hour at `now`: the driver's price history for the instance when it has one (EC2 spot prices),
+   * else the type's configured price.
+   */
+  pricePerHour?(now: number): number;
 }
 
 /** Why the pool would not create an instance now. */

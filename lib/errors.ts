@@ -172,6 +172,11 @@ export const ERROR_CODES = {
     status: 404,
     description: "The bundle's image is neither on the instance nor pullable.",
   },
+  "crunchrun.preempted": {
+    status: 503,
+    description:
+      "The instance received a spot interruption notice: crunch-run starts no new bundle on it (the dispatcher requeues the bundle).",
+  },
   // CLI.
   "cli.usage": { status: 400, description: "The command line is malformed." },
   "cli.no_token": {

@@ -23,6 +23,10 @@ export const InstanceItem = Type.Object(
       { description: "Creates in flight are booting." },
     ),
     idleBehavior: Type.Union(IDLE_BEHAVIORS.map((b) => Type.Literal(b))),
+    preempted: Type.Boolean({
+      description:
+        "A spot interruption notice arrived (crunch-run --list said preempted): no new bundles; shut down once idle.",
+    }),
     runningBundles: Type.Array(Type.String(), {
       description: "Uuids of the bundles whose runners are on it.",
     }),

@@ -136,6 +136,7 @@ describe("management API: authentication, standby, metrics, OpenAPI", () => {
       "price",
       "state",
       "idleBehavior",
+      "preempted",
       "runningBundles",
       "lastBusyAt",
       "stateSince",

@@ -33,6 +33,7 @@ export function instanceItem(w: WorkerView, nowMs: number): InstanceItem {
     price: w.instanceType.price,
     state: w.state,
     idleBehavior: w.idleBehavior,
+    preempted: w.preempted === true,
     runningBundles: [...w.runners.keys()].sort(),
     lastBusyAt: w.placeholder ? null : iso(w.lastBusy),
     stateSince: iso(w.stateSince),

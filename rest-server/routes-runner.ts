@@ -3,13 +3,15 @@
  * starting -> running only for the attempt the token was issued for; `heartbeat` records resource usage;
  * `logs` stores log chunks by byte offset (retries are harmless, gaps are refused); `outputs` replaces the
  * bundle's outputs with a tar archive; `dependencies/:index` serves a dependency's outputs as a tar archive;
- * `finish` records the exit. Raw bodies (log chunks, archives) are streamed, never parsed as JSON.
+ * `finish` records the exit; `preempted` reports a spot interruption notice, which requeues the running bundle
+ * (running -> staged while attempts remain, else failed). Raw bodies (log chunks, archives) are streamed, never
+ * parsed as JSON.
  */
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts";
-import { finishBundle, markRunning } from "../store/transitions.ts";
+import { finishBundle, loseBundle, markRunning } from "../store/transitions.ts";
 import type { Bundle, LogStream, TransitionResult } from "../store/types.ts";
 import { authenticateRunner, runnerBundleOf } from "./auth.ts";
 import { parseCount, parseStream } from "./logs.ts";
@@ -38,6 +40,31 @@ const FinishRequest = Type.Object(
   },
   { additionalProperties: false },
 );
+
+/** Printable text without control characters (it ends up in the bundle's state reason). */
+const NoticeText = (description: string) =>
+  Type.Optional(
+    Type.String({
+      maxLength: 100,
+      pattern: "^[^\\u0000-\\u001f\\u007f]*$",
+      description,
+      errorMessage: "must be a string of at most 100 characters without control characters",
+    }),
+  );
+
+/** What the instance metadata service said: the spot instance-action notice's fields. */
+const PreemptedRequest = Type.Object(
+  {
+    action: NoticeText("What the cloud will do to the instance: terminate, stop or hibernate."),
+    time: NoticeText("When it will, as the notice says (ISO 8601)."),
+  },
+  { additionalProperties: false },
+);
+
+/** The state reason of a bundle requeued by a spot interruption notice. */
+export function preemptedReason(notice: { action?: string; time?: string }): string {
+  return `preempted: spot interruption notice (${notice.action ?? "unknown action"} at ${notice.time ?? "an unknown time"})`;
+}
 
 /** Largest log chunk a runner may send in one call. */
 export const MAX_LOG_CHUNK = 2 ** 20;
@@ -105,6 +132,22 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     });
     if (!result.ok) throw notCurrent(bundle, result);
     return { uuid: result.bundle.uuid, state: result.bundle.state, exitCode: result.bundle.exitCode };
+  });
+
+  // A starting bundle (the runner has not called start) is 409 too: only a running attempt is requeued here.
+  app.post("/api/v1/runner/preempted", { onRequest }, async (request) => {
+    const bundle = runnerBundleOf(request);
+    const body = validate(PreemptedRequest, request.body ?? {});
+    const result = await loseBundle(db, bundle.uuid, bundle.attempt, {
+      actor: ACTOR,
+      reason: preemptedReason(body),
+    });
+    if (!result.ok) throw notCurrent(bundle, result);
+    request.log.info(
+      { bundleUuid: bundle.uuid, attempt: bundle.attempt, state: result.bundle.state },
+      "runner reported a spot interruption notice",
+    );
+    return { uuid: result.bundle.uuid, state: result.bundle.state, attempt: result.bundle.attempt };
   });
 
   app.get("/api/v1/runner/dependencies/:index", { onRequest }, async (request, reply) => {

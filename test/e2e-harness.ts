@@ -32,6 +32,13 @@ export interface SystemOptions {
   maxInstances?: number;
   /** Serve the management API on a free port, its token from the environment (`env:`). */
   management?: boolean;
+  /**
+   * Replaces the local driver's `driver:` and `driverParameters:` lines (indented by the caller with two spaces),
+   * e.g. for the ec2 driver against a fake endpoint. The local VMs' stateDir stays `<dir>/vms`.
+   */
+  driverYaml?: string;
+  /** Replaces the one default instance type (the `instanceTypes:` key's body, indented two spaces). */
+  instanceTypesYaml?: string;
 }
 
 export interface BundleView {
@@ -120,23 +127,30 @@ export class E2eSystem {
       "logging:\n  level: info",
       `dispatcher:\n  runtimeEngine: ${opts.runtimeEngine}\n  pollInterval: 2s\n  staleLockTimeout: 20s`,
       "cloud:",
-      "  driver: local",
-      "  driverParameters:",
-      `    stateDir: ${dir}/vms`,
-      `    sshServer: ${opts.sshServer}`,
-      ...(user === undefined ? [] : [`    user: ${user}`]),
-      ...(opts.addressPrefix === undefined ? [] : [`    addressPrefix: "${opts.addressPrefix}"`]),
+      ...(opts.driverYaml !== undefined
+        ? [opts.driverYaml]
+        : [
+            "  driver: local",
+            "  driverParameters:",
+            `    stateDir: ${dir}/vms`,
+            `    sshServer: ${opts.sshServer}`,
+            ...(user === undefined ? [] : [`    user: ${user}`]),
+            ...(opts.addressPrefix === undefined ? [] : [`    addressPrefix: "${opts.addressPrefix}"`]),
+          ]),
       "  probeInterval: 500ms",
       "  syncInterval: 5s",
       `  timeoutIdle: ${opts.timeoutIdle ?? "10m"}`,
       `  maxInstances: ${opts.maxInstances ?? 3}`,
       ...(opts.cloudYaml === undefined ? [] : [opts.cloudYaml]),
       "instanceTypes:",
-      "  e2e.medium:",
-      "    vcpus: 16",
-      "    ram: 16GiB",
-      "    includedScratch: 20GiB",
-      "    price: 0.2",
+      opts.instanceTypesYaml ??
+        [
+          "  e2e.medium:",
+          "    vcpus: 16",
+          "    ram: 16GiB",
+          "    includedScratch: 20GiB",
+          "    price: 0.2",
+        ].join("\n"),
       ...(management === null
         ? ['management:\n  listen: "127.0.0.1:0"']
         : [

@@ -388,6 +388,7 @@ class Run {
         else if (r.state === "stale") write(io.stdout, `${r.uuid} stale\n`);
       }
       if (vm.broken) write(io.stdout, "broken\n");
+      if (vm.preempted) write(io.stdout, "preempted\n");
       return 0;
     }
     if (args.includes("--version")) {
@@ -411,6 +412,12 @@ class Run {
       return fail(io, `crunch-run: ${uuid}: lock is held by pid ${existing.pid}`);
     }
     const input = (await io.stdin()).toString();
+    if (vm.preempted) {
+      return fail(
+        io,
+        `crunch-run: refused: this instance is preempted; not starting ${uuid} [crunchrun.preempted]`,
+      );
+    }
     let doc: unknown;
     try {
       doc = JSON.parse(input);

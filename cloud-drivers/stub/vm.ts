@@ -76,6 +76,11 @@ export class StubVm extends EventEmitter<StubVmEvents> {
   destroyedAt: number | null = null;
   /** `crunch-run --list` prints `broken`. */
   broken = false;
+  /**
+   * A spot interruption notice arrived (a test sets it): `crunch-run --list` prints `preempted` and `--detach`
+   * refuses to start anything (exit 1), as crunch-run does once its preempted file exists.
+   */
+  preempted = false;
   /** Every command fails (exit 2, "cannot fork"). */
   commandsFail = false;
   /** SSH answers but the boot probe never passes. */

@@ -11,6 +11,7 @@ export const POOL_METRIC = {
   instances: "dispatchcloud_instances",
   bootOutcomes: "dispatchcloud_boot_outcomes_total",
   disappeared: "dispatchcloud_instances_disappeared_total",
+  preempted: "dispatchcloud_instances_preempted_total",
   timeToSsh: "dispatchcloud_instance_time_to_ssh_seconds",
   timeToReady: "dispatchcloud_instance_time_to_ready_seconds",
 } as const;
@@ -23,6 +24,8 @@ const BOOT_BUCKETS = [5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900, 1800];
 export interface PoolMetrics {
   bootOutcome(outcome: BootOutcome): void;
   disappeared(state: WorkerState): void;
+  /** An instance of this type reported a spot interruption notice (`--list` said preempted). */
+  preempted(instanceType: string): void;
   timeToSsh(ms: number): void;
   timeToReady(ms: number): void;
 }
@@ -69,6 +72,15 @@ export function createPoolMetrics(
     });
   });
   for (const state of WORKER_STATES) gone.inc({ state }, 0);
+  const preempted = single(registry, POOL_METRIC.preempted, () => {
+    return new Counter({
+      name: POOL_METRIC.preempted,
+      help: "Instances that reported a spot interruption notice (crunch-run --list said preempted), by instance type.",
+      labelNames: ["instance_type"],
+      registers: [registry],
+    });
+  });
+  for (const name of typeNames) preempted.inc({ instance_type: name }, 0);
   const histogram = (name: string, help: string) =>
     single(registry, name, () => new Histogram({ name, help, buckets: BOOT_BUCKETS, registers: [registry] }));
   const ssh = histogram(
@@ -82,6 +94,7 @@ export function createPoolMetrics(
   return {
     bootOutcome: (outcome) => boot.inc({ outcome }),
     disappeared: (state) => gone.inc({ state }),
+    preempted: (instanceType) => preempted.inc({ instance_type: instanceType }),
     timeToSsh: (ms) => ssh.observe(ms / 1000),
     timeToReady: (ms) => ready.observe(ms / 1000),
   };
@@ -126,12 +139,13 @@ export interface InstanceMetrics {
 }
 
 /**
- * Collect-time metrics of the pool's instances: price, vCPUs and memory by category, probe age (max and
- * median over instances that exist in the cloud and are not shut down: seconds since their last successful
- * probe, or since they entered their state when never probed), runners on instances and the most seen at
- * once, and `dispatchcloud_instance_cost_dollars_total{instance_type}`: each instance's price x the time it
- * was known to exist (placeholders excluded), accrued at every scrape and pool event. `workers()` returns
- * null while the dispatcher is not active (every gauge reads 0).
+ * Collect-time metrics of the pool's instances: price, vCPUs and memory by category, probe age (max and median
+ * over instances that exist in the cloud and are not shut down: seconds since their last successful probe, or
+ * since they entered their state when never probed), runners on instances and the most seen at once, and
+ * `dispatchcloud_instance_cost_dollars_total{instance_type}`: each instance's price (its driver's price history
+ * when it has one, e.g. EC2 spot prices; else the configured price) x the time it was known to exist
+ * (placeholders excluded), accrued at every scrape and pool event. `workers()` returns null while the
+ * dispatcher is not active (every gauge reads 0).
  */
 export function createInstanceMetrics(
   registry: Registry,
@@ -168,12 +182,15 @@ export function createInstanceMetrics(
       if (w.placeholder) continue;
       seen.add(w);
       const a = accrued.get(w);
+      // The price of the coming interval: spot prices follow the driver's price history.
+      const price = w.pricePerHour?.(now) ?? w.instanceType.price;
       if (a === undefined) {
-        accrued.set(w, { type: w.instanceType.name, price: w.instanceType.price, at: now });
+        accrued.set(w, { type: w.instanceType.name, price, at: now });
         continue;
       }
       if (now > a.at) costCounter.inc({ instance_type: a.type }, (a.price * (now - a.at)) / 3_600_000);
       a.at = now;
+      a.price = price;
     }
     // Forgotten instances: billed up to the moment they were noticed gone (this call).
     for (const [w, a] of accrued) {

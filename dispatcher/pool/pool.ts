@@ -19,7 +19,7 @@ import type { Logger } from "../../lib/logger.ts";
 import { formatDuration } from "../../lib/units.ts";
 import { hashToken, newRunnerToken } from "../../rest-server/tokens.ts";
 import type { Db } from "../../store/db.ts";
-import { requeueStarting, startBundle as startTransition } from "../../store/transitions.ts";
+import { loseBundle, requeueStarting, startBundle as startTransition } from "../../store/transitions.ts";
 import type { Bundle } from "../../store/types.ts";
 import type { Executor } from "../sshexec/types.ts";
 import type { CreateRefusal, CreateResult, QueueView, WorkerState, WorkerView } from "../types.ts";
@@ -38,6 +38,11 @@ import { type PoolRunner, Worker } from "./worker.ts";
 /** How long a capacity error blocks its type, quota group or everything; and a quota error with no instances. */
 export const CAPACITY_BLOCK_MS = 60_000;
 export const QUOTA_BLOCK_MS = 60_000;
+/** probeNow: at most one immediate probe per worker per this long, repeated for at most IMMEDIATE_WINDOW_MS. */
+export const IMMEDIATE_PROBE_MS = 1000;
+const IMMEDIATE_WINDOW_MS = 60_000;
+/** Bounds of the start document's spotCheckIntervalMs (crunch-run/start-doc.ts). */
+const SPOT_CHECK_MS = { min: 10, max: 3_600_000 } as const;
 
 export interface WorkerPoolOptions {
   config: Config;
@@ -79,6 +84,12 @@ export interface WorkerPool {
    * failed detach requeues the bundle (event runner:start_failed). Throws if the worker cannot take bundles.
    */
   startBundle(workerId: string, bundle: Bundle, gpuDevices: number[]): void;
+  /**
+   * Probes the worker now (at most once a second per worker; a probe in flight is followed by another): for a
+   * runner still listed whose bundle the queue already has back in `staged` (a preempted runner that reported
+   * its notice). The pool repeats it while that holds, for up to a minute.
+   */
+  probeNow(workerId: string): void;
   /** `--kill 15` now and every timeoutSignal until the runner is gone or timeoutTerm passes; then drain. */
   killRunner(workerId: string, uuid: string, reason: string): void;
   /** Sets the idle behaviour and rewrites the instance's tags. */
@@ -138,6 +149,10 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
   const creating = new Map<string, Worker>();
   const listeners = new Set<(event: PoolEvent) => void>();
   const inflight = new Set<Promise<unknown>>();
+  /** Workers with an immediate probe asked for (probeNow) and not started yet. */
+  const wanted = new Set<Worker>();
+  /** Bundles the pool is requeueing after their runner left a preempted instance without reporting. */
+  const losing = new Set<string>();
   let placeholderSeq = 0;
   /** Create calls in flight (maxConcurrentInstanceCreateOps). */
   let createCalls = 0;
@@ -589,6 +604,11 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
         drain(w, `runner ${r.uuid} has held a stale lock for ${formatDuration(now - r.staleSince)}`);
       }
     }
+    // The cloud is taking it away anyway: not even a hold keeps it once nothing runs on it.
+    if (w.preempted && w.state === "idle") {
+      shutdownWorker(w, "preempted (spot interruption notice)");
+      return;
+    }
     if (w.idleBehavior === "hold") return;
     if (BOOTING.has(w.state)) {
       if (w.state === "booting" && w.idleBehavior === "drain") {
@@ -629,9 +649,56 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     return true;
   }
 
+  /** Starts the immediate probe of `w` if one is wanted and allowed now; true when it started. */
+  function startWanted(w: Worker, now: number): boolean {
+    if (isGone(w) || w.placeholder) {
+      wanted.delete(w);
+      w.probeWanted = false;
+      return false;
+    }
+    if (!w.probeWanted || w.probing || now - w.immediateProbeAt < IMMEDIATE_PROBE_MS) return false;
+    wanted.delete(w);
+    w.probeWanted = false;
+    w.immediateProbeAt = now;
+    void probe(w, now);
+    return true;
+  }
+
+  function probeNow(workerId: string): void {
+    const w = lookup(workerId);
+    if (w === undefined || w.placeholder || w.state === "shutdown") return;
+    const now = clock.now();
+    w.immediateSince ??= now;
+    w.probeWanted = true;
+    wanted.add(w);
+    startWanted(w, now);
+  }
+
+  /** A runner `--list` showed whose bundle the queue has back in `staged`: it is on its way out. */
+  function requeuedButListed(w: Worker): boolean {
+    if (queue === undefined) return false;
+    for (const r of w.runners.values()) {
+      if (r.state !== "starting" && queue.get(r.uuid)?.state === "staged") return true;
+    }
+    return false;
+  }
+
+  /** After an immediate probe: another one while a requeued runner is still listed (within the window). */
+  function rewant(w: Worker): void {
+    if (w.immediateSince === null) return;
+    const now = clock.now();
+    if (!isGone(w) && requeuedButListed(w) && now - w.immediateSince < IMMEDIATE_WINDOW_MS) {
+      w.probeWanted = true;
+      wanted.add(w);
+    } else if (!w.probeWanted) {
+      w.immediateSince = null;
+    }
+  }
+
   function startDueProbes(): Promise<void>[] {
     const now = clock.now();
     const started: Promise<void>[] = [];
+    for (const w of [...wanted]) startWanted(w, now);
     for (const w of workers.values()) {
       if (w.placeholder || w.state === "shutdown" || w.probing || now < w.nextProbeAt) continue;
       if (!takeProbeToken(now)) break;
@@ -664,6 +731,9 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       applyProbe(w, booting, result);
     }).finally(() => {
       w.probing = false;
+      rewant(w);
+      // Asked for while this probe ran (its --list may predate the requeue): the next one now, if allowed.
+      if (w.probeWanted) startWanted(w, clock.now());
     });
     track(run, "probe", w.log);
     return run;
@@ -721,6 +791,13 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       w.log.warn("crunch-run reports the instance broken");
       drain(w, "crunch-run reports the instance broken");
     }
+    if (listed.preempted && !w.preempted) {
+      // No new bundles (broken), drained, shut down as soon as nothing runs on it (applyRules).
+      w.preempted = true;
+      metrics.preempted(w.instanceType.name);
+      w.log.warn({ runners: listed.runners.size }, "spot interruption notice on the instance: draining it");
+      drain(w, "spot interruption notice (preempted)");
+    }
     for (const [uuid, state] of listed.runners) {
       let r = w.runners.get(uuid);
       if (r === undefined) {
@@ -746,8 +823,33 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       if (r.state === "starting" && keepStarting(w, r, now)) continue;
       w.runners.delete(r.uuid);
       w.log.info({ uuid: r.uuid }, "runner gone");
+      if (w.preempted) loseUnreported(w, r.uuid);
       emit({ type: "runner:gone", workerId: w.id, uuid: r.uuid, reason: "no longer listed" });
     }
+  }
+
+  /**
+   * A runner left a preempted instance while the queue still has its bundle running there: it stopped without
+   * reporting the notice (or the report has not reached the queue yet). Requeue it now, with the reason, rather
+   * than wait for sync's two probes; the guarded transition loses harmlessly to a report or a finish.
+   */
+  function loseUnreported(w: Worker, uuid: string): void {
+    const row = queue?.get(uuid);
+    if (row === undefined || row.state !== "running" || row.instanceId !== w.id || losing.has(uuid)) return;
+    losing.add(uuid);
+    const reason = `preempted: spot interruption notice on instance ${w.id} (its runner did not report it)`;
+    track(
+      loseBundle(db, uuid, row.attempt, { actor: "dispatcher", reason })
+        .then((res) => {
+          const now = res.ok ? res.bundle : res.current;
+          if (now !== null) queue?.apply(now);
+          if (res.ok)
+            w.log.info({ uuid, state: res.bundle.state }, "requeued a bundle of the preempted instance");
+        })
+        .finally(() => losing.delete(uuid)),
+      "requeueing a bundle of a preempted instance",
+      w.log,
+    );
   }
 
   /**
@@ -871,6 +973,10 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       instanceType: w.instanceType.name,
       gpuDevices: [...entry.gpuDevices],
       runtimeEngine: config.dispatcher.runtimeEngine,
+      // Only preemptible types' runners watch for spot interruption notices (crunch-run's defaults: off, 5 s).
+      ...(w.instanceType.preemptible
+        ? { preemptible: true, spotCheckIntervalMs: spotCheckIntervalMs(cloud.spotInterruptionCheckInterval) }
+        : {}),
     };
     let failure: string | null = null;
     let via: "spare" | "detach" = "spare";
@@ -983,6 +1089,7 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     worker: (id) => lookup(id),
     create,
     startBundle,
+    probeNow,
     killRunner,
     async setIdleBehavior(workerId, behavior) {
       if (!(IDLE_BEHAVIORS as readonly string[]).includes(behavior)) {
@@ -1031,4 +1138,10 @@ function unconfiguredType(name: string, providerType: string): InstanceType {
     preemptible: false,
     gpu: null,
   };
+}
+
+/** cloud.spotInterruptionCheckInterval for the start document: 0 (never), else within crunch-run's bounds. */
+export function spotCheckIntervalMs(ms: number): number {
+  if (ms <= 0) return 0;
+  return Math.min(SPOT_CHECK_MS.max, Math.max(SPOT_CHECK_MS.min, Math.round(ms)));
 }

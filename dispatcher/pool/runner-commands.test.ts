@@ -43,7 +43,14 @@ describe("runner commands", () => {
     ]);
     expect(out.broken).toBe(true);
     expect(out.unknown).toEqual(["something odd", `${UUID} weird`]);
-    expect(parseList("")).toEqual({ runners: new Map(), broken: false, spare: null, unknown: [] });
+    expect(out.preempted).toBe(false);
+    expect(parseList("")).toEqual({
+      runners: new Map(),
+      broken: false,
+      preempted: false,
+      spare: null,
+      unknown: [],
+    });
     expect(parseList("spare /vm/1/var/run/cr-spare-0123456789.sock\n").spare).toBe(
       "/vm/1/var/run/cr-spare-0123456789.sock",
     );
@@ -51,5 +58,18 @@ describe("runner commands", () => {
     for (const bad of ["spare relative.sock", "spare /a b.sock", "spare /x/../y.sock", "spare /x/y"]) {
       expect(parseList(`${bad}\n`)).toMatchObject({ spare: null, unknown: [bad] });
     }
+  });
+
+  it("parses --list: preempted (a spot interruption notice) beside runners, broken and a spare", () => {
+    const out = parseList(`${UUID}\npreempted\nspare /vm/1/var/run/cr-spare-0123456789.sock\n`);
+    expect(out).toEqual({
+      runners: new Map([[UUID, "running"]]),
+      broken: false,
+      preempted: true,
+      spare: "/vm/1/var/run/cr-spare-0123456789.sock",
+      unknown: [],
+    });
+    // Only the word on a line of its own.
+    expect(parseList("preempted now\n")).toMatchObject({ preempted: false, unknown: ["preempted now"] });
   });
 });

@@ -55,6 +55,8 @@ export interface ListedRunners {
   /** uuid -> listed state. */
   runners: Map<string, "running" | "stale">;
   broken: boolean;
+  /** crunch-run got a spot interruption notice on this instance (`preempted`): the cloud is taking it away. */
+  preempted: boolean;
   /** The socket of a warm spare supervisor (`spare <path>`), to hand start documents to directly. */
   spare: string | null;
   /** Lines that were none of the above (logged, otherwise ignored). */
@@ -63,14 +65,27 @@ export interface ListedRunners {
 
 const SPARE_SOCKET = /^spare (\/[A-Za-z0-9._/+-]*\.sock)$/;
 
-/** Parses `crunch-run --list`: `<uuid>`, `<uuid> stale`, `broken`, or `spare <socket>`, one per line. */
+/**
+ * Parses `crunch-run --list`: `<uuid>`, `<uuid> stale`, `broken`, `preempted`, or `spare <socket>`, one per
+ * line.
+ */
 export function parseList(stdout: string): ListedRunners {
-  const out: ListedRunners = { runners: new Map(), broken: false, spare: null, unknown: [] };
+  const out: ListedRunners = {
+    runners: new Map(),
+    broken: false,
+    preempted: false,
+    spare: null,
+    unknown: [],
+  };
   for (const raw of stdout.split("\n")) {
     const line = raw.trim();
     if (line === "") continue;
     if (line === "broken") {
       out.broken = true;
+      continue;
+    }
+    if (line === "preempted") {
+      out.preempted = true;
       continue;
     }
     const spare = SPARE_SOCKET.exec(line);

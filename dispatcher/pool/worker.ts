@@ -43,6 +43,13 @@ export class Worker implements WorkerView {
   /** Order in which the pool learned the instance's id (sync forgets only instances known before its list). */
   knownSeq = 0;
   listBroken = false;
+  /** `--list` said preempted (a spot interruption notice arrived on the instance). */
+  preempted = false;
+  /** An immediate probe was asked for (probeNow) and has not started yet. */
+  probeWanted = false;
+  /** When the last immediate probe started, and when the current run of them was first asked for. */
+  immediateProbeAt = Number.NEGATIVE_INFINITY;
+  immediateSince: number | null = null;
   /** The warm spare supervisor's socket from the last `--list`, if one waited. */
   spareSocket: string | null = null;
   secretMismatch = false;
@@ -88,12 +95,25 @@ export class Worker implements WorkerView {
     this.parentLogger = init.parentLogger;
   }
 
+  pricePerHour(now: number): number {
+    const history = this.instance?.priceHistory?.(this.instanceType) ?? [];
+    let price = this.instanceType.price;
+    let from = Number.NEGATIVE_INFINITY;
+    for (const p of history) {
+      if (p.startTime <= now && p.startTime >= from) {
+        price = p.price;
+        from = p.startTime;
+      }
+    }
+    return price;
+  }
+
   get address(): string {
     return this.instance?.address ?? "";
   }
 
   get broken(): boolean {
-    return this.listBroken || this.secretMismatch || this.deployFailed;
+    return this.listBroken || this.secretMismatch || this.deployFailed || this.preempted;
   }
 
   /** A child logger naming the instance (renewed when a placeholder gets its real id). */

@@ -32,6 +32,11 @@ export interface SchedulerPool {
   quota(): { atQuota: boolean; instances: number; max: number | null; until: number | null };
   capacityBlocked(type: InstanceType): { until: number; message: string } | null;
   createsBlocked(): CreateRefusal | null;
+  /**
+   * Probe this worker now (rate-limited by the pool): a runner `--list` showed is still there although its
+   * bundle is staged again (a preempted runner reported its notice), so it should be seen gone soon.
+   */
+  probeNow?(workerId: string): void;
 }
 
 /** What one pass did. */
@@ -433,7 +438,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       }
       if (same) {
         c.pass = pass;
-        for (let k = 0; k < c.staged.length; k++) markRunner(c.staged[k]!, w.id);
+        for (let k = 0; k < c.staged.length; k++) stagedRunner(c.staged[k]!, w);
         return c;
       }
     }
@@ -466,7 +471,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       // Only a bundle staged in the queue has an entry this pass sees (scanStaged just read the same queue).
       if (bundle !== undefined && bundle.state === "staged") {
         c.staged.push(r.uuid);
-        markRunner(r.uuid, w.id);
+        stagedRunner(r.uuid, w);
       }
       if (full) continue;
       // Its runner called finish: the container is gone, only the runner's clean-up is left.
@@ -500,6 +505,16 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     rooms.set(w, c);
     return c;
   }
+  /**
+   * A runner on `w` whose bundle the queue has staged: noted (the bundle waits for it to go), and when `--list`
+   * has shown it (not one the pool is starting), the pool probes `w` now to see it leave.
+   */
+  function stagedRunner(uuid: string, w: WorkerView): void {
+    markRunner(uuid, w.id);
+    const r = w.runners.get(uuid);
+    if (r !== undefined && r.state !== "starting") pool.probeNow?.(w.id);
+  }
+
   /** Notes that a staged bundle already has a runner (the pool started it; the store may not say so yet). */
   function markRunner(uuid: string, workerId: string): void {
     const e = entries.get(uuid);
@@ -529,7 +544,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       if (live && w.idleBehavior === "hold") heldTypes.add(w.instanceType.name);
       if (!live || w.idleBehavior !== "run") {
         for (const uuid of w.runners.keys()) {
-          if (queue.get(uuid)?.state === "staged") markRunner(uuid, w.id);
+          if (queue.get(uuid)?.state === "staged") stagedRunner(uuid, w);
         }
         return null;
       }
