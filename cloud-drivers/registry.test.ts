@@ -132,7 +132,7 @@ describe("the ec2 driver's registration", () => {
 const repoRoot = fileURLToPath(new URL("..", import.meta.url));
 
 /** The drivers createDefaultRegistry registers. */
-const DEFAULT_DRIVERS = ["ec2", "local", "stub"];
+const DEFAULT_DRIVERS = ["azure", "ec2", "local", "stub"];
 
 describe("tags from config", () => {
   it("tagKey prefixes the tag name", () => {

@@ -53,9 +53,21 @@ const lazyEc2Driver: CloudDriver = {
   },
 };
 
+/**
+ * `azure`, loaded on first use: @azure/arm-compute, @azure/arm-network and @azure/identity are imported only
+ * when an instance set of this driver opens.
+ */
+const lazyAzureDriver: CloudDriver = {
+  async instanceSet(params, instanceSetId, sharedTags, deps) {
+    const { azureDriver } = await import("./azure/driver.ts");
+    return azureDriver.instanceSet(params, instanceSetId, sharedTags, deps);
+  },
+};
+
 /** The drivers every dispatch-cloud process knows. */
 export function createDefaultRegistry(): DriverRegistry {
   return new DriverRegistry()
+    .register("azure", lazyAzureDriver)
     .register("ec2", lazyEc2Driver)
     .register("local", localDriver)
     .register("stub", stubDriver);
