@@ -16,6 +16,10 @@
  *   an asset); the generated store/pglite-assets.ts reads them back when a PGlite database opens.
  * - native addons (ssh2's optional crypto binding, cpu-features) are left out: a stub that throws, which
  *   ssh2 catches and then uses its JavaScript code.
+ * - the cloud SDKs (LAZY_GROUPS: AWS for the ec2 driver, Azure for the azure driver; about 8 MiB of code) are
+ *   bundled apart, gzipped, and carried like PGlite's files (trailer comments, or SEA assets): V8 would otherwise
+ *   parse them at every start of every command, crunch-run included, which never uses them. The drivers' imports
+ *   of those packages become a module that compiles its group on first use.
  */
 import { execFileSync } from "node:child_process";
 import { createHash } from "node:crypto";
@@ -65,6 +69,87 @@ const PGLITE_FILES = ["pglite.wasm", "initdb.wasm", "pglite.data"] as const;
 export const PGLITE_TRAILER_MARKER = "/*DISPATCH_CLOUD_PGLITE_ASSETS:";
 /** The name of the SEA asset holding the same gzip bytes. */
 export const PGLITE_SEA_ASSET = "pglite-assets";
+
+/** Packages bundled apart and loaded on first use, by group (the drivers that use them load lazily too). */
+export const LAZY_GROUPS: Readonly<Record<string, readonly string[]>> = {
+  aws: ["@aws-sdk/client-ec2"],
+  azure: ["@azure/arm-compute", "@azure/arm-network", "@azure/identity"],
+};
+/** Starts a trailer comment holding one lazy group's code (gzip, base64): `<marker><group>:<base64>*\/`. */
+export const LAZY_TRAILER_MARKER = "/*DISPATCH_CLOUD_LAZY_MODULE:";
+/** The SEA asset holding a lazy group's gzipped code. */
+export const lazySeaAsset = (group: string): string => `lazy-${group}`;
+const LAZY_LOADER = "dispatch-cloud:lazy-loader";
+
+interface LazyGroup {
+  name: string;
+  gz: Buffer;
+  inputs: string[];
+}
+
+/** Bundles one lazy group: a CommonJS module whose exports are `{ "<package>": <its exports>, ... }`. */
+async function buildLazyGroup(root: string, name: string, packages: readonly string[]): Promise<LazyGroup> {
+  const { build } = await import("esbuild");
+  const result = await build({
+    absWorkingDir: root,
+    stdin: {
+      contents: `module.exports = {${packages.map((p) => `${JSON.stringify(p)}: require(${JSON.stringify(p)})`).join(", ")}};`,
+      resolveDir: root,
+      sourcefile: `lazy-${name}.cjs`,
+      loader: "js",
+    },
+    bundle: true,
+    platform: "node",
+    format: "cjs",
+    target: "node20",
+    write: false,
+    minifySyntax: true,
+    legalComments: "none",
+    logLevel: "silent",
+    metafile: true,
+  });
+  const out = result.outputFiles?.[0];
+  if (out === undefined) throw new Error(`esbuild produced no output for the lazy group ${name}`);
+  return {
+    name,
+    gz: gzipSync(Buffer.from(out.contents), { level: 6 }),
+    inputs: Object.keys(result.metafile?.inputs ?? {})
+      .filter((p) => !p.includes(":") && !p.startsWith("<"))
+      .map((p) => path.resolve(root, p)),
+  };
+}
+
+/** The module that compiles a lazy group (from the SEA asset or the file's trailer) on first use. */
+function lazyLoaderModule(): string {
+  return `"use strict";
+const groups = new Map();
+function payload(group) {
+  const sea = require("node:sea");
+  if (sea.isSea()) return Buffer.from(sea.getAsset("lazy-" + group));
+  const text = require("node:fs").readFileSync(__filename);
+  const marker = ${JSON.stringify(LAZY_TRAILER_MARKER)} + group + ":";
+  const start = text.lastIndexOf(marker);
+  const end = start < 0 ? -1 : text.indexOf("*/", start);
+  if (end < 0) throw new Error(__filename + " has lost the " + group + " cloud SDK built into it; rebuild it");
+  return Buffer.from(text.subarray(start + marker.length, end).toString("latin1"), "base64");
+}
+exports.lazyGroup = function lazyGroup(group) {
+  let exported = groups.get(group);
+  if (exported === undefined) {
+    const Module = require("node:module");
+    const code = require("node:zlib").gunzipSync(payload(group)).toString("utf8");
+    const name = __filename + "#lazy-" + group;
+    const m = new Module(name, module);
+    m.filename = name;
+    m.paths = [];
+    m._compile(code, name);
+    exported = m.exports;
+    groups.set(group, exported);
+  }
+  return exported;
+};
+`;
+}
 
 function pgliteDistDir(root: string): string {
   const require = createRequire(path.join(root, "package.json"));
@@ -151,6 +236,25 @@ function embedPlugin(root: string, pglite: { lengths: number[]; sha256: string }
         });
         return changed ? { contents, loader: "js", resolveDir: path.dirname(args.path) } : undefined;
       });
+      // The cloud SDKs: a module that takes the package from its lazy group, compiled on first use.
+      const lazy = new Map(
+        Object.entries(LAZY_GROUPS).flatMap(([group, packages]) => packages.map((p) => [p, group] as const)),
+      );
+      build.onResolve({ filter: /^@(aws-sdk|azure)\// }, (args) =>
+        lazy.has(args.path) ? { path: args.path, namespace: "lazy-package" } : undefined,
+      );
+      build.onLoad({ filter: /.*/, namespace: "lazy-package" }, (args) => ({
+        contents: `module.exports = require(${JSON.stringify(LAZY_LOADER)}).lazyGroup(${JSON.stringify(lazy.get(args.path))})[${JSON.stringify(args.path)}];`,
+        loader: "js",
+      }));
+      build.onResolve({ filter: /^dispatch-cloud:lazy-loader$/ }, () => ({
+        path: LAZY_LOADER,
+        namespace: "lazy-loader",
+      }));
+      build.onLoad({ filter: /.*/, namespace: "lazy-loader" }, () => ({
+        contents: lazyLoaderModule(),
+        loader: "js",
+      }));
       // Native addons cannot live in one file: a module that throws, as a missing optional addon does.
       build.onResolve({ filter: /\.node$|^cpu-features$/ }, (args) => ({
         path: args.path,
@@ -205,6 +309,8 @@ export interface BuiltArtifact {
   code: Buffer;
   /** PGlite's files, gzipped (the SEA's asset). */
   pgliteGz: Buffer;
+  /** The lazy groups' code, gzipped (the SEA's `lazy-<group>` assets). */
+  lazyGz: Record<string, Buffer>;
   /** Every file the build read (absolute paths), for cache validation. */
   inputs: string[];
 }
@@ -228,13 +334,26 @@ export async function buildArtifact(root: string = ROOT): Promise<BuiltArtifact>
   const out = result.outputFiles?.[0];
   if (out === undefined) throw new Error("esbuild produced no output");
   const code = Buffer.from(out.contents);
-  const trailer = Buffer.from(`\n${PGLITE_TRAILER_MARKER}${pglite.gz.toString("base64")}*/\n`, "latin1");
+  const lazy = await Promise.all(
+    Object.entries(LAZY_GROUPS).map(([name, packages]) => buildLazyGroup(root, name, packages)),
+  );
+  // PGlite's trailer stays last: its reader takes the file's last `*/` as its end.
+  const trailer = Buffer.from(
+    [
+      "",
+      ...lazy.map((g) => `${LAZY_TRAILER_MARKER}${g.name}:${g.gz.toString("base64")}*/`),
+      `${PGLITE_TRAILER_MARKER}${pglite.gz.toString("base64")}*/`,
+      "",
+    ].join("\n"),
+    "latin1",
+  );
   const inputs = Object.keys(result.metafile?.inputs ?? {})
     .filter((p) => !p.includes(":"))
     .map((p) => path.resolve(root, p));
   // The embedded files are read by the plugin and pglitePayload, not by esbuild: list them too.
   const migrations = path.join(root, "store", "migrations");
   inputs.push(
+    ...lazy.flatMap((g) => g.inputs),
     ...PGLITE_FILES.map((f) => path.join(pgliteDistDir(root), f)),
     ...readdirSync(migrations)
       .filter((f) => SQL_FILE.test(f))
@@ -244,6 +363,7 @@ export async function buildArtifact(root: string = ROOT): Promise<BuiltArtifact>
     content: Buffer.concat([code, trailer]),
     code,
     pgliteGz: pglite.gz,
+    lazyGz: Object.fromEntries(lazy.map((g) => [g.name, g.gz])),
     inputs: [...new Set(inputs)].sort(),
   };
 }
@@ -279,6 +399,11 @@ export async function buildSea(outDir: string = DIST): Promise<string> {
   const seaConfig = path.join(outDir, "sea-config.json");
   writeFileSync(main, built.code);
   writeFileSync(asset, built.pgliteGz);
+  const lazyAssets = Object.entries(built.lazyGz).map(([group, gz]) => {
+    const file = path.join(outDir, `${lazySeaAsset(group)}.gz`);
+    writeFileSync(file, gz);
+    return [lazySeaAsset(group), file] as const;
+  });
   writeFileSync(
     seaConfig,
     `${JSON.stringify(
@@ -287,7 +412,7 @@ export async function buildSea(outDir: string = DIST): Promise<string> {
         output: blob,
         disableExperimentalSEAWarning: true,
         useCodeCache: true,
-        assets: { [PGLITE_SEA_ASSET]: asset },
+        assets: { [PGLITE_SEA_ASSET]: asset, ...Object.fromEntries(lazyAssets) },
       },
       null,
       2,
@@ -304,7 +429,7 @@ export async function buildSea(outDir: string = DIST): Promise<string> {
   };
   await inject(tmp, "NODE_SEA_BLOB", readFileSync(blob), { sentinelFuse: SEA_FUSE });
   renameSync(tmp, exe);
-  for (const f of [main, asset, blob]) rmSync(f, { force: true });
+  for (const f of [main, asset, blob, ...lazyAssets.map(([, file]) => file)]) rmSync(f, { force: true });
   return exe;
 }
 

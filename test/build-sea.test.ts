@@ -11,6 +11,7 @@ import path from "node:path";
 import { promisify } from "node:util";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { buildSea, ROOT } from "../scripts/build.ts";
+import { cloudtestCreatesAndLists } from "./cloud-sdk-check.ts";
 import { E2eSystem } from "./e2e-harness.ts";
 import { requireDockerImage } from "./local-driver-helpers.ts";
 
@@ -42,6 +43,10 @@ describe("npm run build:sea: dist/dispatch-cloud", () => {
     const { stdout } = await run(exe, ["config", "defaults"], { maxBuffer: 1 << 22 });
     expect(stdout).toBe(await readFile(path.join(ROOT, "config", "defaults.yml"), "utf8"));
   });
+
+  it("loads the ec2 and azure drivers' SDKs from its assets: cloudtest creates and lists an instance", async () => {
+    await cloudtestCreatesAndLists([exe], dir);
+  }, 120_000);
 
   it("runs crunch-run's `--list` on an empty instance root: nothing, exit 0", async () => {
     const root = await mkdtemp(path.join(dir, "vmroot-"));

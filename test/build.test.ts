@@ -13,7 +13,15 @@ import { VM_MAIN_PATTERN, vmMainArgs } from "../cloud-drivers/local/launch.ts";
 import { loadRunnerArtifact, runningFromSources } from "../dispatcher/runner-artifact.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { createLogger } from "../lib/logger.ts";
-import { ARTIFACT_NAME, buildCjs, PGLITE_TRAILER_MARKER, ROOT } from "../scripts/build.ts";
+import {
+  ARTIFACT_NAME,
+  buildCjs,
+  LAZY_GROUPS,
+  LAZY_TRAILER_MARKER,
+  PGLITE_TRAILER_MARKER,
+  ROOT,
+} from "../scripts/build.ts";
+import { cloudtestCreatesAndLists } from "./cloud-sdk-check.ts";
 
 const run = promisify(execFile);
 const logger = createLogger({ level: "silent", format: "json" });
@@ -44,6 +52,25 @@ describe("npm run build: dist/dispatch-cloud.cjs", () => {
     expect(content.subarray(marker - 1, marker).toString()).toBe("\n");
     expect(content.subarray(content.length - 3).toString()).toBe("*/\n");
   });
+
+  it("carries the cloud SDKs apart, each in its trailer comment before PGlite's", async () => {
+    const content = await readFile(file);
+    const pglite = content.lastIndexOf(PGLITE_TRAILER_MARKER);
+    for (const group of Object.keys(LAZY_GROUPS)) {
+      const at = content.lastIndexOf(`${LAZY_TRAILER_MARKER}${group}:`);
+      expect(at, group).toBeGreaterThan(1_000_000);
+      expect(at, group).toBeLessThan(pglite);
+    }
+    // Not in the code itself: the SDKs' internals are only in the gzipped trailers.
+    const code = content.subarray(0, content.indexOf(`${LAZY_TRAILER_MARKER}aws:`)).toString();
+    for (const internal of ['"SpotPriceHistoryList"', "AzureCliCredential", "virtualMachineScaleSetVMs"]) {
+      expect(code).not.toContain(internal);
+    }
+  });
+
+  it("loads the ec2 and azure drivers' SDKs from those trailers: cloudtest creates and lists an instance", async () => {
+    await cloudtestCreatesAndLists([process.execPath, file], dir);
+  }, 120_000);
 
   it("runs `--version` (crunch-run's) through its shebang", async () => {
     const { stdout } = await run(file, ["--version"]);
