@@ -249,10 +249,13 @@ export class E2eSystem {
     for (;;) {
       const b = await this.get(uuid);
       if (states.includes(b.state)) return b;
-      if (FINAL.has(b.state))
+      if (FINAL.has(b.state)) {
+        const stderr = await this.text(`/bundles/${uuid}/logs?stream=stderr`).catch(() => null);
         throw new Error(
-          `bundle ${uuid} ended ${b.state} (${b.stateReason}) while waiting for ${states.join("|")}`,
+          `bundle ${uuid} ended ${b.state} (${b.stateReason}) while waiting for ${states.join("|")}; ` +
+            `its stderr ends: ${stderr === null ? "(unreadable)" : JSON.stringify(stderr.body.slice(-1500))}`,
         );
+      }
       if (Date.now() > until) {
         throw new Error(
           `bundle ${uuid} still ${b.state} (${String(b["schedulingStatus"])}) after ${ms} ms; output:\n${this.output().slice(-6000)}`,
