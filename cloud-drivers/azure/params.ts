@@ -5,9 +5,7 @@
  */
 import { readFileSync } from "node:fs";
 import path from "node:path";
-import { resolveSecret, secretRefProblem } from "../../config/secrets.ts";
-import { DispatchCloudError } from "../../lib/errors.ts";
-import { parseDuration } from "../../lib/units.ts";
+import { parameterTools } from "../params.ts";
 
 export interface AzureServicePrincipal {
   tenantId: string;
@@ -141,7 +139,7 @@ const RESERVED_ADMIN_NAMES = new Set([
   "user5",
 ]);
 
-const PATH = "cloud.driverParameters";
+const { invalid, show, knownMap, secretValue, duration } = parameterTools("azure");
 const GUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
 /** Resource group names: letters, digits, _-.() up to 90, not ending with a period. */
 const RESOURCE_GROUP = /^[-\w.()]{0,89}[-\w()]$/;
@@ -164,19 +162,6 @@ export function isImageId(value: string): boolean {
   return MANAGED_IMAGE_ID.test(value) || GALLERY_IMAGE_VERSION_ID.test(value);
 }
 
-function invalid(key: string, message: string, cause?: unknown): DispatchCloudError {
-  const p = key === "" ? PATH : `${PATH}.${key}`;
-  return new DispatchCloudError("cloud.invalid_parameters", `azure driver: ${p} ${message}`, {
-    path: p,
-    ...(cause === undefined ? {} : { cause }),
-  });
-}
-
-function show(value: unknown): string {
-  const text = typeof value === "string" ? JSON.stringify(value) : String(JSON.stringify(value) ?? value);
-  return text.length > 60 ? `${text.slice(0, 57)}...` : text;
-}
-
 /**
  * Validates the azure driver's parameters. `env` is where `env:NAME` secrets are read (process.env by default).
  */
@@ -184,14 +169,7 @@ export function parseAzureParameters(
   params: unknown,
   env: Readonly<Record<string, string | undefined>> = process.env,
 ): AzureParameters {
-  if (params === undefined || params === null) throw invalid("subscriptionId", "is required");
-  if (typeof params !== "object" || Array.isArray(params)) throw invalid("", "must be a map of parameters");
-  const raw = params as Record<string, unknown>;
-  for (const key of Object.keys(raw)) {
-    if (!(KEYS as readonly string[]).includes(key)) {
-      throw invalid(key, `is not a parameter of the azure driver (known: ${KEYS.join(", ")})`);
-    }
-  }
+  const raw = knownMap(params, KEYS, { key: "subscriptionId", hint: "is required" });
 
   const subscriptionId = raw["subscriptionId"];
   if (subscriptionId === undefined) throw invalid("subscriptionId", "is required (a GUID)");
@@ -407,32 +385,4 @@ function parseServicePrincipal(
     );
   }
   return { tenantId, clientId, clientSecret: secretValue("clientSecret", raw["clientSecret"], env) };
-}
-
-function secretValue(key: string, ref: unknown, env: Readonly<Record<string, string | undefined>>): string {
-  if (typeof ref !== "string" || ref === "") {
-    throw invalid(key, "must be a non-empty string: file:///absolute/path, env:NAME or the value itself");
-  }
-  const problem = secretRefProblem(ref);
-  if (problem !== undefined) throw invalid(key, problem);
-  try {
-    return resolveSecret(ref, `${PATH}.${key}`, env);
-  } catch (err) {
-    // resolveSecret's messages name the key, the variable or the file, never the value.
-    const message =
-      err instanceof DispatchCloudError ? err.message.replace(`${PATH}.${key}: `, "") : "cannot be read";
-    throw invalid(key, message, err);
-  }
-}
-
-function duration(key: string, raw: Record<string, unknown>, dflt: string, zeroOk: boolean): number {
-  const value = raw[key] ?? dflt;
-  let ms: number;
-  try {
-    ms = parseDuration(value as string);
-  } catch (err) {
-    throw invalid(key, (err as Error).message, err);
-  }
-  if (ms <= 0 && !zeroOk) throw invalid(key, `must be longer than 0; got ${show(value)}`);
-  return ms;
 }

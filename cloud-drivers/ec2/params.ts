@@ -1,11 +1,4 @@
-/**
- * `cloud.driverParameters` of the ec2 driver: validated once when the instance set opens, defaults filled in,
- * secrets (access keys) resolved from their `file://` / `env:` references. Every error is
- * cloud.invalid_parameters with the path of the bad key; no message ever quotes a key's value.
- */
-import { resolveSecret, secretRefProblem } from "../../config/secrets.ts";
-import { DispatchCloudError } from "../../lib/errors.ts";
-import { parseDuration } from "../../lib/units.ts";
+import { parameterTools } from "../params.ts";
 
 export interface Ec2Credentials {
   accessKeyId: string;
@@ -65,20 +58,7 @@ const KEYS = [
   "requestTimeout",
 ] as const;
 
-const PATH = "cloud.driverParameters";
-
-function invalid(key: string, message: string, cause?: unknown): DispatchCloudError {
-  const path = key === "" ? PATH : `${PATH}.${key}`;
-  return new DispatchCloudError("cloud.invalid_parameters", `ec2 driver: ${path} ${message}`, {
-    path,
-    ...(cause === undefined ? {} : { cause }),
-  });
-}
-
-function show(value: unknown): string {
-  const text = typeof value === "string" ? JSON.stringify(value) : String(JSON.stringify(value) ?? value);
-  return text.length > 60 ? `${text.slice(0, 57)}...` : text;
-}
+const { invalid, show, knownMap, secretValue, duration } = parameterTools("ec2");
 
 /**
  * Validates the ec2 driver's parameters. `env` is where `env:NAME` secrets are read (process.env by default).
@@ -87,14 +67,7 @@ export function parseEc2Parameters(
   params: unknown,
   env: Readonly<Record<string, string | undefined>> = process.env,
 ): Ec2Parameters {
-  if (params === undefined || params === null) throw invalid("region", "is required (e.g. us-east-1)");
-  if (typeof params !== "object" || Array.isArray(params)) throw invalid("", "must be a map of parameters");
-  const raw = params as Record<string, unknown>;
-  for (const key of Object.keys(raw)) {
-    if (!(KEYS as readonly string[]).includes(key)) {
-      throw invalid(key, `is not a parameter of the ec2 driver (known: ${KEYS.join(", ")})`);
-    }
-  }
+  const raw = knownMap(params, KEYS, { key: "region", hint: "is required (e.g. us-east-1)" });
 
   const region = raw["region"];
   if (region === undefined) throw invalid("region", "is required (e.g. us-east-1)");
@@ -247,22 +220,6 @@ function parseCredentials(
   };
 }
 
-function secretValue(key: string, ref: unknown, env: Readonly<Record<string, string | undefined>>): string {
-  if (typeof ref !== "string" || ref === "") {
-    throw invalid(key, "must be a non-empty string: file:///absolute/path, env:NAME or the value itself");
-  }
-  const problem = secretRefProblem(ref);
-  if (problem !== undefined) throw invalid(key, problem);
-  try {
-    return resolveSecret(ref, `${PATH}.${key}`, env);
-  } catch (err) {
-    // resolveSecret's messages name the key, the variable or the file, never the value.
-    const message =
-      err instanceof DispatchCloudError ? err.message.replace(`${PATH}.${key}: `, "") : "cannot be read";
-    throw invalid(key, message, err);
-  }
-}
-
 function id(key: string, value: unknown): string {
   if (typeof value !== "string" || !/^[A-Za-z0-9][A-Za-z0-9-]*$/.test(value)) {
     throw invalid(key, `must be an id such as subnet-0123 or sg-0123; got ${show(value)}`);
@@ -277,20 +234,4 @@ function idList(key: string, value: unknown, nonEmpty: boolean): string[] {
   const dup = ids.find((v, i) => ids.indexOf(v) !== i);
   if (dup !== undefined) throw invalid(key, `lists ${dup} twice`);
   return ids;
-}
-
-function duration(
-  key: "spotPriceUpdateInterval" | "requestTimeout",
-  raw: Record<string, unknown>,
-  dflt: string,
-): number {
-  const value = raw[key] ?? dflt;
-  let ms: number;
-  try {
-    ms = parseDuration(value as string);
-  } catch (err) {
-    throw invalid(key, (err as Error).message, err);
-  }
-  if (ms <= 0) throw invalid(key, `must be longer than 0; got ${show(value)}`);
-  return ms;
 }
