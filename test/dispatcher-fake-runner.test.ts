@@ -102,8 +102,11 @@ describeEachDb("fake runners through the real runner API", (getDb) => {
     const t = await setup(getDb());
     const uuid = await t.detach(["sleep", "30"]);
     await t.waitFor(uuid, "running");
+    // The bundle is running once /start is stored; the fake logs "started" when the answer reaches it.
+    await logged(t.fake, 1);
     expect((await t.exec.execute(t.cmds.kill(uuid))).exitCode).toBe(0);
     await t.clock.advance(60_000);
+    await logged(t.fake, 2);
     expect((await getBundle(getDb(), uuid))?.state).toBe("running");
     expect(t.fake.log.map((e) => e.event)).toEqual(["started", "stopped"]);
     expect(t.fake.active).toBe(0);
@@ -112,3 +115,12 @@ describeEachDb("fake runners through the real runner API", (getDb) => {
     await t.api.close();
   });
 });
+
+/** Waits (real time, 10 s at most) until the fake runners have logged at least `n` events. */
+async function logged(fake: { readonly log: readonly unknown[] }, n: number): Promise<void> {
+  const end = Date.now() + 10_000;
+  while (fake.log.length < n) {
+    if (Date.now() > end) throw new Error(`the fake runners logged ${fake.log.length} events, not ${n}`);
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
