@@ -108,6 +108,8 @@ describe("end to end on the fake EC2 with faults switched on", () => {
 
   it("runs 50 bundles to ready through throttling, a type at capacity and a quota of 5", async () => {
     fake.faults.throttleRate = 0.2;
+    // At least one throttled create whatever the random draws (a fast run makes few calls).
+    fake.faults.next.push({ action: "RunInstances", code: "RequestLimitExceeded", status: 503 });
     fake.faults.typesAtCapacity = new Set(["m5.large"]);
     fake.faults.maxInstances = 5;
     const uuids: string[] = [];
