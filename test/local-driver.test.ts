@@ -3,7 +3,7 @@
  * SSH in, init at boot, setTags, destroy; quota; VMs outliving the process that created them.
  */
 import { execFileSync, spawn } from "node:child_process";
-import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, readFileSync, readlinkSync, rmSync } from "node:fs";
 import { createRequire } from "node:module";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -225,5 +225,24 @@ describe.each(MODES)("local driver, $mode SSH server", ({ mode, extra }) => {
     expect(err).toBeInstanceOf(CloudQuotaError);
     expect(err).toMatchObject({ code: "cloud.quota" });
     await second.destroy();
+  });
+});
+
+describe("finding a local VM's processes", () => {
+  it("never matches by this process's own mount namespace, only by a VM's", async () => {
+    const marker = `dc-procs-${process.pid}-${Date.now()}`;
+    const child = spawn("sleep", ["30"], { env: { PATH: process.env.PATH, DC_PROCS_MARKER: marker } });
+    try {
+      const pid = child.pid ?? 0;
+      await new Promise((resolve) => setTimeout(resolve, 100));
+      const own = readlinkSync(`/proc/${process.pid}/ns/mnt`);
+      expect(readlinkSync(`/proc/${pid}/ns/mnt`)).toBe(own);
+      // Matched by its environment, as a VM's processes are; not by the host's namespace.
+      expect(findPids({ env: ["DC_PROCS_MARKER", marker] })).toEqual([pid]);
+      expect(findPids({ mountNs: own })).toEqual([]);
+      expect(findPids({ env: ["DC_PROCS_MARKER", marker], mountNs: own })).toEqual([pid]);
+    } finally {
+      child.kill("SIGKILL");
+    }
   });
 });

@@ -70,13 +70,17 @@ function hasEnv(pid: number, entry: Buffer): boolean {
   return false;
 }
 
-/** Processes (other than this one) whose environment has name=value, or that live in mount namespace `ns`. */
+/**
+ * Processes (other than this one) whose environment has name=value, or that live in mount namespace `ns`.
+ * This process's own mount namespace never matches: a VM's namespace recorded wrongly (read before the unshare,
+ * say) must not make a destroy end every process of the host.
+ */
 export function findPids(match: { env?: [string, string]; mountNs?: string }): number[] {
   const entry = match.env ? Buffer.from(`${match.env[0]}=${match.env[1]}`) : undefined;
+  const ns =
+    match.mountNs !== undefined && match.mountNs !== mountNamespace(process.pid) ? match.mountNs : undefined;
   return allPids().filter(
-    (pid) =>
-      (entry !== undefined && hasEnv(pid, entry)) ||
-      (match.mountNs !== undefined && mountNamespace(pid) === match.mountNs),
+    (pid) => (entry !== undefined && hasEnv(pid, entry)) || (ns !== undefined && mountNamespace(pid) === ns),
   );
 }
 
