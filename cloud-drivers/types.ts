@@ -64,7 +64,11 @@ export interface InstanceSet {
     initCommand: string,
     publicKey: string,
   ): Promise<Instance>;
-  /** Instances whose tags include every pair of `filter` (wrappers enforce this client-side too). */
+  /**
+   * Instances whose tags include every pair of `filter` (wrappers enforce this client-side too). An instance
+   * whose create() by this instance set has not returned yet is left out when the create may still fail and
+   * delete it (the pool would otherwise run bundles on it).
+   */
   instances(filter: Tags): Promise<Instance[]>;
   /** Instances of one quota group share a capacity limit (e.g. EC2's vCPU quota per family). */
   quotaGroup(type: InstanceType): string;

@@ -20,7 +20,14 @@ import { FakeClock } from "../../test/fake-clock.ts";
 import { connect, requireOpenSsh, run, waitFor } from "../../test/local-driver-helpers.ts";
 import { CapacityError, CloudError, CloudQuotaError, CloudRateLimitError } from "../errors.ts";
 import type { InstanceSet, InstanceType, Tags } from "../types.ts";
-import { azureDriver, azureQuotaGroup, newVmName, ownerVmName, resourceNames } from "./driver.ts";
+import {
+  azureDriver,
+  azureQuotaGroup,
+  newVmName,
+  ownerVmName,
+  resourceNames,
+  STATUS_POLL_TRIES,
+} from "./driver.ts";
 
 const SUB = "00000000-0000-0000-0000-000000000001";
 const TENANT = "00000000-0000-0000-0000-0000000000aa";
@@ -155,6 +162,7 @@ describe("azure driver against the fake ARM endpoint", () => {
     fake.calls.filter((c) => c.method === method && re.test(c.path));
   const NIC_PATH = /\/networkInterfaces\/[^/]+$/;
   const VM_PATH = /\/virtualMachines\/[^/]+$/;
+  const COMPUTE_OPERATION = /\/Microsoft\.Compute\/locations\/[^/]+\/operations\//;
 
   /** Nothing of a create is left in the fake. */
   function expectNothingLeft(): void {
@@ -326,6 +334,26 @@ describe("azure driver against the fake ARM endpoint", () => {
       expectNothingLeft();
     });
 
+    it("a failed create whose cleanup is throttled: its VM is never listed, and the next list deletes what it left", async () => {
+      const set = await openSet();
+      fake.faults.sizeErrors.set("Standard_D2s_v3", "AllocationFailed");
+      fake.faults.next.push({
+        method: "DELETE",
+        path: VM_PATH,
+        status: 429,
+        code: "TooManyRequests",
+        retryAfter: 1,
+      });
+      const err = await errorOf(set.create(type(), IMAGE, { ...OWN }, INIT, KEY));
+      expect(err).toBeInstanceOf(CapacityError);
+      // The VM whose allocation failed is still there, and would never boot.
+      expect([...fake.vms.values()].map((v) => v.provisioningState)).toEqual(["Failed"]);
+      expect(log.lines.join("")).toContain("trying again later");
+      expect(await set.instances({})).toEqual([]);
+      expectNothingLeft();
+      expect(armCalls("DELETE", VM_PATH).map((c) => c.status)).toEqual([429, 202]);
+    });
+
     it("the regional cores quota: CloudQuotaError; the NIC is deleted", async () => {
       const set = await openSet();
       fake.faults.maxVms = 1;
@@ -407,7 +435,7 @@ describe("azure driver against the fake ARM endpoint", () => {
       expect(fake.calls.slice(before).filter((c) => c.method === "PUT")).toHaveLength(1);
     });
 
-    it("a throttled operation-status poll is a rate limit too", async () => {
+    it("a throttled status poll of the NIC create is a rate limit too", async () => {
       const clock = new FakeClock(Date.UTC(2026, 2, 1));
       const set = await openSet({}, clock);
       fake.faults.next.push({
@@ -420,6 +448,55 @@ describe("azure driver against the fake ARM endpoint", () => {
       const err = (await errorOf(set.create(type(), IMAGE, { ...OWN }, INIT, KEY))) as CloudRateLimitError;
       expect(err).toBeInstanceOf(CloudRateLimitError);
       expect(err.earliestRetry).toBe(clock.now() + 2000);
+      // The NIC was created; the next list (past the rate limit) deletes it.
+      expect(fake.nics.size).toBe(1);
+      expect(armCalls("DELETE", NIC_PATH)).toHaveLength(0);
+      await set.instances({});
+      expectNothingLeft();
+    });
+
+    it("a throttled status poll of an accepted VM create: polling resumes after Retry-After, without a second PUT; the VM is not listed until its create returns", async () => {
+      const set = await openSet();
+      fake.faults.next.push({
+        method: "GET",
+        path: COMPUTE_OPERATION,
+        status: 429,
+        code: "TooManyRequests",
+        retryAfter: 1,
+      });
+      const started = Date.now();
+      const creating = set.create(type(), IMAGE, { ...OWN }, INIT, KEY);
+      await waitFor("the throttled status poll", () =>
+        armCalls("GET", COMPUTE_OPERATION).some((c) => c.status === 429),
+      );
+      // The VM exists and has succeeded, but its create has not returned: the pool must not get it from a list.
+      expect([...fake.vms.values()].map((v) => v.provisioningState)).toEqual(["Succeeded"]);
+      expect(await set.instances({})).toEqual([]);
+      const inst = await creating;
+      expect(Date.now() - started).toBeGreaterThanOrEqual(1000);
+      expect(armCalls("PUT", VM_PATH)).toHaveLength(1);
+      expect(armCalls("GET", COMPUTE_OPERATION).map((c) => c.status)).toEqual([429, 200]);
+      expect(log.lines.join("")).toContain("status poll failed; polling again");
+      expect((await set.instances({})).map((i) => i.id)).toEqual([inst.id]);
+    });
+
+    it(`status polls of an accepted VM create failing ${STATUS_POLL_TRIES} times in a row: the create fails and is cleaned up`, async () => {
+      const set = await openSet();
+      for (let i = 0; i < STATUS_POLL_TRIES; i++)
+        fake.faults.next.push({
+          method: "GET",
+          path: COMPUTE_OPERATION,
+          status: 500,
+          code: "InternalServerError",
+        });
+      const err = await errorOf(set.create(type(), IMAGE, { ...OWN }, INIT, KEY));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err.message).toContain("InternalServerError");
+      // The failed polls of the create, then (the cleanup) the delete's.
+      const statuses = armCalls("GET", COMPUTE_OPERATION).map((c) => c.status);
+      expect(statuses.slice(0, STATUS_POLL_TRIES + 1)).toEqual([...Array(STATUS_POLL_TRIES).fill(500), 200]);
+      expect(armCalls("PUT", VM_PATH)).toHaveLength(1);
+      expectNothingLeft();
     });
 
     it("500s, 403s and 404s are CloudErrors named after the operation", async () => {

@@ -6,7 +6,7 @@
  */
 import { randomBytes } from "node:crypto";
 import type { Disk, VirtualMachine } from "@azure/arm-compute";
-import { ComputeManagementClient } from "@azure/arm-compute";
+import { ComputeManagementClient, restorePoller } from "@azure/arm-compute";
 import type { NetworkInterface } from "@azure/arm-network";
 import { NetworkManagementClient } from "@azure/arm-network";
 import { ClientSecretCredential, DefaultAzureCredential, type TokenCredential } from "@azure/identity";
@@ -22,7 +22,7 @@ import {
   TAG,
   type Tags,
 } from "../types.ts";
-import { classifyAzureError, isNotFound } from "./errors.ts";
+import { azureErrorInfo, classifyAzureError, isNotFound } from "./errors.ts";
 import { type AzureParameters, IMAGE_FORMAT, isImageId, parseAzureParameters } from "./params.ts";
 
 /** VMs in this provisioning state are gone for the dispatcher. */
@@ -34,6 +34,11 @@ export const SCRATCH_LUN = 0;
 const GiB = 2 ** 30;
 /** Reads of a new VM's NIC for its private IP before the create counts as failed. */
 const ADDRESS_TRIES = 5;
+/**
+ * Status polls of an accepted VM create that may fail in a row (throttled, 5xx, no answer) before the create
+ * counts as failed. A failed poll says nothing about the operation, so polling resumes from the saved state.
+ */
+export const STATUS_POLL_TRIES = 6;
 
 export const azureDriver: CloudDriver = {
   async instanceSet(params, instanceSetId, sharedTags, deps) {
@@ -162,6 +167,12 @@ class AzureInstanceSet implements InstanceSet {
   private readonly secrets: string[];
   /** Names of VMs whose create is under way in this process: their NIC and disks are not dangling. */
   private readonly creating = new Set<string>();
+  /**
+   * Failed creates of this process whose cleanup has not finished, by VM name -> whether the VM may exist. Their
+   * VMs are never listed (a VM whose allocation failed would only hold bundles until timeoutBooting); each list
+   * past the collection interval tries their cleanup again.
+   */
+  private readonly leftovers = new Map<string, boolean>();
   /** Dangling candidates by lower-cased resource id: when first seen. */
   private readonly seen = new Map<string, Seen>();
   private lastGc = Number.NEGATIVE_INFINITY;
@@ -298,8 +309,10 @@ class AzureInstanceSet implements InstanceSet {
           ),
         );
       } catch (err) {
-        // A refused PUT leaves nothing; an accepted one that failed (or got no answer) may leave the NIC.
-        if (!(err instanceof CloudRateLimitError)) await this.cleanUp(name, false);
+        // A refused PUT leaves nothing; an accepted one that failed (or got no answer) may leave the NIC. When
+        // throttled, its deletion waits for the next collection.
+        if (err instanceof CloudRateLimitError) this.leftovers.set(name, false);
+        else await this.cleanUp(name, false);
         throw err;
       }
       const nicId = nic.id;
@@ -315,7 +328,7 @@ class AzureInstanceSet implements InstanceSet {
         const poller = this.compute.virtualMachines.createOrUpdate(resourceGroup, name, body, this.lro);
         await poller.submitted();
         accepted = true;
-        await poller.pollUntilDone();
+        await this.untilCreated(name, poller, await poller.serialize(), type);
       } catch (err) {
         const error = this.classify(`create VM ${name}`, err, type);
         this.log.warn(
@@ -355,8 +368,39 @@ class AzureInstanceSet implements InstanceSet {
   }
 
   /**
+   * Waits for an accepted VM create. A status poll that fails (throttled, 5xx, no answer) is not the operation
+   * failing: core-lro keeps such a failure as the poller's outcome, so polling goes on with a poller restored
+   * from the state saved after the PUT, after Retry-After (or pollInterval), up to STATUS_POLL_TRIES in a row.
+   * An operation whose status says Failed ends the wait at once.
+   */
+  private async untilCreated(
+    name: string,
+    first: ReturnType<ComputeManagementClient["virtualMachines"]["createOrUpdate"]>,
+    state: string,
+    type: InstanceType,
+  ): Promise<void> {
+    let poller = first;
+    for (let attempt = 1; ; attempt++) {
+      try {
+        await poller.pollUntilDone();
+        return;
+      } catch (err) {
+        if (attempt >= STATUS_POLL_TRIES || azureErrorInfo(err, this.clock.now()).operationFailed) throw err;
+        const error = this.classify(`poll the create of VM ${name}`, err, type);
+        const wait =
+          error instanceof CloudRateLimitError
+            ? error.earliestRetry - this.clock.now()
+            : this.p.pollIntervalMs;
+        this.log.info({ vm: name, attempt, err: error }, "azure VM create status poll failed; polling again");
+        await this.clock.sleep(Math.min(Math.max(wait, 0), 60_000));
+        poller = restorePoller(this.compute, state, this.compute.virtualMachines.createOrUpdate, this.lro);
+      }
+    }
+  }
+
+  /**
    * After a failed create: the VM (if its PUT was accepted), then the NIC and disks, each ignoring NotFound.
-   * Failures are logged, not thrown: whatever is left carries the instance set tag and is collected later.
+   * Failures are logged, not thrown: the create is kept among the leftovers, tried again at the next collection.
    */
   private async cleanUp(name: string, vmAccepted: boolean): Promise<void> {
     const names = resourceNames(name);
@@ -366,8 +410,10 @@ class AzureInstanceSet implements InstanceSet {
         this.deleteNic(names.nic),
         ...(vmAccepted ? [this.deleteDisk(names.osDisk), this.deleteDisk(names.scratchDisk)] : []),
       ]);
+      this.leftovers.delete(name);
     } catch (err) {
-      this.log.warn({ err, vm: name }, "cannot delete what a failed azure create left; it will be collected");
+      this.leftovers.set(name, vmAccepted);
+      this.log.warn({ err, vm: name }, "cannot delete what a failed azure create left; trying again later");
     }
   }
 
@@ -400,7 +446,8 @@ class AzureInstanceSet implements InstanceSet {
 
   /**
    * Every VM of the resource group (ARM has no server-side tag filter for VMs), those whose tags include
-   * `filter` kept; addresses from one NIC listing. Garbage-collects dangling NICs and disks on the way.
+   * `filter` kept, except those whose create is under way in this process; addresses from one NIC listing.
+   * Garbage-collects dangling NICs and disks on the way.
    */
   async instances(filter: Tags): Promise<Instance[]> {
     const { resourceGroup } = this.p;
@@ -420,6 +467,9 @@ class AzureInstanceSet implements InstanceSet {
     const result: AzureInstance[] = [];
     for (const vm of vms) {
       if (vm.name === undefined) continue;
+      // A create of this process still under way returns its VM, or deletes it if it fails: listing it now would
+      // hand the pool an instance that may vanish under its bundles.
+      if (this.creating.has(vm.name) || this.leftovers.has(vm.name)) continue;
       if ((SKIPPED_STATES as readonly string[]).includes(vm.provisioningState ?? "")) continue;
       const tags = vm.tags ?? {};
       if (!Object.entries(filter).every(([k, v]) => tags[k] === v)) continue;
@@ -429,9 +479,9 @@ class AzureInstanceSet implements InstanceSet {
       result.push(new AzureInstance(this, vm.name, address, vm.hardwareProfile?.vmSize ?? "", { ...tags }));
     }
     const now = this.clock.now();
-    if (this.ownTag !== undefined && this.gcRunning === undefined && now - this.lastGc >= this.gcInterval()) {
+    if (this.gcRunning === undefined && now - this.lastGc >= this.gcInterval()) {
       this.lastGc = now;
-      this.gcRunning = this.collectGarbage(vms, nics).finally(() => {
+      this.gcRunning = this.housekeeping(vms, nics).finally(() => {
         this.gcRunning = undefined;
       });
       await this.gcRunning;
@@ -441,6 +491,15 @@ class AzureInstanceSet implements InstanceSet {
 
   private gcInterval(): number {
     return Math.max(this.p.deleteDanglingResourcesAfterMs, 1000);
+  }
+
+  /** What failed creates left (tried again), then dangling NICs and disks of this instance set. */
+  private async housekeeping(
+    vms: readonly VirtualMachine[],
+    nics: readonly NetworkInterface[],
+  ): Promise<void> {
+    for (const [name, vmAccepted] of [...this.leftovers]) await this.cleanUp(name, vmAccepted);
+    if (this.ownTag !== undefined) await this.collectGarbage(vms, nics);
   }
 
   /**
