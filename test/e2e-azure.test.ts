@@ -1,0 +1,148 @@
+/**
+ * End to end "on Azure": the dispatcher runs with the azure driver, whose real SDK clients talk to the fake
+ * Resource Manager endpoint (test/fake-arm.ts, HTTPS with its own CA); each VM is a local VM with its own sshd on
+ * 127.0.15.x (its NIC's private IP), booted with the customData the driver sent; bundles run in real Docker.
+ *
+ * With faults on (5 % of ARM requests throttled with Retry-After, plus one throttled VM create and one throttled
+ * status poll of a VM create; the cheapest size failing its allocation after being accepted; a quota of 5 VMs;
+ * one VM create failing after acceptance) 50 bundles all reach ready, the driver-operation metrics count the
+ * error classes, and once the instances are gone no NIC or disk is left.
+ */
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { azureDriverYaml } from "./azure-config.ts";
+import { type BundleView, E2eSystem, until } from "./e2e-harness.ts";
+import { FakeArm } from "./fake-arm.ts";
+import { requireDockerImage, requireOpenSsh } from "./local-driver-helpers.ts";
+
+const IMAGE = requireDockerImage();
+const COMPUTE_OPERATION = /\/Microsoft\.Compute\/locations\/[^/]+\/operations\//;
+
+describe("end to end on the fake Azure Resource Manager with faults switched on", () => {
+  let fake: FakeArm;
+  let sys: E2eSystem;
+  let vmDir: string;
+
+  beforeAll(async () => {
+    const user = requireOpenSsh();
+    process.env["DC_E2E_AZURE_SECRET"] = "dc-secret";
+    vmDir = await mkdtemp(join(tmpdir(), "dc-e2e-azure-vms-"));
+    fake = await new FakeArm({ localVms: { stateDir: vmDir, user, addressPrefix: "127.0.15." } }).start();
+    sys = await E2eSystem.start({
+      database: "pg",
+      sshServer: "openssh",
+      runtimeEngine: "docker",
+      management: true,
+      maxInstances: 10,
+      timeoutIdle: "3s",
+      driverYaml: azureDriverYaml(fake, user, "DC_E2E_AZURE_SECRET"),
+      cloudYaml: "  maxRunningBundlesPerInstance: 4",
+      instanceTypesYaml: [
+        // The cheapest: its allocations always fail. medium is within maximumPriceFactor (1.5) of it.
+        "  small:",
+        "    providerType: Standard_D2s_v3",
+        "    vcpus: 4",
+        "    ram: 4GiB",
+        "    price: 0.05",
+        "  medium:",
+        "    providerType: Standard_F4s_v2",
+        "    vcpus: 4",
+        "    ram: 8GiB",
+        "    price: 0.07",
+      ].join("\n"),
+    });
+  }, 180_000);
+
+  afterAll(async () => {
+    await sys?.stop();
+    await fake?.stop();
+    if (vmDir !== undefined) await rm(vmDir, { recursive: true, force: true });
+  }, 180_000);
+
+  /** Sums a counter's samples whose labels include every pair of `labels`. */
+  async function metricSum(name: string, labels: Record<string, string>): Promise<number> {
+    const res = await fetch(new URL("/metrics", sys.management?.url), {
+      headers: { authorization: `Bearer ${sys.management?.token}` },
+    });
+    let sum = 0;
+    for (const line of (await res.text()).split("\n")) {
+      const m = /^([^{\s]+)\{([^}]*)\}\s+(\S+)$/.exec(line);
+      if (m === null || m[1] !== name) continue;
+      const got = Object.fromEntries([...m[2]!.matchAll(/(\w+)="([^"]*)"/g)].map((x) => [x[1], x[2]]));
+      if (Object.entries(labels).every(([k, v]) => got[k] === v)) sum += Number(m[3]);
+    }
+    return sum;
+  }
+
+  it("runs 50 bundles to ready; every NIC and disk is gone once the instances are", async () => {
+    fake.faults.throttleRate = 0.05;
+    fake.faults.retryAfterSeconds = 1;
+    fake.faults.sizeErrors = new Map([["Standard_D2s_v3", "AllocationFailed"]]);
+    fake.faults.maxVms = 5;
+    fake.faults.failAfterAccept = { code: "InternalServerError", count: 1 };
+    // Whatever the 5 % hit: one VM create is refused with 429 (the pool waits Retry-After), and one status poll
+    // of a VM create is throttled (that create polls again, not failing).
+    fake.faults.next.push({
+      method: "PUT",
+      path: /\/virtualMachines\/[^/]+$/,
+      status: 429,
+      code: "TooManyRequests",
+      retryAfter: 1,
+    });
+    fake.faults.next.push({
+      method: "GET",
+      path: COMPUTE_OPERATION,
+      status: 429,
+      code: "TooManyRequests",
+      retryAfter: 1,
+    });
+    const uuids: string[] = [];
+    for (let i = 0; i < 50; i++) {
+      uuids.push(
+        await sys.submit({
+          name: `azure-${i}`,
+          image: IMAGE,
+          command: ["sh", "-c", `sleep 1; echo ${i} > /out/n`],
+          resources: { vcpus: 1, ram: "256MiB" },
+        }),
+      );
+    }
+    const done: BundleView[] = [];
+    for (const uuid of uuids) done.push(await sys.waitState(uuid, ["ready"], 600_000));
+    expect(done.map((b) => b.state)).toEqual(uuids.map(() => "ready"));
+    for (const [i, uuid] of uuids.entries()) {
+      expect((await sys.text(`/bundles/${uuid}/outputs/n`)).body.trim()).toBe(String(i));
+    }
+
+    expect(fake.calls.some((c) => c.status === 429 && COMPUTE_OPERATION.test(c.path))).toBe(true);
+    const codes = new Set(fake.calls.map((c) => c.code));
+    expect(codes).toContain("TooManyRequests");
+    expect(codes).toContain("OperationNotAllowed");
+    const errors = (code: string) =>
+      metricSum("dispatchcloud_driver_errors_total", { driver: "azure", code });
+    expect(await errors("cloud.rate_limit")).toBeGreaterThan(0);
+    expect(await errors("cloud.capacity")).toBeGreaterThan(0);
+    expect(await errors("cloud.quota")).toBeGreaterThan(0);
+    expect(
+      [...fake.vms.values()].some((v) => v.size === "Standard_D2s_v3" && v.provisioningState === "Succeeded"),
+    ).toBe(false);
+
+    // No more faults: the idle instances go (timeoutIdle 3s), and with them every NIC and disk, including those
+    // of the creates that failed after the NIC existed.
+    fake.faults.throttleRate = 0;
+    await until(
+      "every VM, NIC and disk gone",
+      () => (fake.vms.size === 0 && fake.nics.size === 0 && fake.disks.size === 0 ? true : undefined),
+      120_000,
+    ).catch((err: unknown) => {
+      const left = {
+        vms: [...fake.vms.keys()],
+        nics: [...fake.nics.keys()],
+        disks: [...fake.disks.keys()],
+      };
+      throw new Error(`${(err as Error).message}: left ${JSON.stringify(left)}`);
+    });
+  }, 900_000);
+});
