@@ -32,6 +32,8 @@ export interface ManagementInstance {
   lastBusyAt: string | null;
   stateSince: string;
   secondsInState: number;
+  /** A spot interruption notice arrived (absent from dispatchers older than the field). */
+  preempted?: boolean;
 }
 
 /** A queued bundle as `GET /management/v1/bundles` returns it. */

@@ -88,6 +88,14 @@ describe("instance list table", () => {
     );
     expect(formatInstances([], false)).toEqual([]);
   });
+
+  it("marks an instance with a spot interruption notice as preempted in its state", () => {
+    const items = [instance({ state: "running", preempted: true }), instance({ instanceId: "local-0002" })];
+    expect(formatInstances(items, false)).toEqual([
+      "local-0001  127.0.0.2  running,preempted  run  m.small  local.small  0.0500  -",
+      "local-0002  127.0.0.2  idle               run  m.small  local.small  0.0500  -",
+    ]);
+  });
 });
 
 describe("queue table", () => {

@@ -25,14 +25,17 @@ export const INSTANCE_HEADER = [
   "RUNNING BUNDLES",
 ];
 
-/** The `instance list` table: one row per instance, running bundles comma-separated ("-" for none). */
+/**
+ * The `instance list` table: one row per instance, running bundles comma-separated ("-" for none); the state of
+ * an instance with a spot interruption notice reads e.g. `running,preempted`.
+ */
 export function formatInstances(items: ManagementInstance[], header: boolean): string[] {
   const rows = header ? [INSTANCE_HEADER] : [];
   for (const i of items) {
     rows.push([
       i.instanceId,
       i.address === "" ? "-" : i.address,
-      i.state,
+      i.preempted === true ? `${i.state},preempted` : i.state,
       i.idleBehavior,
       i.instanceType,
       i.providerType,
