@@ -5,6 +5,7 @@
 import { createHash } from "node:crypto";
 import { Registry } from "prom-client";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { CapacityError } from "../cloud-drivers/errors.ts";
 import { StubCloud, type StubCloudOptions } from "../cloud-drivers/stub/driver.ts";
 import type { StubVm } from "../cloud-drivers/stub/vm.ts";
 import { type Instance, type InstanceSet, type InstanceType, TAG } from "../cloud-drivers/types.ts";
@@ -646,6 +647,46 @@ describe("pool: cloud errors and limits", () => {
     expect(h.pool.workers()).toHaveLength(1);
     await h.pool.probeOnce();
     expect(h.pool.worker(vm.id)?.state).toBe("idle");
+  });
+
+  it("shuts down an instance a list matched to its create when that create then fails", async () => {
+    let open: () => void = () => {};
+    const gate = new Promise<void>((resolve) => {
+      open = resolve;
+    });
+    const h = harness(db, {
+      instanceSet: (set) => ({
+        ...set,
+        // The VM exists and is listed; then the driver's create fails (as an allocation failure would).
+        create: async (...args) => {
+          await set.create(...args);
+          await gate;
+          throw new CapacityError("small: allocation failed after the VM was listed", {
+            scope: "instanceType",
+            instanceType: "small",
+          });
+        },
+        instances: (f) => set.instances(f),
+        quotaGroup: (t) => set.quotaGroup(t),
+        stop: () => set.stop(),
+      }),
+    });
+    const res = h.pool.create(SMALL);
+    if (!res.ok) throw new Error("refused");
+    await h.clock.advance(0);
+    const [vm] = h.cloud.liveVms();
+    if (vm === undefined) throw new Error("no VM");
+    await h.pool.syncOnce();
+    expect(h.pool.worker(vm.id)).toMatchObject({ state: "booting", placeholder: false });
+    open();
+    await h.pool.settled();
+    // Not dropped (a later list would adopt it again as unknown) but shut down and destroyed.
+    expect(h.pool.worker(vm.id)?.state).toBe("shutdown");
+    expect(h.cloud.liveVms()).toEqual([]);
+    expect(h.pool.capacityBlocked(SMALL)).not.toBeNull();
+    await h.pool.syncOnce();
+    expect(h.pool.workers()).toEqual([]);
+    expect(h.events.some((e) => e.type === "create:error")).toBe(true);
   });
 });
 

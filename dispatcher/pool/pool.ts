@@ -423,12 +423,17 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     emit({ type: "worker:gone", workerId: old, reason: `created as ${w.id}`, replacedBy: w.id });
   }
 
+  /**
+   * A create call failed. Its placeholder goes; but when a list already matched the instance to this create (see
+   * syncOnce) the worker is real, may even run bundles, and the driver may be deleting its instance: it is shut
+   * down like a broken instance (destroyed; its runners reported gone once the cloud stops listing it).
+   */
   function createFailed(w: Worker, err: unknown): void {
     const now = clock.now();
     const type = w.instanceType;
     const code = cloudErrorCode(err);
     const message = err instanceof Error ? err.message : String(err);
-    workers.delete(w.id);
+    if (w.placeholder) workers.delete(w.id);
     if (isCloudQuotaError(err)) {
       const instances = realCount();
       quotaHit = {
@@ -446,7 +451,8 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     } else {
       w.log.error({ err, instanceType: type.name }, "create failed");
     }
-    emit({ type: "worker:gone", workerId: w.id, reason: `create failed: ${message}` });
+    if (w.placeholder) emit({ type: "worker:gone", workerId: w.id, reason: `create failed: ${message}` });
+    else shutdownWorker(w, `its create failed after it was listed: ${message}`, "failure");
     emit({ type: "create:error", instanceType: type.name, code, message });
   }
 
