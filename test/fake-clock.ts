@@ -29,16 +29,21 @@ export class FakeClock implements Clock {
         reject(signal.reason);
         return;
       }
-      const sleeper: Sleeper = { at: this.t + Math.max(0, ms), seq: this.seq++, resolve };
-      this.sleepers.push(sleeper);
-      signal?.addEventListener(
-        "abort",
-        () => {
-          this.sleepers = this.sleepers.filter((s) => s !== sleeper);
-          reject(signal.reason);
+      const onAbort = () => {
+        this.sleepers = this.sleepers.filter((s) => s !== sleeper);
+        reject(signal?.reason);
+      };
+      // Like systemClock: a sleep that ends removes its abort listener (loops sleep on one signal for ever).
+      const sleeper: Sleeper = {
+        at: this.t + Math.max(0, ms),
+        seq: this.seq++,
+        resolve: () => {
+          signal?.removeEventListener("abort", onAbort);
+          resolve();
         },
-        { once: true },
-      );
+      };
+      this.sleepers.push(sleeper);
+      signal?.addEventListener("abort", onAbort, { once: true });
     });
   }
 
