@@ -228,7 +228,7 @@ describe("spot notice poller", () => {
       expect(log.lines).toEqual([
         {
           level: "info",
-          msg: "no instance metadata service (IMDSv2) answers: spot interruption notices are not watched",
+          msg: "no instance metadata service answers: spot interruption notices are not watched",
         },
       ]);
     }

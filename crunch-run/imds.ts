@@ -8,9 +8,10 @@
  * - Every request has a short timeout (1.5 s): the service is on the instance's link, or it is not there at all.
  * - The endpoint is the first line of `${DISPATCH_VM_ROOT:-}/etc/dispatch-cloud/imds-endpoint` when that file
  *   exists (tests, EC2-compatible clouds), else `http://169.254.169.254`.
- * - The poller gives up at once, logging one line, when the very first token request fails: there is no IMDSv2
- *   here (another cloud, or a local VM). After a first success, failures are logged at debug and polling goes
- *   on. It stops for good after the first notice.
+ * - The poller gives up at once, logging one line, when its client's very first token() fails: no metadata
+ *   service here (a local VM, say; the supervisor's client tries EC2's IMDSv2, then Azure's Scheduled Events:
+ *   ./azure-events.ts). After a first success, failures are logged at debug and polling goes on. It stops for
+ *   good after the first notice.
  *
  * Only node:http/https and node:fs: the supervisor loads this next to its other small modules.
  */
@@ -90,15 +91,67 @@ export interface ImdsClient {
   readonly tokenRequests: number;
 }
 
-interface Answer {
+export interface Answer {
   status: number;
   body: string;
+}
+
+/**
+ * One request to a metadata service at `base` (its path is `path`, as sent), with one deadline for the whole
+ * exchange and a bounded body. Fails with ImdsError (status null) when there is no whole answer in time.
+ */
+export function metadataRequest(
+  base: URL,
+  method: "PUT" | "GET",
+  path: string,
+  headers: Record<string, string>,
+  timeoutMs: number,
+): Promise<Answer> {
+  const lib = base.protocol === "https:" ? https : http;
+  return new Promise((resolve, reject) => {
+    let settled = false;
+    const fail = (message: string) => {
+      if (settled) return;
+      settled = true;
+      clearTimeout(timer);
+      req.destroy();
+      reject(new ImdsError(`${method} ${path}: ${message}`, null));
+    };
+    const req = lib.request({
+      protocol: base.protocol,
+      hostname: base.hostname,
+      port: base.port,
+      method,
+      path,
+      headers,
+      agent: false,
+    });
+    // One deadline for the whole exchange (connect, answer, body), not per socket event.
+    const timer = setTimeout(() => fail(`no answer within ${timeoutMs} ms`), timeoutMs);
+    req.on("error", (err) => fail(err.message));
+    req.on("response", (res) => {
+      const chunks: Buffer[] = [];
+      let size = 0;
+      res.on("data", (c: Buffer) => {
+        size += c.length;
+        if (size > MAX_BODY) fail(`answer larger than ${MAX_BODY} bytes`);
+        else chunks.push(c);
+      });
+      res.on("error", (err) => fail(err.message));
+      res.on("end", () => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        resolve({ status: res.statusCode ?? 0, body: Buffer.concat(chunks).toString("utf8") });
+      });
+    });
+    req.end();
+  });
 }
 
 export function createImdsClient(opts: ImdsClientOptions): ImdsClient {
   const base = new URL(opts.endpoint.replace(/\/+$/, ""));
   const basePath = base.pathname.replace(/\/+$/, "");
-  const lib = base.protocol === "https:" ? https : http;
   const ttl = opts.tokenTtlSeconds ?? DEFAULT_TOKEN_TTL_SECONDS;
   if (!Number.isInteger(ttl) || ttl < 1 || ttl > 21_600) throw new Error("tokenTtlSeconds must be 1..21600");
   const timeoutMs = opts.timeoutMs ?? DEFAULT_IMDS_TIMEOUT_MS;
@@ -108,47 +161,8 @@ export function createImdsClient(opts: ImdsClientOptions): ImdsClient {
   let held: { value: string; renewAt: number } | null = null;
   let tokenRequests = 0;
 
-  function request(method: "PUT" | "GET", path: string, headers: Record<string, string>): Promise<Answer> {
-    return new Promise((resolve, reject) => {
-      let settled = false;
-      const fail = (message: string) => {
-        if (settled) return;
-        settled = true;
-        clearTimeout(timer);
-        req.destroy();
-        reject(new ImdsError(`${method} ${path}: ${message}`, null));
-      };
-      const req = lib.request({
-        protocol: base.protocol,
-        hostname: base.hostname,
-        port: base.port,
-        method,
-        path: `${basePath}${path}`,
-        headers,
-        agent: false,
-      });
-      // One deadline for the whole exchange (connect, answer, body), not per socket event.
-      const timer = setTimeout(() => fail(`no answer within ${timeoutMs} ms`), timeoutMs);
-      req.on("error", (err) => fail(err.message));
-      req.on("response", (res) => {
-        const chunks: Buffer[] = [];
-        let size = 0;
-        res.on("data", (c: Buffer) => {
-          size += c.length;
-          if (size > MAX_BODY) fail(`answer larger than ${MAX_BODY} bytes`);
-          else chunks.push(c);
-        });
-        res.on("error", (err) => fail(err.message));
-        res.on("end", () => {
-          if (settled) return;
-          settled = true;
-          clearTimeout(timer);
-          resolve({ status: res.statusCode ?? 0, body: Buffer.concat(chunks).toString("utf8") });
-        });
-      });
-      req.end();
-    });
-  }
+  const request = (method: "PUT" | "GET", path: string, headers: Record<string, string>) =>
+    metadataRequest(base, method, `${basePath}${path}`, headers, timeoutMs);
 
   async function token(): Promise<string> {
     if (held !== null && now() < held.renewAt) return held.value;
@@ -249,7 +263,7 @@ export function startSpotPoller(opts: SpotPollerOptions): SpotPoller {
     } catch (err) {
       opts.log.info(
         { endpoint: opts.client.endpoint, err: (err as Error).message },
-        "no instance metadata service (IMDSv2) answers: spot interruption notices are not watched",
+        "no instance metadata service answers: spot interruption notices are not watched",
       );
       return;
     }

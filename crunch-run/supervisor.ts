@@ -38,8 +38,9 @@ import {
   type RunnerSpec,
   withRetries,
 } from "./api-client.ts";
+import { createSpotNoticeClient } from "./azure-events.ts";
 import { createDockerClient, DockerApiError } from "./docker-api.ts";
-import { createImdsClient, imdsEndpoint, type SpotNotice, type SpotPoller, startSpotPoller } from "./imds.ts";
+import { imdsEndpoint, type SpotNotice, type SpotPoller, startSpotPoller } from "./imds.ts";
 import { parseLock, readLockText, releaseLock, replaceLock } from "./lock.ts";
 import { LogStream } from "./log-stream.ts";
 import { lockFile, type RunnerPaths, workDir } from "./paths.ts";
@@ -289,7 +290,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         return null;
       }
       return startSpotPoller({
-        client: createImdsClient({ endpoint }),
+        client: createSpotNoticeClient(endpoint),
         intervalMs: doc.spotCheckIntervalMs,
         log,
         onNotice: (notice) => {

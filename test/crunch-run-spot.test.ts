@@ -3,6 +3,7 @@
  * fake IMDS: the supervisor polls for a spot interruption notice while the bundle runs; on one it writes the
  * preempted file, tells the user, reports `preempted` (the bundle goes back to staged), stops the command and
  * exits without finish; `--list` says `preempted`, and neither `--detach` nor the warm spare starts anything.
+ * The same on Azure, where the notice is a Preempt event among the VM's Scheduled Events.
  */
 import { existsSync } from "node:fs";
 import { mkdir, readFile, writeFile } from "node:fs/promises";
@@ -16,23 +17,42 @@ import { type RunnerHarness, startRunnerHarness, supervisorLog } from "./crunch-
 import { useTestDb } from "./db.ts";
 import { FakeImds } from "./fake-imds.ts";
 
-describe("crunch-run: spot interruption notices", () => {
+/**
+ * For one describe: a runner harness on PGlite and a fake metadata service of `cloud`, started before its tests
+ * and stopped after; `pointAt(X)` makes the harness's instance use X's metadata endpoint.
+ */
+function spotSetup(cloud: "ec2" | "azure") {
   const getDb = useTestDb("pglite");
-  const imds = new FakeImds();
-  let h: RunnerHarness;
-  const endpointFile = () => runnerPaths({ DISPATCH_VM_ROOT: h.root }).imdsEndpointFile;
-  const pointAt = async (instanceId: string) => {
-    await mkdir(join(h.root, "etc", "dispatch-cloud"), { recursive: true });
-    await writeFile(endpointFile(), `${imds.endpointFor(instanceId)}\n`);
+  const setup = {
+    getDb,
+    imds: new FakeImds({ cloud }),
+    h: undefined as RunnerHarness | undefined,
+    async pointAt(instanceId: string) {
+      const root = setup.h?.root ?? "";
+      await mkdir(join(root, "etc", "dispatch-cloud"), { recursive: true });
+      await writeFile(
+        runnerPaths({ DISPATCH_VM_ROOT: root }).imdsEndpointFile,
+        `${setup.imds.endpointFor(instanceId)}\n`,
+      );
+    },
   };
-
   beforeAll(async () => {
-    await imds.start();
-    h = await startRunnerHarness(getDb());
+    await setup.imds.start();
+    setup.h = await startRunnerHarness(getDb());
   });
   afterAll(async () => {
-    await h?.close();
-    await imds.stop();
+    await setup.h?.close();
+    await setup.imds.stop();
+  });
+  return setup;
+}
+
+describe("crunch-run: spot interruption notices", () => {
+  const setup = spotSetup("ec2");
+  const { getDb, imds, pointAt } = setup;
+  let h: RunnerHarness;
+  beforeAll(() => {
+    h = setup.h as RunnerHarness;
   });
 
   it("does not ask the metadata service when the instance type is not preemptible", async () => {
@@ -106,6 +126,41 @@ describe("crunch-run: spot interruption notices", () => {
     expect(await exchange(spare!, `start ${next.uuid}\n${doc}\n`)).toBe("refused instance preempted\n");
     expect(await h.listBundles()).toBe("preempted\n");
     expect((await h.waitState(next.uuid, ["starting"])).attempt).toBe(1);
+  });
+});
+
+describe("crunch-run: spot evictions on Azure (Scheduled Events)", () => {
+  const setup = spotSetup("azure");
+  const { imds, pointAt } = setup;
+  let h: RunnerHarness;
+  beforeAll(() => {
+    h = setup.h as RunnerHarness;
+  });
+
+  it("requeues the running bundle on a Preempt event and marks the instance preempted", async () => {
+    await pointAt("dc-azspot");
+    const b = await h.newStartingBundle({ command: ["sh", "-c", "sleep 60"] });
+    const detached = await h.detach(b, { preemptible: true, spotCheckIntervalMs: 100 });
+    expect(detached.code, detached.stderr).toBe(0);
+    await h.waitState(b.uuid, ["running"]);
+    await until("the supervisor reads the Scheduled Events", () => imds.polled("dc-azspot"));
+
+    imds.interrupt("dc-azspot");
+    const requeued = await h.waitState(b.uuid, ["staged", "failed", "ready"]);
+    expect(requeued.state, await supervisorLog(h.root, b.uuid)).toBe("staged");
+    expect(requeued.stateReason).toMatch(
+      /^preempted: spot interruption notice \(preempt at \w{3}, .* GMT\)$/,
+    );
+    await until("the supervisor exits", async () => (await h.listBundles()) === "preempted\n");
+    expect(await h.log(b.uuid, "stderr")).toMatch(
+      /\[crunch-run\] spot interruption notice \(preempt at .* GMT\): this instance is being preempted/,
+    );
+    // It asked EC2's token path once (404 here), then only Azure's service, always with the Metadata header.
+    const paths = imds.requests.filter((r) => r.instanceId === "dc-azspot").map((r) => r.path.split("?")[0]);
+    expect(paths[0]).toBe("/latest/api/token");
+    expect(new Set(paths.slice(1))).toEqual(
+      new Set(["/metadata/instance/compute", "/metadata/scheduledevents"]),
+    );
   });
 });
 

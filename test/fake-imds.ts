@@ -5,6 +5,11 @@
  * `X-aws-ec2-metadata-token`) answers 404 until the test calls `interrupt(X)`, then 200 with
  * `{"action":"terminate","time":"..."}` as EC2 does. A GET without a valid token is 401, as on EC2 with IMDSv2
  * required. Every request is recorded.
+ *
+ * With `{ cloud: "azure" }` it is Azure's service instead: `GET /metadata/instance/compute` (header
+ * `Metadata: true`, else 400) answers the VM's name, and `GET /metadata/scheduledevents` answers
+ * `{DocumentIncarnation, Events}`, with a `Preempt` event for the VM once the test calls `interrupt(X)`; EC2's
+ * paths answer 404 there.
  */
 import { randomBytes } from "node:crypto";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
@@ -19,6 +24,12 @@ export interface ImdsRequest {
 
 export class FakeImds {
   readonly requests: ImdsRequest[] = [];
+  readonly cloud: "ec2" | "azure";
+  private incarnation = 1;
+
+  constructor(opts: { cloud?: "ec2" | "azure" } = {}) {
+    this.cloud = opts.cloud ?? "ec2";
+  }
   private server: Server | undefined;
   private baseUrl = "";
   private readonly tokens = new Map<string, { instanceId: string; expires: number }>();
@@ -54,20 +65,28 @@ export class FakeImds {
     return `${this.url}/i/${encodeURIComponent(instanceId)}`;
   }
 
-  /** From now on, instance `instanceId`'s spot/instance-action answers with a notice. */
+  /**
+   * From now on, instance `instanceId`'s spot/instance-action answers with a notice (Azure: its Scheduled Events
+   * list a Preempt event, NotBefore as an HTTP date).
+   */
   interrupt(
     instanceId: string,
     action: "terminate" | "stop" | "hibernate" = "terminate",
-    inMs = 120_000,
+    inMs = this.cloud === "azure" ? 30_000 : 120_000,
   ): void {
-    const time = new Date(Date.now() + inMs).toISOString().replace(/\.\d{3}Z$/, "Z");
+    const at = new Date(Date.now() + inMs);
+    const time = this.cloud === "azure" ? at.toUTCString() : at.toISOString().replace(/\.\d{3}Z$/, "Z");
     this.notices.set(instanceId, { action, time });
+    this.incarnation++;
   }
 
-  /** Whether `instanceId` has asked for its spot notice with a valid token at least once. */
+  /** Whether `instanceId` has asked for its spot notice (with a valid token, or Azure's header) at least once. */
   polled(instanceId: string): boolean {
     return this.requests.some(
-      (r) => r.instanceId === instanceId && r.tokenValid && r.path.endsWith("/spot/instance-action"),
+      (r) =>
+        r.instanceId === instanceId &&
+        r.tokenValid &&
+        (r.path.endsWith("/spot/instance-action") || r.path.startsWith("/metadata/scheduledevents")),
     );
   }
 
@@ -85,6 +104,7 @@ export class FakeImds {
     const instanceId = decodeURIComponent(m[1]!);
     const path = m[2]!;
     const method = req.method ?? "GET";
+    if (this.cloud === "azure") return this.azureAnswer(req, res, instanceId, path, method);
     if (method === "PUT" && path === "/latest/api/token") {
       const ttl = Number(req.headers["x-aws-ec2-metadata-token-ttl-seconds"]);
       this.requests.push({ instanceId, method, path, tokenValid: false });
@@ -108,5 +128,44 @@ export class FakeImds {
       return [200, JSON.stringify(notice)];
     }
     return [404, "not found"];
+  }
+
+  private azureAnswer(
+    req: IncomingMessage,
+    res: ServerResponse,
+    instanceId: string,
+    path: string,
+    method: string,
+  ): [number, string] {
+    const headerOk = req.headers["metadata"] === "true";
+    this.requests.push({ instanceId, method, path, tokenValid: headerOk });
+    const route = path.split("?")[0];
+    if (route !== "/metadata/instance/compute" && route !== "/metadata/scheduledevents")
+      return [404, "not found"];
+    res.setHeader("Content-Type", "application/json; charset=utf-8");
+    if (!headerOk)
+      return [400, JSON.stringify({ error: "Bad request. Required metadata header not specified" })];
+    if (method !== "GET") return [405, JSON.stringify({ error: "Method not allowed" })];
+    if (route === "/metadata/instance/compute") {
+      return [200, JSON.stringify({ name: instanceId, location: "westus2", priority: "Spot", vmSize: "x" })];
+    }
+    const notice = this.notices.get(instanceId);
+    const events =
+      notice === undefined
+        ? []
+        : [
+            {
+              EventId: "602d9444-d2cd-49c7-8624-8643e7171297",
+              EventType: "Preempt",
+              ResourceType: "VirtualMachine",
+              Resources: [instanceId],
+              EventStatus: "Scheduled",
+              NotBefore: notice.time,
+              Description: "",
+              EventSource: "Platform",
+              DurationInSeconds: -1,
+            },
+          ];
+    return [200, JSON.stringify({ DocumentIncarnation: this.incarnation, Events: events })];
   }
 }
