@@ -6,7 +6,9 @@
  * With faults on (5 % of ARM requests throttled with Retry-After, plus one throttled VM create and one throttled
  * status poll of a VM create; the cheapest size failing its allocation after being accepted; a quota of 5 VMs;
  * one VM create failing after acceptance) 50 bundles all reach ready, the driver-operation metrics count the
- * error classes, and once the instances are gone no NIC or disk is left.
+ * error classes, and once the instances are gone no NIC or disk is left. A spot eviction (a Preempt event in the
+ * VM's Scheduled Events, from the fake metadata service) during a running bundle requeues it, and it completes on
+ * another VM.
  */
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
@@ -15,6 +17,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { azureDriverYaml } from "./azure-config.ts";
 import { type BundleView, E2eSystem, until } from "./e2e-harness.ts";
 import { FakeArm } from "./fake-arm.ts";
+import { FakeImds } from "./fake-imds.ts";
 import { requireDockerImage, requireOpenSsh } from "./local-driver-helpers.ts";
 
 const IMAGE = requireDockerImage();
@@ -22,6 +25,7 @@ const COMPUTE_OPERATION = /\/Microsoft\.Compute\/locations\/[^/]+\/operations\//
 
 describe("end to end on the fake Azure Resource Manager with faults switched on", () => {
   let fake: FakeArm;
+  let imds: FakeImds;
   let sys: E2eSystem;
   let vmDir: string;
 
@@ -29,7 +33,11 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
     const user = requireOpenSsh();
     process.env["DC_E2E_AZURE_SECRET"] = "dc-secret";
     vmDir = await mkdtemp(join(tmpdir(), "dc-e2e-azure-vms-"));
-    fake = await new FakeArm({ localVms: { stateDir: vmDir, user, addressPrefix: "127.0.15." } }).start();
+    imds = await new FakeImds({ cloud: "azure" }).start();
+    fake = await new FakeArm({
+      localVms: { stateDir: vmDir, user, addressPrefix: "127.0.15." },
+      imds,
+    }).start();
     sys = await E2eSystem.start({
       database: "pg",
       sshServer: "openssh",
@@ -38,7 +46,7 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
       maxInstances: 10,
       timeoutIdle: "3s",
       driverYaml: azureDriverYaml(fake, user, "DC_E2E_AZURE_SECRET"),
-      cloudYaml: "  maxRunningBundlesPerInstance: 4",
+      cloudYaml: ["  maxRunningBundlesPerInstance: 4", "  spotInterruptionCheckInterval: 500ms"].join("\n"),
       instanceTypesYaml: [
         // The cheapest: its allocations always fail. medium is within maximumPriceFactor (1.5) of it.
         "  small:",
@@ -51,6 +59,12 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
         "    vcpus: 4",
         "    ram: 8GiB",
         "    price: 0.07",
+        "  spotty:",
+        "    providerType: Standard_F8s_v2",
+        "    vcpus: 8",
+        "    ram: 16GiB",
+        "    price: 0.12",
+        "    preemptible: true",
       ].join("\n"),
     });
   }, 180_000);
@@ -58,6 +72,7 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
   afterAll(async () => {
     await sys?.stop();
     await fake?.stop();
+    await imds?.stop();
     if (vmDir !== undefined) await rm(vmDir, { recursive: true, force: true });
   }, 180_000);
 
@@ -145,4 +160,35 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
       throw new Error(`${(err as Error).message}: left ${JSON.stringify(left)}`);
     });
   }, 900_000);
+
+  it("requeues a bundle whose spot VM is being evicted; it completes on another", async () => {
+    fake.faults.throttleRate = 0;
+    fake.faults.maxVms = 0;
+    const uuid = await sys.submit({
+      name: "spot",
+      image: IMAGE,
+      command: ["sh", "-c", "sleep 8; echo survived > /out/x"],
+      resources: { vcpus: 1, ram: "256MiB" },
+      preemptible: true,
+    });
+    const first = await sys.waitState(uuid, ["running"], 300_000);
+    const vmName = String(first["instanceId"]);
+    expect(fake.vms.get(vmName)?.priority).toBe("Spot");
+    await until("crunch-run reading the VM's Scheduled Events", () =>
+      imds.polled(vmName) ? true : undefined,
+    );
+    fake.interrupt(vmName);
+    const final = await sys.waitState(uuid, ["ready"], 300_000);
+    expect(final.attempt).toBe(2);
+    expect(final["instanceId"]).not.toBe(vmName);
+    const events = await sys.json<{ items: { fromState: string; toState: string; reason: string | null }[] }>(
+      "GET",
+      `/bundles/${uuid}/events`,
+    );
+    const requeue = events.items.find((e) => e.fromState === "running" && e.toState === "staged");
+    expect(requeue?.reason).toMatch(/^preempted: spot interruption notice \(preempt at .* GMT\)$/);
+    expect((await sys.text(`/bundles/${uuid}/outputs/x`)).body.trim()).toBe("survived");
+    // The evicted VM is deleted by the dispatcher (Azure would delete it anyway: evictionPolicy Delete).
+    await until("the evicted VM deleted", () => (fake.vms.has(vmName) ? undefined : true), 120_000);
+  }, 600_000);
 });

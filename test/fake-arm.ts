@@ -22,6 +22,8 @@
  *
  * With `localVms`, each VM is backed by a local-driver VM (openssh: its own sshd on 127.0.x.y:22, which becomes the
  * NIC's private IP) whose init script is the decoded customData and whose authorized key is the osProfile's key.
+ * With `imds` too (an Azure-flavour test/fake-imds.ts), the init script first writes the VM's metadata endpoint
+ * into `$DISPATCH_VM_ROOT/etc/dispatch-cloud/imds-endpoint`, and `interrupt(vm)` schedules its eviction there.
  */
 import { randomBytes, randomUUID } from "node:crypto";
 import { rmSync } from "node:fs";
@@ -30,6 +32,7 @@ import { createServer, type Server } from "node:https";
 import type { AddressInfo } from "node:net";
 import { Registry } from "prom-client";
 import { localDriver } from "../cloud-drivers/local/driver.ts";
+import { shQuote } from "../cloud-drivers/local/ssh-openssh.ts";
 import type { Instance, InstanceSet, InstanceType } from "../cloud-drivers/types.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createLogger } from "../lib/logger.ts";
@@ -50,6 +53,7 @@ import {
   type SelfSignedCert,
   strAt,
 } from "./fake-arm-http.ts";
+import type { FakeImds } from "./fake-imds.ts";
 
 export interface FakeArmOptions {
   subscriptionId?: string; // default "00000000-0000-0000-0000-000000000001"
@@ -69,6 +73,8 @@ export interface FakeArmOptions {
    * decoded customData as its init script and the osProfile SSH public key as its authorized key.
    */
   localVms?: { stateDir: string; user: string; addressPrefix?: string; bootDelay?: string };
+  /** With localVms: each VM's metadata service (Scheduled Events) is imds.endpointFor(<VM name>). */
+  imds?: FakeImds;
   /** Seconds sent in Retry-After on LRO answers (default: none, so the client's updateIntervalInMs rules). */
   lroRetryAfter?: number;
   /** Items per list page before a nextLink; default 100. */
@@ -298,6 +304,7 @@ export class FakeArm {
   private readonly subnets: string[];
   private readonly location: string;
   private readonly localVms: FakeArmOptions["localVms"];
+  private readonly imds: FakeImds | undefined;
   private readonly lroRetryAfter: number | undefined;
   private readonly pageSize: number;
   private readonly tokens = new Map<string, number>(); // access token -> expiry (ms)
@@ -322,6 +329,10 @@ export class FakeArm {
     this.subnets = [...(opts.subnets ?? ["dc-vnet/default"])];
     this.location = opts.location ?? "westus2";
     this.localVms = opts.localVms;
+    this.imds = opts.imds;
+    if (this.imds !== undefined && (this.localVms === undefined || this.imds.cloud !== "azure")) {
+      throw new Error("FakeArm: the imds option needs localVms and an Azure-flavour FakeImds");
+    }
     this.lroRetryAfter = opts.lroRetryAfter;
     this.pageSize = opts.pageSize ?? 100;
     if (!Number.isInteger(this.pageSize) || this.pageSize < 1)
@@ -376,6 +387,14 @@ export class FakeArm {
   get caFile(): string {
     if (this.tls === undefined) throw new Error("FakeArm: not started");
     return this.tls.certFile;
+  }
+
+  /** Spot eviction: VM `name`'s Scheduled Events list a Preempt event (needs imds); the VM stays as it is. */
+  interrupt(name: string): void {
+    if (this.imds === undefined)
+      throw new Error("FakeArm.interrupt: this fake was made without the imds option");
+    if (!this.vms.has(name.toLowerCase())) throw new Error(`FakeArm.interrupt: no VM ${name}`);
+    this.imds.interrupt(name);
   }
 
   /** Stops listening and destroys every backing local VM (waiting for those still starting). */
@@ -1629,7 +1648,11 @@ export class FakeArm {
       gpu: null,
     };
     const publicKey = vm.publicKeys[0] ?? "";
-    const init = vm.customData.endsWith("\n") || vm.customData === "" ? vm.customData : `${vm.customData}\n`;
+    let init = vm.customData.endsWith("\n") || vm.customData === "" ? vm.customData : `${vm.customData}\n`;
+    if (this.imds !== undefined) {
+      const dir = '"$DISPATCH_VM_ROOT/etc/dispatch-cloud"';
+      init = `mkdir -p ${dir} && echo ${shQuote(this.imds.endpointFor(vm.name))} > ${dir}/imds-endpoint\n${init}`;
+    }
     return set.create(type, vm.imageId, { FakeArmVm: vm.name }, init, publicKey);
   }
 
