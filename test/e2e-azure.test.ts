@@ -76,21 +76,6 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
     if (vmDir !== undefined) await rm(vmDir, { recursive: true, force: true });
   }, 180_000);
 
-  /** Sums a counter's samples whose labels include every pair of `labels`. */
-  async function metricSum(name: string, labels: Record<string, string>): Promise<number> {
-    const res = await fetch(new URL("/metrics", sys.management?.url), {
-      headers: { authorization: `Bearer ${sys.management?.token}` },
-    });
-    let sum = 0;
-    for (const line of (await res.text()).split("\n")) {
-      const m = /^([^{\s]+)\{([^}]*)\}\s+(\S+)$/.exec(line);
-      if (m === null || m[1] !== name) continue;
-      const got = Object.fromEntries([...m[2]!.matchAll(/(\w+)="([^"]*)"/g)].map((x) => [x[1], x[2]]));
-      if (Object.entries(labels).every(([k, v]) => got[k] === v)) sum += Number(m[3]);
-    }
-    return sum;
-  }
-
   it("runs 50 bundles to ready; every NIC and disk is gone once the instances are", async () => {
     fake.faults.throttleRate = 0.05;
     fake.faults.retryAfterSeconds = 1;
@@ -136,7 +121,7 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
     expect(codes).toContain("TooManyRequests");
     expect(codes).toContain("OperationNotAllowed");
     const errors = (code: string) =>
-      metricSum("dispatchcloud_driver_errors_total", { driver: "azure", code });
+      sys.metricSum("dispatchcloud_driver_errors_total", { driver: "azure", code });
     expect(await errors("cloud.rate_limit")).toBeGreaterThan(0);
     expect(await errors("cloud.capacity")).toBeGreaterThan(0);
     expect(await errors("cloud.quota")).toBeGreaterThan(0);
@@ -181,12 +166,9 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
     const final = await sys.waitState(uuid, ["ready"], 300_000);
     expect(final.attempt).toBe(2);
     expect(final["instanceId"]).not.toBe(vmName);
-    const events = await sys.json<{ items: { fromState: string; toState: string; reason: string | null }[] }>(
-      "GET",
-      `/bundles/${uuid}/events`,
+    expect(await sys.requeueReason(uuid)).toMatch(
+      /^preempted: spot interruption notice \(preempt at .* GMT\)$/,
     );
-    const requeue = events.items.find((e) => e.fromState === "running" && e.toState === "staged");
-    expect(requeue?.reason).toMatch(/^preempted: spot interruption notice \(preempt at .* GMT\)$/);
     expect((await sys.text(`/bundles/${uuid}/outputs/x`)).body.trim()).toBe("survived");
     // The evicted VM is deleted by the dispatcher (Azure would delete it anyway: evictionPolicy Delete).
     await until("the evicted VM deleted", () => (fake.vms.has(vmName) ? undefined : true), 120_000);

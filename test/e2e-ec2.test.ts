@@ -89,23 +89,6 @@ describe("end to end on the fake EC2 with faults switched on", () => {
     if (vmDir !== undefined) await rm(vmDir, { recursive: true, force: true });
   }, 180_000);
 
-  /** Sums a counter's samples whose labels include every pair of `labels`. */
-  async function metricSum(name: string, labels: Record<string, string>): Promise<number> {
-    const res = await fetch(new URL("/metrics", sys.management?.url), {
-      headers: { authorization: `Bearer ${sys.management?.token}` },
-    });
-    const text = await res.text();
-    let sum = 0;
-    for (const line of text.split("\n")) {
-      if (!line.startsWith(`${name}{`)) continue;
-      const m = /^[^{]+\{([^}]*)\}\s+(\S+)$/.exec(line);
-      if (m === null) continue;
-      const got = Object.fromEntries([...m[1]!.matchAll(/(\w+)="([^"]*)"/g)].map((x) => [x[1], x[2]]));
-      if (Object.entries(labels).every(([k, v]) => got[k] === v)) sum += Number(m[2]);
-    }
-    return sum;
-  }
-
   it("runs 50 bundles to ready through throttling, a type at capacity and a quota of 5", async () => {
     fake.faults.throttleRate = 0.2;
     // At least one throttled create whatever the random draws (a fast run makes few calls).
@@ -136,7 +119,8 @@ describe("end to end on the fake EC2 with faults switched on", () => {
     expect(codes).toContain("RequestLimitExceeded");
     expect(codes).toContain("InsufficientInstanceCapacity");
     expect(codes).toContain("InstanceLimitExceeded");
-    const errors = (code: string) => metricSum("dispatchcloud_driver_errors_total", { driver: "ec2", code });
+    const errors = (code: string) =>
+      sys.metricSum("dispatchcloud_driver_errors_total", { driver: "ec2", code });
     expect(await errors("cloud.rate_limit")).toBeGreaterThan(0);
     expect(await errors("cloud.capacity")).toBeGreaterThan(0);
     expect(await errors("cloud.quota")).toBeGreaterThan(0);
@@ -178,12 +162,7 @@ describe("end to end on the fake EC2 with faults switched on", () => {
     const final = await sys.waitState(uuid, ["ready"], 300_000);
     expect(final.attempt).toBe(2);
     expect(final["instanceId"]).not.toBe(instanceId);
-    const events = await sys.json<{ items: { fromState: string; toState: string; reason: string | null }[] }>(
-      "GET",
-      `/bundles/${uuid}/events`,
-    );
-    const requeue = events.items.find((e) => e.fromState === "running" && e.toState === "staged");
-    expect(requeue?.reason).toMatch(/preempted/);
+    expect(await sys.requeueReason(uuid)).toMatch(/preempted/);
     expect((await sys.text(`/bundles/${uuid}/outputs/x`)).body.trim()).toBe("survived");
     // The interrupted instance is shut down (the cloud would terminate it anyway).
     await until("the interrupted instance terminated", () => {

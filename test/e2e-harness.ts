@@ -276,6 +276,30 @@ export class E2eSystem {
     return JSON.parse(text) as T;
   }
 
+  /** Sums the management /metrics samples of counter `name` whose labels include every pair of `labels`. */
+  async metricSum(name: string, labels: Record<string, string>): Promise<number> {
+    if (this.management === null) throw new Error("the system was started without management: true");
+    const res = await fetch(new URL("/metrics", this.management.url), {
+      headers: { authorization: `Bearer ${this.management.token}` },
+    });
+    let sum = 0;
+    for (const line of (await res.text()).split("\n")) {
+      const m = /^([^{\s]+)\{([^}]*)\}\s+(\S+)$/.exec(line);
+      if (m === null || m[1] !== name) continue;
+      const got = Object.fromEntries([...m[2]!.matchAll(/(\w+)="([^"]*)"/g)].map((x) => [x[1], x[2]]));
+      if (Object.entries(labels).every(([k, v]) => got[k] === v)) sum += Number(m[3]);
+    }
+    return sum;
+  }
+
+  /** The reason of the bundle's first running -> staged transition (a requeue), or undefined if none. */
+  async requeueReason(uuid: string): Promise<string | null | undefined> {
+    const events = await this.json<{
+      items: { fromState: string; toState: string; reason: string | null }[];
+    }>("GET", `/bundles/${uuid}/events`);
+    return events.items.find((e) => e.fromState === "running" && e.toState === "staged")?.reason;
+  }
+
   async text(path: string): Promise<{ status: number; body: string }> {
     const res = await this.request("GET", path);
     return { status: res.status, body: await res.text() };
