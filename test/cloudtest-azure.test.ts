@@ -3,7 +3,6 @@
  * local VMs with their own sshd (OpenSSH) on 127.0.16.x: every step passes, the NIC was created before the VM,
  * and nothing (VM, NIC, disk) is left.
  */
-import { execFile } from "node:child_process";
 import { chmod, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -11,7 +10,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { azureDriverYaml } from "./azure-config.ts";
 import { FakeArm } from "./fake-arm.ts";
 import { requireOpenSsh } from "./local-driver-helpers.ts";
-import { BIN } from "./serve-process.ts";
+import { runBin } from "./serve-process.ts";
 
 describe("cloudtest on the azure driver against the fake Resource Manager", () => {
   let fake: FakeArm;
@@ -47,16 +46,13 @@ instanceTypes:
   ct.small: {providerType: Standard_B2s, vcpus: 2, ram: 4GiB, price: 0.04}
 `,
     );
-    const r = await new Promise<{ code: number; stdout: string; stderr: string }>((ok) => {
-      execFile(
-        BIN,
-        ["cloudtest", "--config", join(dir, "config.yml"), "--command", "cat /proc/version"],
-        { timeout: 120_000, env: { ...process.env, DC_CT_AZURE_SECRET: "dc-secret" } },
-        (err, stdout, stderr) => {
-          ok({ code: err === null ? 0 : typeof err.code === "number" ? err.code : -1, stdout, stderr });
-        },
-      );
-    });
+    const r = await runBin(
+      ["cloudtest", "--config", join(dir, "config.yml"), "--command", "cat /proc/version"],
+      {
+        ...process.env,
+        DC_CT_AZURE_SECRET: "dc-secret",
+      },
+    );
     expect(r.stdout, r.stderr).toContain("cloudtest passed");
     expect(r.code).toBe(0);
     expect(r.stdout).toMatch(/create an instance of type ct\.small \(Standard_B2s\): ok/);

@@ -3,14 +3,13 @@
  * with their own sshd (OpenSSH) on 127.0.9.x: every step passes, and the fake saw the instance created with the
  * dispatcher's tags and then terminated.
  */
-import { execFile } from "node:child_process";
 import { chmod, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { FakeEc2 } from "./fake-ec2.ts";
 import { requireOpenSsh } from "./local-driver-helpers.ts";
-import { BIN } from "./serve-process.ts";
+import { runBin } from "./serve-process.ts";
 
 describe("cloudtest on the ec2 driver against the fake EC2", () => {
   let fake: FakeEc2;
@@ -33,15 +32,9 @@ describe("cloudtest on the ec2 driver against the fake EC2", () => {
   }, 60_000);
 
   function run(): Promise<{ code: number; stdout: string; stderr: string }> {
-    return new Promise((ok) => {
-      execFile(
-        BIN,
-        ["cloudtest", "--config", join(dir, "config.yml"), "--command", "cat /proc/version"],
-        { timeout: 120_000, env: { ...process.env, DC_CT_AWS_SECRET: "cloudtest-secret-not-real" } },
-        (err, stdout, stderr) => {
-          ok({ code: err === null ? 0 : typeof err.code === "number" ? err.code : -1, stdout, stderr });
-        },
-      );
+    return runBin(["cloudtest", "--config", join(dir, "config.yml"), "--command", "cat /proc/version"], {
+      ...process.env,
+      DC_CT_AWS_SECRET: "cloudtest-secret-not-real",
     });
   }
 

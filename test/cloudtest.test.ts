@@ -1,9 +1,8 @@
-import { execFile } from "node:child_process";
 import { chmod, mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterAll, describe, expect, it } from "vitest";
-import { BIN } from "./serve-process.ts";
+import { runBin } from "./serve-process.ts";
 
 const dirs: string[] = [];
 afterAll(async () => {
@@ -32,12 +31,7 @@ cloud:
   timeoutShutdown: 10s
 ${cloudYaml.includes("timeoutBooting") ? "" : "  timeoutBooting: 8s\n"}${cloudYaml}`,
   );
-  return new Promise((ok) => {
-    execFile(BIN, ["cloudtest", "--config", config, ...args], { timeout: 120_000 }, (err, stdout, stderr) => {
-      const code = err === null ? 0 : typeof err.code === "number" ? err.code : -1;
-      ok({ code, stdout, stderr });
-    });
-  });
+  return runBin(["cloudtest", "--config", config, ...args]);
 }
 
 describe.each(["embedded", "openssh"] as const)("cloudtest on the local driver with %s SSH", (mode) => {

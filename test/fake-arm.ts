@@ -30,12 +30,8 @@ import { rmSync } from "node:fs";
 import type { IncomingMessage, ServerResponse } from "node:http";
 import { createServer, type Server } from "node:https";
 import type { AddressInfo } from "node:net";
-import { Registry } from "prom-client";
-import { localDriver } from "../cloud-drivers/local/driver.ts";
-import { shQuote } from "../cloud-drivers/local/ssh-openssh.ts";
-import type { Instance, InstanceSet, InstanceType } from "../cloud-drivers/types.ts";
+import type { Instance, InstanceSet } from "../cloud-drivers/types.ts";
 import { systemClock } from "../lib/clock.ts";
-import { createLogger } from "../lib/logger.ts";
 import {
   AadError,
   ArmError,
@@ -53,6 +49,7 @@ import {
   type SelfSignedCert,
   strAt,
 } from "./fake-arm-http.ts";
+import { type BackingVmOptions, openBackingVms, startBackingVm } from "./fake-cloud-vms.ts";
 import type { FakeImds } from "./fake-imds.ts";
 
 export interface FakeArmOptions {
@@ -72,7 +69,7 @@ export interface FakeArmOptions {
    * Back each VM with a local-driver VM (openssh; its sshd address becomes the NIC's private IP), running the
    * decoded customData as its init script and the osProfile SSH public key as its authorized key.
    */
-  localVms?: { stateDir: string; user: string; addressPrefix?: string; bootDelay?: string };
+  localVms?: BackingVmOptions;
   /** With localVms: each VM's metadata service (Scheduled Events) is imds.endpointFor(<VM name>). */
   imds?: FakeImds;
   /** Seconds sent in Retry-After on LRO answers (default: none, so the client's updateIntervalInMs rules). */
@@ -345,23 +342,7 @@ export class FakeArm {
   /** HTTPS on 127.0.0.1 and a free port with a fresh self-signed certificate; with localVms, starts that set. */
   async start(): Promise<this> {
     if (this.localVms !== undefined) {
-      const { stateDir, user, bootDelay, addressPrefix } = this.localVms;
-      this.vmSet = await localDriver.instanceSet(
-        {
-          stateDir,
-          sshServer: "openssh",
-          user,
-          ...(bootDelay === undefined ? {} : { bootDelay }),
-          ...(addressPrefix === undefined ? {} : { addressPrefix }),
-        },
-        "fake-arm",
-        {},
-        {
-          logger: createLogger({ level: "warn", format: "json" }),
-          clock: systemClock,
-          registry: new Registry(),
-        },
-      );
+      this.vmSet = await openBackingVms(this.localVms, "fake-arm");
     }
     this.tls = makeSelfSignedCert();
     const server = createServer(
@@ -1635,25 +1616,16 @@ export class FakeArm {
   private startLocalVm(vm: FakeVm): Promise<Instance> {
     const set = this.vmSet;
     if (set === undefined) return Promise.reject(new Error("FakeArm: localVms needs start() first"));
-    const type: InstanceType = {
-      name: vm.size,
+    return startBackingVm(set, {
       providerType: vm.size,
       vcpus: 2,
-      ram: 2 ** 30,
-      includedScratch: 0,
-      addedScratch: 0,
-      scratch: 0,
-      price: 0,
       preemptible: vm.priority === "Spot" || vm.priority === "Low",
-      gpu: null,
-    };
-    const publicKey = vm.publicKeys[0] ?? "";
-    let init = vm.customData.endsWith("\n") || vm.customData === "" ? vm.customData : `${vm.customData}\n`;
-    if (this.imds !== undefined) {
-      const dir = '"$DISPATCH_VM_ROOT/etc/dispatch-cloud"';
-      init = `mkdir -p ${dir} && echo ${shQuote(this.imds.endpointFor(vm.name))} > ${dir}/imds-endpoint\n${init}`;
-    }
-    return set.create(type, vm.imageId, { FakeArmVm: vm.name }, init, publicKey);
+      imageId: vm.imageId,
+      tags: { FakeArmVm: vm.name },
+      init: vm.customData,
+      publicKey: vm.publicKeys[0] ?? "",
+      ...(this.imds === undefined ? {} : { imdsEndpoint: this.imds.endpointFor(vm.name) }),
+    });
   }
 
   private patchVm(rg: string, name: string, body: Json, apiVersion: string) {

@@ -17,12 +17,9 @@
 import { createHash, createPublicKey, randomBytes, randomUUID } from "node:crypto";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
-import { Registry } from "prom-client";
-import { localDriver } from "../cloud-drivers/local/driver.ts";
-import { shQuote } from "../cloud-drivers/local/ssh-openssh.ts";
-import type { Instance, InstanceSet, InstanceType } from "../cloud-drivers/types.ts";
+import type { Instance, InstanceSet } from "../cloud-drivers/types.ts";
 import { systemClock } from "../lib/clock.ts";
-import { createLogger } from "../lib/logger.ts";
+import { type BackingVmOptions, openBackingVms, startBackingVm } from "./fake-cloud-vms.ts";
 import {
   itemSet,
   leaf,
@@ -44,7 +41,7 @@ export interface FakeEc2Options {
    * Back each instance with a local-driver VM (openssh mode: its own sshd on 127.0.0.x:22 = its
    * PrivateIpAddress). `addressPrefix` (default the local driver's "127.0.0.") keeps test files' VMs apart.
    */
-  localVms?: { stateDir: string; user: string; bootDelay?: string; addressPrefix?: string };
+  localVms?: BackingVmOptions;
   /** When set (with localVms), each VM gets its imds-endpoint file pointing at imds.endpointFor(instanceId). */
   imds?: FakeImds;
   /** Spot price history returned by DescribeSpotPriceHistory. */
@@ -439,23 +436,7 @@ export class FakeEc2 {
   /** Listens on 127.0.0.1 and a free port; with localVms, checks first that local sshd VMs can run here. */
   async start(): Promise<this> {
     if (this.localVms !== undefined) {
-      const { stateDir, user, bootDelay, addressPrefix } = this.localVms;
-      this.vmSet = await localDriver.instanceSet(
-        {
-          stateDir,
-          sshServer: "openssh",
-          user,
-          ...(bootDelay === undefined ? {} : { bootDelay }),
-          ...(addressPrefix === undefined ? {} : { addressPrefix }),
-        },
-        "fake-ec2",
-        {},
-        {
-          logger: createLogger({ level: "warn", format: "json" }),
-          clock: systemClock,
-          registry: new Registry(),
-        },
-      );
+      this.vmSet = await openBackingVms(this.localVms, "fake-ec2");
     }
     const server = createServer((req, res) => void this.handle(req, res));
     await new Promise<void>((ok, fail) => {
@@ -1023,25 +1004,16 @@ export class FakeEc2 {
   private startVm(inst: FakeInstance, publicKey: string): Promise<Instance> {
     const set = this.vmSet;
     if (set === undefined) return Promise.reject(new Error("FakeEc2: localVms needs start() first"));
-    const lines: string[] = [];
-    if (this.imds !== undefined) {
-      const dir = '"$DISPATCH_VM_ROOT/etc/dispatch-cloud"';
-      lines.push(`mkdir -p ${dir} && echo ${shQuote(this.imds.endpointFor(inst.id))} > ${dir}/imds-endpoint`);
-    }
-    lines.push(inst.userData);
-    const type: InstanceType = {
-      name: inst.type,
+    return startBackingVm(set, {
       providerType: inst.type,
       vcpus: vcpusOf(inst.type),
-      ram: 2 ** 30,
-      includedScratch: 0,
-      addedScratch: 0,
-      scratch: 0,
-      price: 0,
       preemptible: inst.spot !== null,
-      gpu: null,
-    };
-    return set.create(type, inst.imageId, { FakeEc2InstanceId: inst.id }, `${lines.join("\n")}\n`, publicKey);
+      imageId: inst.imageId,
+      tags: { FakeEc2InstanceId: inst.id },
+      init: inst.userData,
+      publicKey,
+      ...(this.imds === undefined ? {} : { imdsEndpoint: this.imds.endpointFor(inst.id) }),
+    });
   }
 
   private instanceXml(inst: FakeInstance): string {

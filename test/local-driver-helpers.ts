@@ -2,7 +2,10 @@ import { execFileSync } from "node:child_process";
 /** Shared by the local driver's tests: a bare ssh2 client, and a check for leftover VM processes. */
 import { readdirSync, readFileSync } from "node:fs";
 import ssh2 from "ssh2";
+import { expect } from "vitest";
 import { openSshUnavailable } from "../cloud-drivers/local/ssh-openssh.ts";
+import type { Instance, InstanceSet, Tags } from "../cloud-drivers/types.ts";
+import { generateKeyPair } from "../lib/ssh-keys.ts";
 
 export interface RunResult {
   stdout: string;
@@ -112,4 +115,34 @@ export function requireDockerImage(): string {
     throw new Error(`Docker test image ${image} is not available (no daemon, or no image): ${hint}`);
   }
   return image;
+}
+
+/**
+ * What a cloud driver's VM backed by a local VM (test/fake-cloud-vms.ts) must do: `create` (given an init script
+ * and the dispatcher's public key) returns an instance at an address matching `address`, listed with that
+ * address; its sshd admits the key as `user`; the init script has run. Returns the instance, still up.
+ */
+export async function expectSshBackedInstance(
+  set: InstanceSet,
+  create: (init: string, publicKey: string) => Promise<Instance>,
+  o: { address: RegExp; listFilter: Tags; user: string; what: string },
+): Promise<Instance> {
+  const key = generateKeyPair();
+  // The VM's root is $DISPATCH_VM_ROOT (set for the init script and for SSH sessions).
+  const init =
+    '#!/bin/sh\nmkdir -p "$DISPATCH_VM_ROOT/var/run" && echo booted > "$DISPATCH_VM_ROOT/var/run/driver-test"\n';
+  const inst = await create(init, key.publicKey);
+  expect(inst.address).toMatch(o.address);
+  expect((await set.instances(o.listFilter)).find((i) => i.id === inst.id)?.address).toBe(inst.address);
+  const client = await connect(inst.address, inst.remoteUser, key.privateKey);
+  try {
+    await waitFor(`the init script (${o.what}) to run`, async () => {
+      const r = await run(client, 'cat "$DISPATCH_VM_ROOT/var/run/driver-test" 2>/dev/null');
+      return r.stdout.trim() === "booted";
+    });
+    expect((await run(client, "id -un")).stdout.trim()).toBe(o.user);
+  } finally {
+    client.end();
+  }
+  return inst;
 }

@@ -1,4 +1,4 @@
-import { type ChildProcess, spawn } from "node:child_process";
+import { type ChildProcess, execFile, spawn } from "node:child_process";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
@@ -7,6 +7,18 @@ import { createLogger } from "../lib/logger.ts";
 
 export const REPO = resolve(import.meta.dirname, "..");
 export const BIN = join(REPO, "bin", "dispatch-cloud");
+
+/** Runs `bin/dispatch-cloud <args>` to its end (at most 2 minutes): its exit code (-1: killed) and output. */
+export function runBin(
+  args: string[],
+  env: NodeJS.ProcessEnv = process.env,
+): Promise<{ code: number; stdout: string; stderr: string }> {
+  return new Promise((ok) => {
+    execFile(BIN, args, { timeout: 120_000, env }, (err, stdout, stderr) => {
+      ok({ code: err === null ? 0 : typeof err.code === "number" ? err.code : -1, stdout, stderr });
+    });
+  });
+}
 
 export interface ServeProcess {
   dir: string;

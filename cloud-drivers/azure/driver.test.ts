@@ -14,10 +14,9 @@ import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import { type Clock, systemClock } from "../../lib/clock.ts";
 import type { DispatchCloudError } from "../../lib/errors.ts";
 import { createLogger } from "../../lib/logger.ts";
-import { generateKeyPair } from "../../lib/ssh-keys.ts";
 import { FakeArm, type FakeArmOptions } from "../../test/fake-arm.ts";
 import { FakeClock } from "../../test/fake-clock.ts";
-import { connect, requireOpenSsh, run, waitFor } from "../../test/local-driver-helpers.ts";
+import { expectSshBackedInstance, requireOpenSsh, waitFor } from "../../test/local-driver-helpers.ts";
 import { CapacityError, CloudError, CloudQuotaError, CloudRateLimitError } from "../errors.ts";
 import type { InstanceSet, InstanceType, Tags } from "../types.ts";
 import {
@@ -727,24 +726,12 @@ describe("azure driver with sshd-backed VMs", () => {
         registry: new Registry(),
       },
     );
-    const key = generateKeyPair();
-    // The VM's root is $DISPATCH_VM_ROOT (set for the init script and for SSH sessions).
-    const init =
-      '#!/bin/sh\nmkdir -p "$DISPATCH_VM_ROOT/var/run" && echo booted > "$DISPATCH_VM_ROOT/var/run/azure-test"\n';
-    const inst = await set.create(type(), IMAGE, { ...OWN }, init, key.publicKey);
-    expect(inst.address).toMatch(/^127\.0\.14\.\d+$/);
-    expect((await set.instances({ ...OWN }))[0]!.address).toBe(inst.address);
-
-    const client = await connect(inst.address, inst.remoteUser, key.privateKey);
-    try {
-      await waitFor("the init script (customData) to run", async () => {
-        const r = await run(client, 'cat "$DISPATCH_VM_ROOT/var/run/azure-test" 2>/dev/null');
-        return r.stdout.trim() === "booted";
-      });
-      expect((await run(client, "id -un")).stdout.trim()).toBe(user);
-    } finally {
-      client.end();
-    }
+    const vms = set;
+    const inst = await expectSshBackedInstance(
+      vms,
+      (init, publicKey) => vms.create(type(), IMAGE, { ...OWN }, init, publicKey),
+      { address: /^127\.0\.14\.\d+$/, listFilter: { ...OWN }, user, what: "customData" },
+    );
     await inst.destroy();
     expect(fake.vms.size).toBe(0);
     expect(fake.nics.size).toBe(0);

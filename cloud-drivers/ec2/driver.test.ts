@@ -13,7 +13,7 @@ import { createLogger } from "../../lib/logger.ts";
 import { generateKeyPair } from "../../lib/ssh-keys.ts";
 import { FakeClock } from "../../test/fake-clock.ts";
 import { ec2ImportedKeyFingerprint, FakeEc2, type FakeSpotPrice } from "../../test/fake-ec2.ts";
-import { connect, requireOpenSsh, run, waitFor } from "../../test/local-driver-helpers.ts";
+import { expectSshBackedInstance, requireOpenSsh, waitFor } from "../../test/local-driver-helpers.ts";
 import { CapacityError, CloudError, CloudQuotaError, CloudRateLimitError } from "../errors.ts";
 import { createDefaultRegistry, openInstanceSet } from "../registry.ts";
 import type { Instance, InstanceSet, InstanceType, Tags } from "../types.ts";
@@ -895,27 +895,13 @@ describe("ec2 driver with sshd-backed instances", () => {
         registry: new Registry(),
       },
     );
-    const key = generateKeyPair();
     const tags: Tags = { DispatchCloudInstanceSetID: "zzzzz" };
-    // The VM's root is $DISPATCH_VM_ROOT (set for the init script and for SSH sessions).
-    const init =
-      '#!/bin/sh\nmkdir -p "$DISPATCH_VM_ROOT/var/run" && echo booted > "$DISPATCH_VM_ROOT/var/run/ec2-test"\n';
-    const inst = await set.create(type(), IMAGE, tags, init, key.publicKey);
-    expect(inst.address).toMatch(/^127\.0\.12\.\d+$/);
-    const listed = (await set.instances(tags))[0]!;
-    expect(listed.address).toBe(inst.address);
-
-    const client = await connect(inst.address, inst.remoteUser, key.privateKey);
-    try {
-      await waitFor("the init script (UserData) to run", async () => {
-        const r = await run(client, 'cat "$DISPATCH_VM_ROOT/var/run/ec2-test" 2>/dev/null');
-        return r.stdout.trim() === "booted";
-      });
-      const who = await run(client, "id -un");
-      expect(who.stdout.trim()).toBe(user);
-    } finally {
-      client.end();
-    }
+    const vms = set;
+    const inst = await expectSshBackedInstance(
+      vms,
+      (init, publicKey) => vms.create(type(), IMAGE, tags, init, publicKey),
+      { address: /^127\.0\.12\.\d+$/, listFilter: tags, user, what: "UserData" },
+    );
     await inst.destroy();
     await waitFor("the instance to terminate", () => fake!.instances.get(inst.id)!.state === "terminated");
   });
