@@ -87,6 +87,19 @@ interface LazyGroup {
   inputs: string[];
 }
 
+/** What every bundle of the build shares: one CommonJS file for Node 20, in memory, with its metafile. */
+const BUNDLE_OPTIONS = {
+  bundle: true,
+  platform: "node",
+  format: "cjs",
+  target: "node20",
+  write: false,
+  minifySyntax: true,
+  legalComments: "none",
+  logLevel: "silent",
+  metafile: true,
+} as const satisfies BuildOptions;
+
 /** Bundles one lazy group: a CommonJS module whose exports are `{ "<package>": <its exports>, ... }`. */
 async function buildLazyGroup(root: string, name: string, packages: readonly string[]): Promise<LazyGroup> {
   const { build } = await import("esbuild");
@@ -98,15 +111,7 @@ async function buildLazyGroup(root: string, name: string, packages: readonly str
       sourcefile: `lazy-${name}.cjs`,
       loader: "js",
     },
-    bundle: true,
-    platform: "node",
-    format: "cjs",
-    target: "node20",
-    write: false,
-    minifySyntax: true,
-    legalComments: "none",
-    logLevel: "silent",
-    metafile: true,
+    ...BUNDLE_OPTIONS,
   });
   const out = result.outputFiles?.[0];
   if (out === undefined) throw new Error(`esbuild produced no output for the lazy group ${name}`);
@@ -279,15 +284,7 @@ export function artifactBuildOptions(
   return {
     absWorkingDir: root,
     entryPoints: [path.join(root, "cli", "main.ts")],
-    bundle: true,
-    platform: "node",
-    format: "cjs",
-    target: "node20",
-    write: false,
-    minifySyntax: true,
-    legalComments: "none",
-    logLevel: "silent",
-    metafile: true,
+    ...BUNDLE_OPTIONS,
     // Only imported on the from-sources paths (building vm-main, building this artifact).
     external: ["esbuild"],
     define: { "import.meta.url": META_URL },
