@@ -1,7 +1,7 @@
 /**
  * The one-file build of dispatch-cloud (the CLI, the REST server, the dispatcher and crunch-run):
  *
- *   npm run build      -> dist/dispatch-cloud.cjs  (CommonJS, `#!/usr/bin/env node`, executable)
+ *   npm run build      -> dist/dispatch-cloud.cjs  (CommonJS behind a two-line launcher, executable)
  *   npm run build:sea  -> dist/dispatch-cloud      (a Node single executable application of that file)
  *
  * What goes into the file and how (`buildArtifact`, also used by dispatcher/runner-artifact.ts when the
@@ -274,6 +274,24 @@ function embedPlugin(root: string, pglite: { lengths: number[]; sha256: string }
 }
 
 /**
+ * The artifact's first two lines: a shell script and JavaScript at once. Run as a program (`./file`, or as
+ * crunch-run on an instance), /bin/sh reads line 2 as `":"` (a no-op) and then starts node with a few lines that
+ * compile the file as CommonJS whatever is around it: an enclosing package.json's `"type": "module"`, a name
+ * ending in .mjs or .js, or NODE_OPTIONS (unset first: `--experimental-default-type=module`, `--import` loaders)
+ * cannot change how it loads. Node (`node file.cjs`) reads line 1 as a hashbang and line 2 as a string
+ * statement and a comment. The code keeps argv as node would give it to a script (argv[1] = the file, absolute),
+ * so the program re-runs itself (lib/self.ts) through the same lines.
+ */
+export const ARTIFACT_LAUNCHER: readonly string[] = [
+  "#!/bin/sh",
+  `":" //; unset NODE_OPTIONS; exec node --input-type=commonjs -e '${[
+    'const p=require("path"),f=p.resolve(process.argv[1]),M=require("module"),m=new M(f,null);',
+    "process.argv[1]=f;m.filename=f;m.paths=M._nodeModulePaths(p.dirname(f));",
+    'm._compile(require("fs").readFileSync(f,"utf8"),f)',
+  ].join("")}' "$0" "$@"`,
+];
+
+/**
  * The esbuild options of the one-file artifact (shared by `npm run build` and loadRunnerArtifact). `pglite`
  * describes the PGlite payload the generated store/pglite-assets.ts expects.
  */
@@ -290,7 +308,7 @@ export function artifactBuildOptions(
     define: { "import.meta.url": META_URL },
     banner: {
       js: [
-        "#!/usr/bin/env node",
+        ...ARTIFACT_LAUNCHER,
         `var ${META_URL} = require("node:url").pathToFileURL(__filename).href + "#bundled";`,
         `var ${IMPORT_BUILTIN} = (id) => Promise.resolve().then(() => { const m = require(id); return { ...m, default: m }; });`,
       ].join("\n"),

@@ -5,7 +5,7 @@
 import { execFile } from "node:child_process";
 import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
-import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import { copyFile, mkdtemp, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { promisify } from "node:util";
@@ -52,6 +52,22 @@ describe("npm run build:sea: dist/dispatch-cloud", () => {
     const root = await mkdtemp(path.join(dir, "vmroot-"));
     const { stdout } = await run(exe, ["--list"], { env: { ...process.env, DISPATCH_VM_ROOT: root } });
     expect(stdout).toBe("");
+  });
+
+  it("runs the same under a package.json of type module and with loader settings in NODE_OPTIONS", async () => {
+    const project = await mkdtemp(path.join(dir, "esm-project-"));
+    await writeFile(path.join(project, "package.json"), '{"type":"module"}\n');
+    const deployed = path.join(project, "crunch-run~0123abcd");
+    await copyFile(exe, deployed);
+    const env = {
+      ...process.env,
+      DISPATCH_VM_ROOT: path.join(project, "vm-root"),
+      NODE_OPTIONS: "--experimental-default-type=module --import=/nonexistent/loader.mjs",
+    };
+    expect((await run(deployed, ["--version"], { env })).stdout).toBe(
+      `crunch-run (dispatch-cloud) ${VERSION}\n`,
+    );
+    expect((await run(deployed, ["--list"], { env })).stdout).toBe("");
   });
 });
 

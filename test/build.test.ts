@@ -4,7 +4,7 @@
  */
 import { type ChildProcess, execFile, spawn } from "node:child_process";
 import { createHash } from "node:crypto";
-import { mkdtemp, readdir, readFile, rm, stat, writeFile } from "node:fs/promises";
+import { mkdir, mkdtemp, readdir, readFile, rm, stat, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { promisify } from "node:util";
@@ -14,6 +14,7 @@ import { loadRunnerArtifact, runningFromSources } from "../dispatcher/runner-art
 import { DispatchCloudError } from "../lib/errors.ts";
 import { createLogger } from "../lib/logger.ts";
 import {
+  ARTIFACT_LAUNCHER,
   ARTIFACT_NAME,
   buildCjs,
   LAZY_GROUPS,
@@ -41,12 +42,12 @@ afterAll(async () => {
 });
 
 describe("npm run build: dist/dispatch-cloud.cjs", () => {
-  it("is one executable file with a node shebang, PGlite's files after the code", async () => {
+  it("is one executable file behind its two-line launcher, PGlite's files after the code", async () => {
     expect(await readdir(path.dirname(file))).toEqual([ARTIFACT_NAME]);
     const st = await stat(file);
     expect(st.mode & 0o111).toBe(0o111);
     const content = await readFile(file);
-    expect(content.subarray(0, 20).toString()).toBe("#!/usr/bin/env node\n");
+    expect(content.subarray(0, 300).toString().split("\n").slice(0, 2)).toEqual([...ARTIFACT_LAUNCHER]);
     const marker = content.lastIndexOf(PGLITE_TRAILER_MARKER);
     expect(marker).toBeGreaterThan(1_000_000);
     expect(content.subarray(marker - 1, marker).toString()).toBe("\n");
@@ -75,6 +76,33 @@ describe("npm run build: dist/dispatch-cloud.cjs", () => {
   it("runs `--version` (crunch-run's) through its shebang", async () => {
     const { stdout } = await run(file, ["--version"]);
     expect(stdout).toContain(VERSION);
+  });
+
+  it("runs as CommonJS wherever it is put: under a package.json of type module, named .mjs or .js, with NODE_OPTIONS", async () => {
+    // As the dispatcher deploys it into a local VM's root inside a project whose package.json says "module".
+    const project = path.join(dir, "esm-project");
+    const deployed = path.join(project, "data", "local-vms", "vm-1", "root", "tmp", "dispatch-cloud");
+    await mkdir(deployed, { recursive: true });
+    await writeFile(path.join(project, "package.json"), '{"type":"module"}\n');
+    const content = await readFile(file);
+    const env = { ...process.env, DISPATCH_VM_ROOT: path.join(project, "vm-root") };
+    for (const name of ["crunch-run~0123abcd", "runner.mjs", "runner.js"]) {
+      const target = path.join(deployed, name);
+      await writeFile(target, content, { mode: 0o755 });
+      const version = await run(target, ["--version"], { env });
+      expect(version.stdout, name).toBe(`crunch-run (dispatch-cloud) ${VERSION}\n`);
+      const list = await run(target, ["--list"], { env });
+      expect(list.stdout, name).toBe("");
+    }
+    const loaders = "--experimental-default-type=module --import=/nonexistent/loader.mjs";
+    const withOptions = await run(path.join(deployed, "crunch-run~0123abcd"), ["--version"], {
+      env: { ...env, NODE_OPTIONS: loaders },
+    });
+    expect(withOptions.stdout).toBe(`crunch-run (dispatch-cloud) ${VERSION}\n`);
+    // Started by node itself under its .cjs name, the launcher lines are a hashbang and a statement.
+    const cjs = path.join(project, "dispatch-cloud.cjs");
+    await writeFile(cjs, content, { mode: 0o755 });
+    expect((await run(process.execPath, [cjs, "--version"], { env })).stdout).toContain(VERSION);
   });
 
   it("prints the same `config defaults` as config/defaults.yml", async () => {
