@@ -34,6 +34,8 @@ export interface ManagementInstance {
   secondsInState: number;
   /** A spot interruption notice arrived (absent from dispatchers older than the field). */
   preempted?: boolean;
+  /** Why it takes no bundles or is going away (absent from dispatchers older than the field). */
+  problem?: string | null;
 }
 
 /** A queued bundle as `GET /management/v1/bundles` returns it. */
@@ -50,12 +52,22 @@ export interface ManagementBundle {
 
 /**
  * The management token: `--token-file`, else DISPATCH_CLOUD_MANAGEMENT_TOKEN, else the file named by
- * DISPATCH_CLOUD_MANAGEMENT_TOKEN_FILE. The token itself never goes on a command line nor into a message.
+ * DISPATCH_CLOUD_MANAGEMENT_TOKEN_FILE, else the token `serve` on the embedded default wrote to
+ * `<data dir>/management-token` (DISPATCH_CLOUD_DATA_DIR, default ./data). The token itself never goes on a
+ * command line nor into a message.
  */
 export async function findManagementToken(io: CliIo, tokenFile: string | undefined): Promise<string> {
   const fromEnv = io.env["DISPATCH_CLOUD_MANAGEMENT_TOKEN"];
   if (tokenFile === undefined && fromEnv !== undefined && fromEnv.trim() !== "") return fromEnv.trim();
   const file = tokenFile ?? io.env["DISPATCH_CLOUD_MANAGEMENT_TOKEN_FILE"];
+  if (file === undefined || file === "") {
+    const written = resolve(io.cwd, io.env["DISPATCH_CLOUD_DATA_DIR"] ?? "./data", "management-token");
+    const text = await readFile(written, "utf8").then(
+      (t) => t.trim(),
+      () => "",
+    );
+    if (text !== "") return text;
+  }
   if (file !== undefined && file !== "") {
     let text: string;
     try {
@@ -68,7 +80,7 @@ export async function findManagementToken(io: CliIo, tokenFile: string | undefin
   }
   throw new DispatchCloudError(
     "cli.no_token",
-    "no management token: set DISPATCH_CLOUD_MANAGEMENT_TOKEN or pass --token-file FILE (the value of management.token)",
+    "no management token: set DISPATCH_CLOUD_MANAGEMENT_TOKEN, pass --token-file FILE (the value of management.token), or run where `serve` wrote data/management-token",
   );
 }
 

@@ -47,6 +47,12 @@ export interface WorkerView {
   /** `--list` said preempted: a spot interruption notice; shut down as soon as nothing runs on it. */
   readonly preempted?: boolean;
   /**
+   * Why it takes no bundles, may never take one, or is going away, in words for people: the runner cannot run
+   * here (its first error line), a failed deployment, a secret mismatch, broken, preempted, or the shutdown
+   * reason. Null when nothing is wrong.
+   */
+  readonly problem?: string | null;
+  /**
    * Dollars per hour at `now`: the driver's price history for the instance when it has one (EC2 spot prices),
    * else the type's configured price.
    */
@@ -58,7 +64,9 @@ export type CreateRefusal =
   | { kind: "quota"; message: string; instances: number; max: number | null; until: number | null }
   | { kind: "capacity"; message: string; until: number }
   | { kind: "rate_limit"; message: string; until: number }
-  | { kind: "max_concurrent"; message: string; inFlight: number };
+  | { kind: "max_concurrent"; message: string; inFlight: number }
+  /** The runner could not run on the last new instance(s): creates wait, doubling each time it happens again. */
+  | { kind: "runner_failed"; message: string; until: number; instances: number };
 
 export type CreateResult = { ok: true; worker: WorkerView } | { ok: false; refusal: CreateRefusal };
 

@@ -27,6 +27,10 @@ export const InstanceItem = Type.Object(
       description:
         "A spot interruption notice arrived (crunch-run --list said preempted): no new bundles; shut down once idle.",
     }),
+    problem: Type.Union([Type.String(), Type.Null()], {
+      description:
+        "Why it takes no bundles, may never take one, or is going away (the runner's first error line when it cannot run there, a failed deployment, a secret mismatch, broken, preempted, or the shutdown reason); null when nothing is wrong.",
+    }),
     runningBundles: Type.Array(Type.String(), {
       description: "Uuids of the bundles whose runners are on it.",
     }),

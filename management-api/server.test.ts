@@ -137,6 +137,7 @@ describe("management API: authentication, standby, metrics, OpenAPI", () => {
       "state",
       "idleBehavior",
       "preempted",
+      "problem",
       "runningBundles",
       "lastBusyAt",
       "stateSince",

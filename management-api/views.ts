@@ -34,6 +34,7 @@ export function instanceItem(w: WorkerView, nowMs: number): InstanceItem {
     state: w.state,
     idleBehavior: w.idleBehavior,
     preempted: w.preempted === true,
+    problem: w.problem ?? null,
     runningBundles: [...w.runners.keys()].sort(),
     lastBusyAt: w.placeholder ? null : iso(w.lastBusy),
     stateSince: iso(w.stateSince),

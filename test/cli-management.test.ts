@@ -75,25 +75,28 @@ describe("instance list table", () => {
       }),
     ];
     expect(formatInstances(items, false)).toEqual([
-      "local-0001     127.0.0.2  running  run    m.small  local.small  1.2500  b1,b2",
-      "placeholder-7  -          booting  drain  m.large  local.large  0.0500  -",
+      "local-0001     127.0.0.2  running  run    m.small  local.small  1.2500  b1,b2  -",
+      "placeholder-7  -          booting  drain  m.large  local.large  0.0500  -      -",
     ]);
     const withHeader = formatInstances(items, true);
     expect(withHeader).toHaveLength(3);
     expect(withHeader[0]).toBe(
-      "INSTANCE       ADDRESS    STATE    IDLE BEHAVIOR  TYPE     PROVIDER TYPE  PRICE   RUNNING BUNDLES",
+      "INSTANCE       ADDRESS    STATE    IDLE BEHAVIOR  TYPE     PROVIDER TYPE  PRICE   RUNNING BUNDLES  PROBLEM",
     );
     expect(withHeader[1]).toBe(
-      "local-0001     127.0.0.2  running  run            m.small  local.small    1.2500  b1,b2",
+      "local-0001     127.0.0.2  running  run            m.small  local.small    1.2500  b1,b2            -",
     );
     expect(formatInstances([], false)).toEqual([]);
   });
 
   it("marks an instance with a spot interruption notice as preempted in its state", () => {
-    const items = [instance({ state: "running", preempted: true }), instance({ instanceId: "local-0002" })];
+    const items = [
+      instance({ state: "running", preempted: true, problem: "preempted (spot interruption notice)" }),
+      instance({ instanceId: "local-0002", problem: null }),
+    ];
     expect(formatInstances(items, false)).toEqual([
-      "local-0001  127.0.0.2  running,preempted  run  m.small  local.small  0.0500  -",
-      "local-0002  127.0.0.2  idle               run  m.small  local.small  0.0500  -",
+      "local-0001  127.0.0.2  running,preempted  run  m.small  local.small  0.0500  -  preempted (spot interruption notice)",
+      "local-0002  127.0.0.2  idle               run  m.small  local.small  0.0500  -  -",
     ]);
   });
 });

@@ -311,6 +311,81 @@ describe("pool: create, boot, deploy", () => {
     await h.tick(11 * SEC);
     expect(h.pool.worker(id)?.state).toBe("idle");
   });
+
+  it("shuts down an instance whose runner cannot run after three tries, quoting the runner, and then waits before creating", async () => {
+    const message = "ReferenceError: require is not defined in ES module scope";
+    const h = harness(db, { stub: { runnerFails: { message, on: true } } });
+    const res = h.pool.create(SMALL);
+    if (!res.ok) throw new Error("create refused");
+    await h.pool.settled();
+    const [id] = h.pool.workers().map((w) => w.id);
+    if (id === undefined) throw new Error("no worker");
+
+    await h.pool.probeOnce();
+    await h.pool.settled();
+    // Booting still, but no longer silent: the runner's own line, and --version was what showed it.
+    expect(h.pool.worker(id)).toMatchObject({ state: "booting", broken: false });
+    expect(h.pool.worker(id)?.problem).toBe(
+      `the runner cannot run: crunch-run --version exited 1: "${message}"`,
+    );
+    expect(commandsTo(h, id).at(-1)).toMatch(/crunch-run~[0-9a-f]{64}" --version$/);
+    await h.tick(11 * SEC);
+    expect(h.pool.worker(id)?.state).toBe("booting");
+    expect(h.pool.createsBlocked()).toBeNull();
+    await h.tick(11 * SEC);
+    expect(h.pool.worker(id)).toMatchObject({ state: "shutdown" });
+    expect(h.pool.worker(id)?.problem).toBe(
+      `the runner cannot run: crunch-run --version exited 1: "${message}"`,
+    );
+    expect(await metricValue(h.registry, "dispatchcloud_boot_outcomes_total", { outcome: "failure" })).toBe(
+      1,
+    );
+
+    // Creates wait a minute, then twice as long after the next instance fails the same way.
+    const refused = h.pool.create(SMALL);
+    expect(refused.ok).toBe(false);
+    if (refused.ok) return;
+    expect(refused.refusal).toMatchObject({
+      kind: "runner_failed",
+      instances: 1,
+      until: h.clock.now() + MIN,
+    });
+    expect(refused.refusal.message).toContain(message);
+    await h.clock.advance(MIN);
+    const again = h.pool.create(SMALL);
+    expect(again.ok).toBe(true);
+    await h.pool.settled();
+    for (let i = 0; i < 3; i++) await h.tick(11 * SEC);
+    expect(h.pool.createsBlocked()).toMatchObject({
+      kind: "runner_failed",
+      instances: 2,
+      until: h.clock.now() + 2 * MIN,
+    });
+
+    // A runner that runs again on a new instance lifts the wait.
+    h.cloud.knobs.runnerFails = null;
+    await h.clock.advance(2 * MIN);
+    const [ok] = await h.ready(SMALL);
+    expect(h.pool.worker(ok!)?.problem).toBeNull();
+    expect(h.pool.createsBlocked()).toBeNull();
+  });
+
+  it("takes a --list that prints what is not its grammar as a runner that cannot run", async () => {
+    const h = harness(db);
+    const res = h.pool.create(SMALL);
+    if (!res.ok) throw new Error("create refused");
+    await h.pool.settled();
+    const [id] = h.pool.workers().map((w) => w.id);
+    if (id === undefined) throw new Error("no worker");
+    const vm = h.vmOf(id);
+    vm.runners.set("x", { uuid: "not a uuid", state: "running" } as never);
+    await h.pool.probeOnce();
+    await h.pool.settled();
+    expect(h.pool.worker(id)?.state).toBe("booting");
+    expect(h.pool.worker(id)?.problem).toBe(
+      'the runner cannot run: crunch-run --list printed "not a uuid", which is not its grammar',
+    );
+  });
 });
 
 describe("pool: shutdown rules", () => {

@@ -8,7 +8,8 @@ const USAGE = `usage: dispatch-cloud instance list [--header] [--json]
        dispatch-cloud instance hold|drain|run ID...
        dispatch-cloud instance kill ID... [--reason TEXT]
 (clients of the management API: --management-url URL or DISPATCH_CLOUD_MANAGEMENT_URL, default
-http://127.0.0.1:8901; token from DISPATCH_CLOUD_MANAGEMENT_TOKEN or --token-file F)
+http://127.0.0.1:8901; token from DISPATCH_CLOUD_MANAGEMENT_TOKEN, --token-file F, or the
+management-token file serve writes in its data directory)
   hold   never shut down automatically, gets no new bundles (investigate a suspect VM)
   drain  gets no new bundles, shut down as soon as nothing runs on it
   run    the normal behaviour again
@@ -23,11 +24,13 @@ export const INSTANCE_HEADER = [
   "PROVIDER TYPE",
   "PRICE",
   "RUNNING BUNDLES",
+  "PROBLEM",
 ];
 
 /**
  * The `instance list` table: one row per instance, running bundles comma-separated ("-" for none); the state of
- * an instance with a spot interruption notice reads e.g. `running,preempted`.
+ * an instance with a spot interruption notice reads e.g. `running,preempted`; the last column says what is wrong
+ * with it ("-" when nothing is).
  */
 export function formatInstances(items: ManagementInstance[], header: boolean): string[] {
   const rows = header ? [INSTANCE_HEADER] : [];
@@ -41,6 +44,7 @@ export function formatInstances(items: ManagementInstance[], header: boolean): s
       i.providerType,
       i.price.toFixed(4),
       i.runningBundles.length === 0 ? "-" : i.runningBundles.join(","),
+      i.problem == null || i.problem === "" ? "-" : i.problem,
     ]);
   }
   return table(rows);

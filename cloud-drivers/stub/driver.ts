@@ -56,6 +56,8 @@ export interface StubKnobs {
   neverBoot: VmSelector;
   /** VMs on which the runner cannot be installed and is never found. */
   runnerMissing: VmSelector;
+  /** VMs on which the installed runner cannot run: each call prints this message on stderr and exits 1. */
+  runnerFails: { message: string; on: VmSelector } | null;
   /** Probability that a runner started by --detach dies at once (it is not listed afterwards). */
   runnerCrashRate: number;
   /** Time `crunch-run --detach` takes (the runner is listed from the start of it). */
@@ -175,6 +177,7 @@ export class StubCloud extends EventEmitter<StubCloudEvents> implements StubExec
       commandsFail: false,
       neverBoot: false,
       runnerMissing: false,
+      runnerFails: null,
       runnerCrashRate: 0,
       runnerDetachDelay: 0,
       runnersIgnoreTerm: false,
@@ -366,6 +369,8 @@ export class StubCloud extends EventEmitter<StubCloudEvents> implements StubExec
       vm.commandsFail = this.select(this.knobs.commandsFail, vm);
       vm.neverBoot = this.select(this.knobs.neverBoot, vm);
       vm.runnerMissing = this.select(this.knobs.runnerMissing, vm);
+      const runnerFails = this.knobs.runnerFails;
+      vm.runnerFails = runnerFails !== null && this.select(runnerFails.on, vm) ? runnerFails.message : null;
       this.vms.set(vm.id, vm);
       this.live++;
       this.emit("vm:create", vm);

@@ -70,7 +70,9 @@ describe("stub executor", () => {
     expect(vm.files.has(`/tmp/dispatch-cloud/crunch-run~${HASH}.tmp`)).toBe(false);
     const after = await exec.execute(`sha256sum ${RUNNER}`);
     expect(text(after.stdout)).toBe(`${HASH}  /tmp/dispatch-cloud/crunch-run~${HASH}\n`);
-    expect(text((await exec.execute(`${RUNNER} --version`)).stdout)).toBe(`crunch-run (stub) ${HASH}\n`);
+    expect(text((await exec.execute(`${RUNNER} --version`)).stdout)).toBe(
+      `crunch-run (dispatch-cloud) stub-${HASH.slice(0, 12)}\n`,
+    );
     const again = await exec.execute(INSTALL, { stdin: BINARY });
     expect(again.exitCode).toBe(0);
     expect(vm.files.get(`/tmp/dispatch-cloud/crunch-run~${HASH}`)).toBe(BINARY);

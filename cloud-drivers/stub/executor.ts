@@ -382,6 +382,10 @@ class Run {
       write(io.stderr, `sh: 1: ${name}: not found\n`);
       return 127;
     }
+    if (vm.runnerFails !== null) {
+      write(io.stderr, `${vm.runnerFails}\n`);
+      return 1;
+    }
     if (args.includes("--list")) {
       for (const r of vm.runners.values()) {
         if (r.state === "running") write(io.stdout, `${r.uuid}\n`);
@@ -392,7 +396,8 @@ class Run {
       return 0;
     }
     if (args.includes("--version")) {
-      write(io.stdout, `crunch-run (stub) ${this.host.sha256(vm.files.get(resolvePath(name)) as Buffer)}\n`);
+      const sha = this.host.sha256(vm.files.get(resolvePath(name)) as Buffer);
+      write(io.stdout, `crunch-run (dispatch-cloud) stub-${sha.slice(0, 12)}\n`);
       return 0;
     }
     const kill = args.indexOf("--kill");

@@ -87,6 +87,11 @@ export class StubVm extends EventEmitter<StubVmEvents> {
   neverBoot = false;
   /** The runner cannot be installed (writes to crunch-run* paths fail) and is never found. */
   runnerMissing = false;
+  /**
+   * The runner is installed but cannot run: every `crunch-run ...` prints this line on stderr and exits 1 (as an
+   * artifact that Node cannot load does). Null: it runs.
+   */
+  runnerFails: string | null = null;
   /** Files on the VM: absolute path (with the VM root convention expanded to nothing) -> contents. */
   readonly files = new Map<string, Buffer>();
   readonly runners = new Map<string, StubRunner>();

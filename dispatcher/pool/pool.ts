@@ -41,6 +41,14 @@ export const QUOTA_BLOCK_MS = 60_000;
 /** probeNow: at most one immediate probe per worker per this long, repeated for at most IMMEDIATE_WINDOW_MS. */
 export const IMMEDIATE_PROBE_MS = 1000;
 const IMMEDIATE_WINDOW_MS = 60_000;
+/**
+ * Probes in a row in which the runner cannot run before the instance is shut down as broken; then creates wait
+ * RUNNER_BLOCK_MS, doubled for each further instance that fails the same way in a row (at most
+ * RUNNER_BLOCK_MAX_MS), until an instance becomes ready.
+ */
+export const RUNNER_FAILURE_TRIES = 3;
+export const RUNNER_BLOCK_MS = 60_000;
+export const RUNNER_BLOCK_MAX_MS = 16 * 60_000;
 /** Bounds of the start document's spotCheckIntervalMs (crunch-run/start-doc.ts). */
 const SPOT_CHECK_MS = { min: 10, max: 3_600_000 } as const;
 
@@ -159,6 +167,8 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
   let knownSeq = 0;
   let quotaHit: { instances: number; until: number | null; message: string } | null = null;
   let rateLimit: Block | null = null;
+  /** New instances in a row whose runner could not run, and the block on creates that follows. */
+  let runnerFailed: { instances: number; until: number; message: string } | null = null;
   const capacity = {
     types: new Map<string, Block>(),
     groups: new Map<string, Block>(),
@@ -329,6 +339,15 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     const now = clock.now();
     if (rateLimit !== null && now < rateLimit.until) {
       return { kind: "rate_limit", message: rateLimit.message, until: rateLimit.until };
+    }
+    if (runnerFailed !== null && now < runnerFailed.until) {
+      const n = runnerFailed.instances;
+      return {
+        kind: "runner_failed",
+        message: `the runner could not run on the last ${n === 1 ? "new instance" : `${n} new instances`} (${runnerFailed.message})`,
+        until: runnerFailed.until,
+        instances: n,
+      };
     }
     const max = cloud.maxConcurrentInstanceCreateOps;
     if (max > 0 && createCalls >= max) {
@@ -760,7 +779,10 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
         shutdownWorker(w, "secret mismatch", "failure");
         return;
       }
-      if (r.stage === "deploy") {
+      if (r.stage === "runner") {
+        runnerCannotRun(w, r.message, now);
+        if (isGone(w)) return;
+      } else if (r.stage === "deploy") {
         w.deployFailed = true;
         w.log.warn({ reason: r.message }, "runner deployment failed");
       } else if (booting) {
@@ -773,6 +795,8 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     }
     w.lastProbeError = null;
     w.deployFailed = false;
+    w.runnerFailures = 0;
+    w.runnerFailure = null;
     if (r.booted) w.runnerPresent = true;
     if (r.deployed) w.log.info({ sha256: runner.sha256 }, "runner deployed");
     w.probedAt = r.listSentAt;
@@ -780,6 +804,10 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     if (booting) {
       if (w.created && !w.bootDone) metrics.timeToReady(now - w.since);
       bootOutcome(w, "success");
+      if (runnerFailed !== null) {
+        w.log.info("the runner runs on a new instance again: creates no longer wait");
+        runnerFailed = null;
+      }
       w.lastBusy = now;
       setState(w, w.runners.size > 0 ? "running" : "idle");
       w.log.info({ runners: w.runners.size }, "instance ready");
@@ -787,6 +815,31 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       settleBusy(w);
     }
     applyRules(w, now);
+  }
+
+  /**
+   * The runner is in place but cannot run on `w` (it exits non-zero or prints what is not its grammar): no
+   * bundle could ever start there. After RUNNER_FAILURE_TRIES probes in a row it is shut down with the runner's
+   * own words, and creates wait (runnerFailed) so that an artifact broken everywhere does not make the pool
+   * replace instance after instance.
+   */
+  function runnerCannotRun(w: Worker, message: string, now: number): void {
+    w.runnerFailures++;
+    w.runnerFailure = message;
+    w.log.warn(
+      { reason: message, try: w.runnerFailures, of: RUNNER_FAILURE_TRIES },
+      "the runner cannot run on this instance",
+    );
+    if (w.runnerFailures < RUNNER_FAILURE_TRIES) return;
+    shutdownWorker(w, `the runner cannot run: ${message}`, "failure");
+    if (!w.created) return;
+    const instances = (runnerFailed?.instances ?? 0) + 1;
+    const until = now + Math.min(RUNNER_BLOCK_MAX_MS, RUNNER_BLOCK_MS * 2 ** (instances - 1));
+    runnerFailed = { instances, until, message };
+    log.warn(
+      { reason: message, instances, until: new Date(until).toISOString() },
+      "the runner cannot run on new instances: creates wait",
+    );
   }
 
   function updateRunners(w: Worker, listed: ListedRunners, now: number): void {

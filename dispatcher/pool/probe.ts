@@ -5,13 +5,23 @@
  * ssh.not_ready (still booting) or ssh.host_mismatch (not our instance). Probes only report; the pool decides.
  */
 import type { Executor } from "../sshexec/types.ts";
-import { checksumMatches, type ListedRunners, parseList, type RunnerCommands } from "./runner-commands.ts";
+import {
+  checksumMatches,
+  type ListedRunners,
+  parseList,
+  type RunnerCommands,
+  VERSION_LINE,
+} from "./runner-commands.ts";
 
 /** Bounds on one command of a probe (the real SSH executor also bounds connecting). */
 export const PROBE_COMMAND_TIMEOUT_MS = 60_000;
 export const DEPLOY_TIMEOUT_MS = 5 * 60_000;
 
-export type ProbeStage = "connect" | "boot" | "deploy" | "list";
+/**
+ * Where a probe failed. `runner`: the runner is in place but cannot run (`--version` or `--list` exits non-zero
+ * or prints what is not its grammar): not a booting instance, a broken one.
+ */
+export type ProbeStage = "connect" | "boot" | "deploy" | "runner" | "list";
 
 export type ProbeResult =
   | {
@@ -69,8 +79,16 @@ export async function probeBooting(
   ) => {
     const res = await t.exec.execute(command, { timeoutMs, ...(stdin === undefined ? {} : { stdin }) });
     answered = true;
-    if (res.exitCode !== 0)
+    if (res.exitCode !== 0) {
+      if (stage === "runner") {
+        const what = command === t.cmds.version ? "--version" : "--list";
+        throw new StageFailed(
+          stage,
+          `crunch-run ${what} ${describeExit(res)}: ${quoteLine(firstErrorLine(res.stderr, res.stdout))}`,
+        );
+      }
       throw new StageFailed(stage, `${stage} command ${describeExit(res)}: ${tail(res.stderr)}`);
+    }
     return res;
   };
   try {
@@ -91,10 +109,23 @@ export async function probeBooting(
         await run("deploy", t.cmds.deploy, t.runner.content, DEPLOY_TIMEOUT_MS);
         deployed = true;
       }
+      // The runner in place must run here: an artifact that cannot start fails this, not every later probe.
+      const version = await run("runner", t.cmds.version);
+      const line = version.stdout.toString("utf8").trim();
+      if (!VERSION_LINE.test(line)) {
+        throw new StageFailed("runner", `crunch-run --version printed ${quoteLine(line)}, not its version`);
+      }
     }
     const listSentAt = t.now();
-    const res = await run("list", t.cmds.list);
+    // Booted, with the runner in place: a --list that fails or prints what is not its grammar is the runner's.
+    const res = await run(booted ? "runner" : "list", t.cmds.list);
     const listed = parseList(res.stdout.toString("utf8"));
+    if (booted && listed.unknown.length > 0) {
+      throw new StageFailed(
+        "runner",
+        `crunch-run --list printed ${quoteLine(listed.unknown[0]!)}, which is not its grammar`,
+      );
+    }
     if (!booted && listed.runners.size === 0) {
       return { ok: false, stage: "boot", message: "boot probe failed", answered, mismatch: false };
     }
@@ -140,6 +171,33 @@ function failure(err: unknown, answered: boolean): ProbeResult {
 
 function describeExit(res: { exitCode: number | null; signal: string | null }): string {
   return res.exitCode === null ? `was killed by ${res.signal ?? "a signal"}` : `exited ${res.exitCode}`;
+}
+
+/**
+ * The line of a failed program's output that says what went wrong: the first `SomethingError:` line (Node's
+ * uncaught errors print the source line and a caret first), else the first line mentioning an error, else the
+ * first line of stderr, else of stdout. Empty when both are empty.
+ */
+export function firstErrorLine(stderr: Buffer, stdout: Buffer = Buffer.alloc(0)): string {
+  const lines = (b: Buffer) =>
+    b
+      .toString("utf8")
+      .split("\n")
+      .map((l) => l.trim())
+      .filter((l) => l !== "");
+  const err = lines(stderr);
+  const line =
+    err.find((l) => /^[A-Za-z_$.]*(Error|Exception)\b/.test(l)) ??
+    err.find((l) => /error/i.test(l)) ??
+    err[0] ??
+    lines(stdout)[0] ??
+    "";
+  return line.length > 200 ? `${line.slice(0, 200)}...` : line;
+}
+
+/** A line of a program's output inside a message: quoted, control characters escaped, at most 200 characters. */
+function quoteLine(line: string): string {
+  return line === "" ? "nothing" : JSON.stringify(line.length > 200 ? `${line.slice(0, 200)}...` : line);
 }
 
 /** The end of a command's stderr, short enough for a log line. */

@@ -20,6 +20,8 @@ export interface RunnerCommands {
   /** Installs the runner from stdin (written to a temporary name, then moved into place). */
   readonly deploy: string;
   readonly list: string;
+  /** Prints `crunch-run (dispatch-cloud) <version>` (VERSION_LINE). */
+  readonly version: string;
   detach(uuid: string): string;
   kill(uuid: string, signal?: number): string;
 }
@@ -41,10 +43,14 @@ export function runnerCommands(deployRunnerDirectory: string, sha256: string): R
     checksum: `sha256sum ${path}`,
     deploy: `mkdir -p "${base}" && cat >${tmp} && chmod 0755 ${tmp} && mv -f ${tmp} ${path}`,
     list: `${path} --list`,
+    version: `${path} --version`,
     detach: (uuid) => `${path} --detach ${uuidOf(uuid)}`,
     kill: (uuid, signal = 15) => `${path} --kill ${signal} ${uuidOf(uuid)}`,
   };
 }
+
+/** What `crunch-run --version` prints (crunch-run/main.ts), its version captured. */
+export const VERSION_LINE = /^crunch-run \(dispatch-cloud\) (\S+)$/;
 
 /** True when `sha256sum` output names the expected hash. */
 export function checksumMatches(stdout: string, sha256: string): boolean {

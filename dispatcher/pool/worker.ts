@@ -54,6 +54,9 @@ export class Worker implements WorkerView {
   spareSocket: string | null = null;
   secretMismatch = false;
   deployFailed = false;
+  /** Probes in a row in which the runner, in place, could not run (`--version`/`--list`), and the last reason. */
+  runnerFailures = 0;
+  runnerFailure: string | null = null;
   /** The runner binary was found or put in place by this pool. */
   runnerPresent = false;
   bootDone = false;
@@ -114,6 +117,17 @@ export class Worker implements WorkerView {
 
   get broken(): boolean {
     return this.listBroken || this.secretMismatch || this.deployFailed || this.preempted;
+  }
+
+  /** Why it gets no bundles or is going away, for people (WorkerView.problem). */
+  get problem(): string | null {
+    if (this.shutdownReason !== null) return this.shutdownReason;
+    if (this.secretMismatch) return "secret mismatch: not our instance";
+    if (this.runnerFailure !== null) return `the runner cannot run: ${this.runnerFailure}`;
+    if (this.deployFailed) return `runner deployment failed: ${this.lastProbeError ?? "unknown error"}`;
+    if (this.preempted) return "preempted (spot interruption notice)";
+    if (this.listBroken) return "crunch-run reports the instance broken";
+    return null;
   }
 
   /** A child logger naming the instance (renewed when a placeholder gets its real id). */

@@ -701,7 +701,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         e,
         slot.worker.placeholder
           ? say.waitingForNewInstance(slot.typeName)
-          : say.waitingForBoot(slot.id, slot.typeName),
+          : say.waitingForBoot(slot.id, slot.typeName, slot.worker.problem ?? null),
       );
     };
 

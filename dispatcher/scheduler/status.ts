@@ -18,9 +18,9 @@ export const inQueue = (position: number, sentence: string): string =>
 export const withHint = (sentence: string, hint: string | null): string =>
   hint === null ? sentence : `${sentence}; ${hint}`;
 
-/** Planned on an instance that is booting (or not yet probed). */
-export const waitingForBoot = (instanceId: string, typeName: string): string =>
-  `waiting for instance ${instanceId} (${typeName}) to boot`;
+/** Planned on an instance that is booting (or not yet probed); `problem`: what went wrong there so far. */
+export const waitingForBoot = (instanceId: string, typeName: string, problem: string | null = null): string =>
+  `waiting for instance ${instanceId} (${typeName}) to boot${problem === null ? "" : ` (${problem})`}`;
 
 /** Planned on an instance whose create call is still in flight. */
 export const waitingForNewInstance = (typeName: string): string =>
@@ -50,6 +50,8 @@ export function waitingToCreate(refusal: CreateRefusal): string {
       } in flight`;
     case "capacity":
       return `waiting to create an instance: ${refusal.message}`;
+    case "runner_failed":
+      return `waiting to create an instance: ${refusal.message}; next try at ${hhmm(refusal.until)}`;
     case "quota":
       return atQuota(refusal.instances, refusal.max);
   }
