@@ -28,7 +28,7 @@ users and bundles (clients of the REST server: --api-url URL, token from DISPATC
   submit [FILE] [flags] -- CMD  submit a bundle; --wait follows it until it is final
   bundles list|show|kill|events
 operators (clients of the management API: --management-url URL, default http://127.0.0.1:8901; token from
-DISPATCH_CLOUD_MANAGEMENT_TOKEN or --token-file F):
+DISPATCH_CLOUD_MANAGEMENT_TOKEN, --token-file F, or <data dir>/management-token):
   instance list [--header]      every instance as the dispatcher sees it
   instance hold|drain|run|kill ID...  change an instance's idle behaviour, or destroy it
   queue [--header]              the queue in scheduler order, with why each bundle is not running

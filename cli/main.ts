@@ -16,6 +16,14 @@ async function main(argv: string[]): Promise<number> {
     const { runLocalVm } = await import("../cloud-drivers/local/vm-main.ts");
     return new Promise<number>(() => runLocalVm(argv[1]));
   }
+  // Output to a closed pipe (`dispatch-cloud config defaults | head`) ends the command quietly: whoever read
+  // the output has what they wanted.
+  for (const stream of [process.stdout, process.stderr]) {
+    stream.on("error", (err: NodeJS.ErrnoException) => {
+      if (err.code === "EPIPE") process.exit(process.exitCode ?? 0);
+      throw err;
+    });
+  }
   const { runCli } = await import("./cli.ts");
   const io: CliIo = {
     argv,
@@ -25,7 +33,11 @@ async function main(argv: string[]): Promise<number> {
     err: (line) => process.stderr.write(`${line}\n`),
     progress: (line) => process.stderr.write(`${line}\n`),
   };
-  return runCli(io);
+  const code = await runCli(io);
+  // A command that has returned is done: if something it opened still holds the event loop (a server that
+  // failed half-way, a timer), the process ends anyway rather than hang. Unref'd, so a clean exit is not delayed.
+  setTimeout(() => process.exit(code), 3000).unref();
+  return code;
 }
 
 main(process.argv.slice(2)).then(

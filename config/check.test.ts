@@ -71,7 +71,7 @@ describe("checkConfigFile and formatProblems", () => {
     const result = checkConfigFile(file("enum.yml", "logging:\n  format: xml\n"), {});
     expect(result.ok).toBe(false);
     expect(formatProblems(result.problems)).toEqual([
-      'logging.format: must be one of: json, text; got "xml" (config.invalid_value) [line 2]',
+      'logging.format: must be one of: auto, json, text; got "xml" (config.invalid_value) [line 2]',
     ]);
   });
 });

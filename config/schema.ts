@@ -191,9 +191,9 @@ const Logging = Section("Process logs (on stderr).", {
     "info",
   ),
   format: OneOf(
-    ["json", "text"] as const,
-    "json: one JSON object per line; text: human-readable lines.",
-    "json",
+    ["auto", "json", "text"] as const,
+    "json: one JSON object per line; text: human-readable lines; auto: text when stderr is a terminal, else json.",
+    "auto",
   ),
 });
 

@@ -150,6 +150,17 @@ export const ERROR_CODES = {
     status: 500,
     description: "A database migration failed; nothing after it ran.",
   },
+  // Processes (serve, rest-server, dispatcher).
+  "serve.data_dir_in_use": {
+    status: 409,
+    description:
+      "Another `serve` holds the data directory (one per directory); the message names its process. Stop it, or use another dataDir.",
+  },
+  "serve.cannot_listen": {
+    status: 503,
+    description:
+      "A server could not listen on its configured address (in use by another process, or not allowed); the process exits.",
+  },
   // crunch-run (the runner on each instance).
   "crunchrun.usage": { status: 400, description: "crunch-run's command line is malformed." },
   "crunchrun.invalid_start_document": {

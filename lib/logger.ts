@@ -5,9 +5,19 @@ export type { Logger } from "pino";
 
 export interface LoggerOptions {
   level: string;
-  format: "json" | "text";
+  /** `auto`: text when the destination is a terminal (people read it), JSON otherwise (programs do). */
+  format: "json" | "text" | "auto";
   /** Where log lines go; stderr by default so command output on stdout stays clean. */
   destination?: NodeJS.WritableStream;
+}
+
+/** The format `auto` stands for on this destination. */
+export function resolveLogFormat(
+  format: LoggerOptions["format"],
+  destination: NodeJS.WritableStream = process.stderr,
+): "json" | "text" {
+  if (format !== "auto") return format;
+  return (destination as { isTTY?: boolean }).isTTY === true ? "text" : "json";
 }
 
 /** Paths pino blanks out wherever they appear, so a secret that reaches a log call is never written. */
@@ -25,7 +35,8 @@ export const REDACTED_PATHS = [
 /** The one logger of a process; components take `logger.child({ component })`. */
 export function createLogger(opts: LoggerOptions): Logger {
   const destination = opts.destination ?? process.stderr;
-  const stream = opts.format === "text" ? textStream(destination) : destination;
+  const stream =
+    resolveLogFormat(opts.format, destination) === "text" ? textStream(destination) : destination;
   return pino(
     {
       level: opts.level,

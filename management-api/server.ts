@@ -19,6 +19,7 @@ import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
 import { createEligibleNames } from "../dispatcher/scheduler/eligible.ts";
 import type { Clock } from "../lib/clock.ts";
 import { DispatchCloudError, ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
+import { logRequestsAtDebug } from "../lib/http-log.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import { bearerToken } from "../rest-server/auth.ts";
 import { constantTimeEqual } from "../rest-server/tokens.ts";
@@ -64,7 +65,12 @@ export async function createManagementServer(opts: ManagementServerOptions): Pro
           { component: "management-api" },
           { redact: { paths: REDACTED_PATHS, censor: "[redacted]" } },
         );
-  const app = Fastify({ loggerInstance: logger as FastifyBaseLogger, bodyLimit: 64 * 1024 });
+  const app = Fastify({
+    loggerInstance: logger as FastifyBaseLogger,
+    bodyLimit: 64 * 1024,
+    disableRequestLogging: true,
+  });
+  logRequestsAtDebug(app);
 
   app.addHook("onRequest", async (request) => {
     if (token === "") {

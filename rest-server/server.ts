@@ -12,6 +12,7 @@ import Fastify, {
 import { pino } from "pino";
 import type { Clock } from "../lib/clock.ts";
 import { DispatchCloudError, ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
+import { logRequestsAtDebug } from "../lib/http-log.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import { usersApiDocument } from "../management-api/openapi.ts";
 import type { Db } from "../store/db.ts";
@@ -100,7 +101,9 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
       customOptions: { removeAdditional: false, coerceTypes: false, useDefaults: false, allErrors: false },
     },
     return503OnClosing: true,
+    disableRequestLogging: true,
   });
+  logRequestsAtDebug(app);
 
   app.decorateRequest("caller", null);
   app.decorateRequest("runnerBundle", null);

@@ -77,6 +77,11 @@ if ! docker image inspect "$TEST_IMAGE" >/dev/null 2>&1; then
   tar -C "$root" -c . | docker import -c 'ENV PATH=/bin' - "$TEST_IMAGE" >/dev/null
   rm -rf "$root"
 fi
+# The README's first bundle names `busybox`; no registry is reachable, so the test image stands in for it.
+if ! docker image inspect busybox >/dev/null 2>&1; then
+  log "tagging $TEST_IMAGE as busybox (the README's first bundle uses that name)"
+  docker tag "$TEST_IMAGE" busybox:latest
+fi
 echo "export DISPATCH_CLOUD_TEST_IMAGE=$TEST_IMAGE"
 echo "export DISPATCH_CLOUD_TEST_VM_USER=$VM_USER"
 echo "export DISPATCH_CLOUD_TEST_PG_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"

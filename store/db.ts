@@ -9,6 +9,7 @@ import { mkdirSync } from "node:fs";
 import type { PGlite, Transaction as PGliteTransaction } from "@electric-sql/pglite";
 import pg from "pg";
 import type { Logger } from "pino";
+import { makeTreePrivate } from "../lib/data-dir.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { pgliteAssets } from "./pglite-assets.ts";
 
@@ -432,7 +433,9 @@ function pgliteTxDb(tx: PGliteTransaction, depth: number): Db {
  */
 async function openPglite(dir: string | undefined, opts: OpenDbOptions): Promise<Db> {
   const logger = opts.logger;
-  if (dir !== undefined) mkdirSync(dir, { recursive: true });
+  // The database is private to this user: the directory 0700, and the files PGlite unpacks (world-writable in
+  // its bundle) made private once it has opened them (lib/data-dir.ts).
+  if (dir !== undefined) mkdirSync(dir, { recursive: true, mode: 0o700 });
   // Loaded on first use (commands that do not open PGlite do not pay for it), with the wasm and data files
   // built into the one-file artifact when it runs from there (store/pglite-assets.ts).
   const [{ PGlite: PGliteClass }, assets] = await Promise.all([
@@ -443,6 +446,7 @@ async function openPglite(dir: string | undefined, opts: OpenDbOptions): Promise
     ...(dir === undefined ? {} : { dataDir: dir }),
     ...assets,
   });
+  if (dir !== undefined) await makeTreePrivate(dir);
   let tail: Promise<unknown> = Promise.resolve();
   const exclusive = <T>(fn: () => Promise<T>): Promise<T> => {
     const run = tail.then(fn, fn);

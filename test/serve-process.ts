@@ -30,10 +30,11 @@ export interface ServeProcess {
 
 /**
  * Starts `bin/dispatch-cloud serve` as a real process on a fresh PGlite directory and an ephemeral port,
- * and resolves once it prints the address it listens on.
+ * and resolves once it prints the address it listens on. `opts.dir`: the directory to use (its `data/` is the
+ * data directory; removed by stop()) instead of a new one.
  */
-export async function startServe(extraYaml = ""): Promise<ServeProcess> {
-  const dir = await mkdtemp(join(tmpdir(), "dc-serve-"));
+export async function startServe(extraYaml = "", opts: { dir?: string } = {}): Promise<ServeProcess> {
+  const dir = opts.dir ?? (await mkdtemp(join(tmpdir(), "dc-serve-")));
   const config = join(dir, "config.yml");
   await writeFile(
     config,

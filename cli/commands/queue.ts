@@ -7,7 +7,7 @@ const USAGE = `usage: dispatch-cloud queue [--header] [--json]
        dispatch-cloud queue show UUID [--json]
 The dispatcher's queue in scheduler order, each bundle with the reason it is not running yet (a client of the
 management API: --management-url URL or DISPATCH_CLOUD_MANAGEMENT_URL, default http://127.0.0.1:8901; token
-from DISPATCH_CLOUD_MANAGEMENT_TOKEN or --token-file F).`;
+from DISPATCH_CLOUD_MANAGEMENT_TOKEN, --token-file F, or <data dir>/management-token).`;
 
 export const QUEUE_HEADER = ["UUID", "STATE", "PRIORITY", "TYPE", "WAITING SINCE", "STATUS"];
 

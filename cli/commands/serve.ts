@@ -1,4 +1,5 @@
-import { chmod, mkdir, writeFile } from "node:fs/promises";
+import { randomBytes } from "node:crypto";
+import { chmod, mkdir, readFile, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
 import type { FastifyInstance } from "fastify";
 import { Registry } from "prom-client";
@@ -8,6 +9,7 @@ import { createDispatcher } from "../../dispatcher/main.ts";
 import { instancePriceLookup } from "../../dispatcher/metrics.ts";
 import { loadRunnerArtifact } from "../../dispatcher/runner-artifact.ts";
 import { systemClock } from "../../lib/clock.ts";
+import { lockDataDir, preparePrivateDir } from "../../lib/data-dir.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { createLogger, type Logger } from "../../lib/logger.ts";
 import { createManagementServer } from "../../management-api/server.ts";
@@ -89,15 +91,67 @@ export function splitListen(listen: string, key: string): { host: string; port: 
   return { host: m[1]!.replace(/^\[(.*)\]$/, "$1"), port: Number(m[2]) };
 }
 
+/** Where `serve` on the embedded default keeps the management API's token (like admin-token). */
+export const MANAGEMENT_TOKEN_FILE = "management-token";
+
+/**
+ * The embedded default's management token: `<dataDir>/management-token` (mode 0600), made on the first start
+ * and read on later ones; the CLI's operator commands find it there as the users' commands find admin-token.
+ * Returns the config with management.token pointing at the file.
+ */
+export async function ensureManagementToken(
+  config: Config,
+  dataDir: string,
+  logger: Logger,
+): Promise<Config> {
+  const file = join(dataDir, MANAGEMENT_TOKEN_FILE);
+  let token = await readFile(file, "utf8").then(
+    (t) => t.trim(),
+    () => "",
+  );
+  if (token === "") {
+    token = `dcm_${randomBytes(24).toString("base64url")}`;
+    await writeFile(file, `${token}\n`, { mode: 0o600 });
+    await chmod(file, 0o600);
+    logger.info({ tokenFile: file }, "created the management API's token; it is in the token file");
+  }
+  return { ...config, management: { ...config.management, token: `file://${file}` } };
+}
+
+/** Listens, turning "address in use" and the like into serve.cannot_listen naming the config key. */
+export async function listenOn(app: FastifyInstance, listen: string, key: string): Promise<string> {
+  const { host, port } = splitListen(listen, key);
+  try {
+    return await app.listen({ host, port });
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    const why =
+      code === "EADDRINUSE"
+        ? "the address is in use by another process"
+        : code === "EACCES"
+          ? "not allowed (ports below 1024 need privileges)"
+          : code === "EADDRNOTAVAIL"
+            ? "no such address on this machine"
+            : (err as Error).message;
+    throw new DispatchCloudError("serve.cannot_listen", `cannot listen on ${listen} (${key}): ${why}`, {
+      path: key,
+      cause: err,
+    });
+  }
+}
+
 /**
  * `serve` (everything in one process, the embedded default) and `rest-server` (the users' API alone, on
- * PostgreSQL). Runs until SIGINT or SIGTERM, or until io.signal aborts.
+ * PostgreSQL). Runs until SIGINT or SIGTERM, or until io.signal aborts. The data directory is made private
+ * first; `serve` then takes it for itself (lib/data-dir.ts: a second `serve` on it exits at once, naming this
+ * one) before it opens the database. Whatever fails on the way, everything opened so far is closed again, so
+ * the process ends (non-zero) instead of hanging.
  */
 export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Promise<number> {
   let config = configFromArgs(io, io.argv);
+  const embedded = mode === "serve" && configPath(io, io.argv) === undefined;
   // The embedded default is for trying dispatch-cloud on one machine, which may have no docker.
-  if (mode === "serve" && configPath(io, io.argv) === undefined)
-    config = { ...config, dispatcher: { ...config.dispatcher, runtimeEngine: "auto" } };
+  if (embedded) config = { ...config, dispatcher: { ...config.dispatcher, runtimeEngine: "auto" } };
   if (mode === "rest-server" && config.database.url.startsWith("pglite:")) {
     throw new DispatchCloudError(
       "config.invalid_value",
@@ -106,74 +160,81 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     );
   }
   const logger = createLogger(config.logging);
-  // Before anything starts: a missing cloud.deployRunnerBinary is a config error.
-  const runner =
-    mode === "serve"
-      ? await loadRunnerArtifact({ deployRunnerBinary: config.cloud.deployRunnerBinary, logger })
-      : null;
-  const db = await openMigrated(config, logger);
-  await ensureAdmin(db, config, logger);
-  const app = await createRestServer({
-    db,
-    logger,
-    clusterId: config.clusterId,
-    maxRequestBodySize: config.restServer.maxRequestBodySize,
-    defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
-    dataDir: resolve(config.dataDir),
-    maxOutputSize: config.restServer.maxOutputSize,
-    instancePrice: instancePriceLookup(config),
-  });
-  const manager = createBundleManager({
-    db,
-    logger,
-    pollInterval: config.dispatcher.pollInterval,
-  });
-  await manager.start();
-  const { host, port } = splitListen(config.restServer.listen, "restServer.listen");
-  const address = await app.listen({ host, port });
-  // `serve` runs the dispatcher in-process; it deploys this program as crunch-run. One registry holds the
-  // dispatcher's metrics, which the management API serves at /metrics.
-  const registry = new Registry();
-  const dispatcher =
-    mode === "serve"
-      ? await createDispatcher({
-          config,
-          db,
-          clock: systemClock,
-          logger,
-          registry,
-          runner: runner!,
-          runnerApiUrl: config.restServer.publicUrl !== "" ? config.restServer.publicUrl : address,
-        })
-      : null;
-  let management: { app: FastifyInstance; address: string } | null = null;
-  if (dispatcher !== null) {
-    try {
-      management = await listenManagement(config, { dispatcher, db, registry, logger, env: io.env });
-    } catch (err) {
-      await app.close();
-      await manager.stop();
-      await db.close();
-      throw err;
+  /** What to close, in the reverse order of opening. */
+  const opened: Array<{ what: string; close: () => Promise<unknown> }> = [];
+  try {
+    const dataDir = await preparePrivateDir(config.dataDir, logger);
+    if (mode === "serve") {
+      const lock = await lockDataDir(dataDir, { command: mode });
+      opened.push({ what: "the data directory lock", close: () => lock.release() });
+    }
+    if (embedded && config.management.token === "") {
+      config = await ensureManagementToken(config, dataDir, logger);
+    }
+    // Before anything starts: a missing cloud.deployRunnerBinary is a config error.
+    const runner =
+      mode === "serve"
+        ? await loadRunnerArtifact({ deployRunnerBinary: config.cloud.deployRunnerBinary, logger })
+        : null;
+    const db = await openMigrated(config, logger);
+    opened.push({ what: "the database", close: () => db.close() });
+    await ensureAdmin(db, config, logger);
+    await mkdir(join(dataDir, "outputs"), { recursive: true, mode: 0o700 });
+    const app = await createRestServer({
+      db,
+      logger,
+      clusterId: config.clusterId,
+      maxRequestBodySize: config.restServer.maxRequestBodySize,
+      defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
+      dataDir,
+      maxOutputSize: config.restServer.maxOutputSize,
+      instancePrice: instancePriceLookup(config),
+    });
+    opened.push({ what: "the REST server", close: () => app.close() });
+    const manager = createBundleManager({
+      db,
+      logger,
+      pollInterval: config.dispatcher.pollInterval,
+    });
+    await manager.start();
+    opened.push({ what: "the bundle manager", close: () => manager.stop() });
+    const address = await listenOn(app, config.restServer.listen, "restServer.listen");
+    // `serve` runs the dispatcher in-process; it deploys this program as crunch-run. One registry holds the
+    // dispatcher's metrics, which the management API serves at /metrics.
+    const registry = new Registry();
+    let management: { app: FastifyInstance; address: string } | null = null;
+    if (mode === "serve") {
+      const dispatcher = await createDispatcher({
+        config,
+        db,
+        clock: systemClock,
+        logger,
+        registry,
+        runner: runner!,
+        runnerApiUrl: config.restServer.publicUrl !== "" ? config.restServer.publicUrl : address,
+      });
+      opened.push({ what: "the dispatcher", close: () => dispatcher.stop() });
+      const m = await listenManagement(config, { dispatcher, db, registry, logger, env: io.env });
+      management = m;
+      opened.push({ what: "the management API", close: () => m.app.close() });
+      await dispatcher.start();
+    }
+    logger.info({ address, mode, database: config.database.url.split(":")[0] }, "dispatch-cloud is serving");
+    io.progress(`dispatch-cloud ${mode}: REST API at ${address}/api/v1 (Ctrl-C stops it)`);
+    if (management !== null) io.progress(`dispatch-cloud ${mode}: management API at ${management.address}`);
+
+    await new Promise<void>((done) => {
+      const stop = () => done();
+      process.once("SIGINT", stop);
+      process.once("SIGTERM", stop);
+      io.signal?.addEventListener("abort", stop, { once: true });
+    });
+    logger.info("shutting down");
+  } finally {
+    for (const { what, close } of opened.reverse()) {
+      await close().catch((err: unknown) => logger.warn({ err }, `closing ${what} failed`));
     }
   }
-  await dispatcher?.start();
-  logger.info({ address, mode, database: config.database.url.split(":")[0] }, "dispatch-cloud is serving");
-  io.progress(`dispatch-cloud ${mode}: REST API at ${address}/api/v1 (Ctrl-C stops it)`);
-  if (management !== null) io.progress(`dispatch-cloud ${mode}: management API at ${management.address}`);
-
-  await new Promise<void>((done) => {
-    const stop = () => done();
-    process.once("SIGINT", stop);
-    process.once("SIGTERM", stop);
-    io.signal?.addEventListener("abort", stop, { once: true });
-  });
-  logger.info("shutting down");
-  await management?.app.close();
-  await dispatcher?.stop();
-  await app.close();
-  await manager.stop();
-  await db.close();
   return EXIT_OK;
 }
 
@@ -186,9 +247,8 @@ export async function listenManagement(
   parts: Omit<Parameters<typeof createManagementServer>[0], "config">,
 ): Promise<{ app: FastifyInstance; address: string }> {
   const app = await createManagementServer({ config, ...parts });
-  const { host, port } = splitListen(config.management.listen, "management.listen");
   try {
-    const address = await app.listen({ host, port });
+    const address = await listenOn(app, config.management.listen, "management.listen");
     return { app, address };
   } catch (err) {
     await app.close();
