@@ -1,4 +1,12 @@
-import { existsSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import {
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readFileSync,
+  rmSync,
+  symlinkSync,
+  writeFileSync,
+} from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { afterAll, describe, expect, it } from "vitest";
@@ -30,5 +38,11 @@ describe("the instance's count of runtime failures", () => {
     expect(() => recordRuntimeFailure(paths, "zzzzz-bndl-aaaaaaaaaaaaaaa", "x")).toThrow(/ELOOP/);
     expect(readFileSync(target, "utf8")).toBe("untouched\n");
     clearRuntimeFailures(paths);
+  });
+
+  it("clearing never throws, even when something else holds the name", () => {
+    mkdirSync(paths.runtimeFailuresFile);
+    expect(() => clearRuntimeFailures(paths)).not.toThrow();
+    rmSync(paths.runtimeFailuresFile, { recursive: true });
   });
 });
