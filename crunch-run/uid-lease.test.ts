@@ -25,7 +25,20 @@ describe("uid leases", () => {
     rmSync(base, { recursive: true, force: true });
   });
 
+  it("starts a new directory at a random place of the range", async () => {
+    const starts = new Set<number>();
+    for (let i = 0; i < 40; i++) {
+      const fresh = path.join(base, `fresh-${i}`);
+      const lease = await leaseUid(fresh, { first: RANGE.first, count: 1000 }, UUID);
+      starts.add(lease.uid);
+      await lease.release();
+    }
+    expect(starts.size).toBeGreaterThan(1);
+  });
+
   it("hands out distinct uids round robin, and takes them back", async () => {
+    mkdirSync(dir, { recursive: true, mode: 0o700 });
+    writeFileSync(path.join(dir, "next"), "0\n");
     const a = await leaseUid(dir, RANGE, UUID);
     const b = await leaseUid(dir, RANGE, UUID);
     expect([a.uid, b.uid]).toEqual([RANGE.first, RANGE.first + 1]);

@@ -3,13 +3,15 @@
  * holds its supervisor's {uuid, pid, startTime} (lock.ts's format, taken the same exclusive way). A uid is free
  * when it has no lease, or its lease's supervisor is dead, and no process runs as it (a dead supervisor's
  * bundle may still run; a local VM sharing the machine may use the uid under another root). Leases are handed
- * out round robin from `next`, so a uid comes back to a bundle only after the whole range went round: files a
- * bundle left in /tmp stay its uid's.
+ * out round robin from `next` (a new directory starts at a random place, so local VMs sharing a machine seldom
+ * meet), and a uid comes back to a bundle only after the whole range went round: files a bundle left in /tmp
+ * stay its uid's.
  *
  * The directory must be root's and closed to others (0700): /var/lock may be writable by everyone, and a
  * bundle that could make the directory itself could give two bundles one uid. When it is not, leasing fails
  * with crunchrun.runtime_failed (nothing runs as root instead).
  */
+import { randomInt } from "node:crypto";
 import { lstatSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { unlink } from "node:fs/promises";
 import path from "node:path";
@@ -84,13 +86,15 @@ function openLeaseDir(dir: string): void {
   }
 }
 
+/** Where the round robin goes on; a new directory starts at random, so instance roots sharing a machine differ. */
 function nextOffset(dir: string, range: UidRange): number {
   try {
     const n = Number(readFileSync(path.join(dir, "next"), "utf8").trim());
-    return Number.isSafeInteger(n) && n >= 0 ? n % range.count : 0;
+    if (Number.isSafeInteger(n) && n >= 0) return n % range.count;
   } catch {
-    return 0;
+    // none yet
   }
+  return randomInt(range.count);
 }
 
 function writeNext(dir: string, offset: number): void {
