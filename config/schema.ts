@@ -239,6 +239,18 @@ const Dispatcher = Section("Queue and scheduler.", {
     "How crunch-run runs a bundle: docker, process (no isolation; only for trying dispatch-cloud out), or auto (docker if its daemon answers on the instance, else process; `serve` without --config uses auto).",
     "docker",
   ),
+  processRuntimeFirstUid: Int(
+    1_900_000_000,
+    "The process runtime, with crunch-run running as root, gives each running bundle a uid (and gid) of its own from processRuntimeFirstUid on; none of them may belong to anyone else on the instances.",
+    1000,
+    4_000_000_000,
+  ),
+  processRuntimeUidCount: Int(
+    65_536,
+    "How many uids, from processRuntimeFirstUid, the process runtime hands out (at most this many process-runtime bundles run at once on an instance).",
+    1,
+    1_000_000,
+  ),
   schedulingStatusInterval: Duration("2s", "How often queued bundles' schedulingStatus text is refreshed.", {
     positive: true,
   }),

@@ -131,6 +131,11 @@ export interface RunnerClient {
     notice: { action: string; time: string },
     opts?: Partial<RetryOptions>,
   ): Promise<{ uuid: string; state: string; attempt: number }>;
+  /** The instance, not the bundle, failed it: back to staged (attempts permitting), else failed. */
+  requeue(
+    reason: string,
+    opts?: Partial<RetryOptions>,
+  ): Promise<{ uuid: string; state: string; attempt: number }>;
 }
 
 export const LONG_RETRY_MS = 10 * 60_000;
@@ -258,6 +263,8 @@ export function createRunnerClient(opts: {
     finish: (body, r) => json("POST", "/api/v1/runner/finish", "finish", jsonBody(body), LONG_RETRY_MS, r),
     preempted: (notice, r) =>
       json("POST", "/api/v1/runner/preempted", "preempted", jsonBody(notice), SHORT_RETRY_MS, r),
+    requeue: (reason, r) =>
+      json("POST", "/api/v1/runner/requeue", "requeue", jsonBody({ reason }), SHORT_RETRY_MS, r),
   };
 }
 

@@ -19,6 +19,13 @@ export interface RunnerPaths {
   preemptedFile: string;
   /** Its first line, when present, is the instance metadata service's base URL (else 169.254.169.254). */
   imdsEndpointFile: string;
+  /**
+   * One line per container-start failure of the runtime since the last successful start (runtime-failures.ts);
+   * enough of them in a row make the instance mark itself broken.
+   */
+  runtimeFailuresFile: string;
+  /** The process runtime's uid leases, one file per uid in use (runtime-process.ts). Root's only. */
+  uidLeaseDir: string;
 }
 
 export function runnerPaths(env: NodeJS.ProcessEnv): RunnerPaths {
@@ -31,6 +38,8 @@ export function runnerPaths(env: NodeJS.ProcessEnv): RunnerPaths {
     brokenFile: `${root}/var/lock/crunch-run-broken`,
     preemptedFile: `${root}/var/lock/crunch-run-preempted`,
     imdsEndpointFile: `${root}/etc/dispatch-cloud/imds-endpoint`,
+    runtimeFailuresFile: `${root}/var/lock/crunch-run-runtime-failures`,
+    uidLeaseDir: `${root}/var/lock/crunch-run-uids`,
   };
 }
 

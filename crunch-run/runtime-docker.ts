@@ -4,6 +4,11 @@
  * outputs mounted read-write at /out and dependencies read-only at /in/<name>; GPU device requests for
  * exactly the devices the dispatcher assigned. The container runs as the supervisor's uid:gid so its
  * outputs belong to the supervisor.
+ *
+ * A start the daemon refuses is classified by runtime.ts (classifyStartFailure): the bundle's command missing or
+ * not executable fails the bundle; anything else (OCI hooks, mounts, devices, cgroups, 5xx) is the runtime's and
+ * requeues it. Docker answers 400 for both kinds, so the status alone tells nothing. A 5xx on create is the
+ * runtime's too; an unreachable daemon is crunchrun.docker_error (the instance is broken at once).
  */
 import { PassThrough } from "node:stream";
 import { DispatchCloudError } from "../lib/errors.ts";
@@ -19,8 +24,10 @@ import {
   type ContainerConfig,
   type ContainerExit,
   type ContainerRuntime,
+  classifyStartFailure,
   containerEnv,
   type RunningContainer,
+  runtimeFailed,
 } from "./runtime.ts";
 
 const brokenDaemon = (what: string, err: unknown) =>
@@ -153,18 +160,15 @@ export function createDockerRuntime(docker: DockerClient): ContainerRuntime {
       }
       const stdout = new PassThrough();
       const stderr = new PassThrough();
-      const container = dockerContainer(docker, id, name, stdout, stderr);
+      const command = config.spec.command[0] ?? "";
+      const container = dockerContainer(docker, id, name, command, stdout, stderr);
       try {
         await docker.json("POST", `/containers/${id}/start`);
       } catch (err) {
-        if (err instanceof DockerApiError && err.status < 500) {
-          // The command cannot run (not found, not executable): the bundle's failure, like a shell's 127.
-          stderr.end(`${err.daemonMessage}\n`);
-          stdout.end();
-          return { ...container, wait: async () => ({ exitCode: 127, oomKilled: false }) };
-        }
-        await container.remove();
-        throw brokenOrBad("start", err);
+        await container.remove().catch(() => {});
+        // Docker answers 400 both for a missing command and for an OCI hook that failed: the message decides.
+        if (err instanceof DockerApiError) throw classifyStartFailure(err.daemonMessage, command);
+        throw brokenDaemon("start", err);
       }
       pumpLogs(docker, id, stdout, stderr);
       return container;
@@ -172,15 +176,19 @@ export function createDockerRuntime(docker: DockerClient): ContainerRuntime {
   };
 }
 
-/** 5xx from the daemon or no daemon at all: the instance is broken; a 4xx is about this bundle. */
+/**
+ * A refused create: 404 is the image; other 4xx answers are about this bundle's container (the supervisor fails
+ * the bundle); a 5xx is the runtime's (requeued, counted against the instance); no daemon at all is broken.
+ */
 function brokenOrBad(what: string, err: unknown): Error {
   if (err instanceof DockerApiError && err.status === 404) {
     return new DispatchCloudError("crunchrun.image_missing", `docker ${what}: ${err.daemonMessage}`, {
       cause: err,
     });
   }
-  // Other 4xx answers: the daemon refused this bundle's container (the supervisor fails the bundle).
   if (err instanceof DockerApiError && err.status < 500) return err;
+  if (err instanceof DockerApiError)
+    return runtimeFailed(`docker ${what}: ${err.status} ${err.daemonMessage}`, err);
   return brokenDaemon(what, err);
 }
 
@@ -198,6 +206,7 @@ function dockerContainer(
   docker: DockerClient,
   id: string,
   name: string,
+  command: string,
   stdout: PassThrough,
   stderr: PassThrough,
 ): RunningContainer {
@@ -207,10 +216,17 @@ function dockerContainer(
     stdout,
     stderr,
     async wait(): Promise<ContainerExit> {
-      const res = await docker.json<{ StatusCode: number }>("POST", `/containers/${id}/wait`);
+      const res = await docker.json<{ StatusCode: number; Error?: { Message?: string } | null }>(
+        "POST",
+        `/containers/${id}/wait`,
+      );
       const info = await docker
-        .json<{ State?: { OOMKilled?: boolean } }>("GET", `/containers/${id}/json`)
+        .json<{ State?: { OOMKilled?: boolean; Error?: string } }>("GET", `/containers/${id}/json`)
         .catch(() => undefined);
+      // The runtime may report a failure only here (an exit status it made up, 127 or 128, and the reason in
+      // State.Error): then the exit status is not the command's.
+      const error = info?.State?.Error || res.Error?.Message || "";
+      if (error !== "") throw classifyStartFailure(error, command);
       return { exitCode: res.StatusCode, oomKilled: info?.State?.OOMKilled === true };
     },
     async stats() {

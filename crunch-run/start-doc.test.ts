@@ -1,7 +1,8 @@
 import { readFileSync } from "node:fs";
 import { describe, expect, it } from "vitest";
+import { defaultConfig } from "../config/load.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
-import { parseStartDocument } from "./start-doc.ts";
+import { DEFAULT_PROCESS_UIDS, parseStartDocument } from "./start-doc.ts";
 import { VERSION } from "./version.ts";
 
 const UUID = "zzzzz-bndl-aaaaaaaaaaaaaaa";
@@ -36,6 +37,21 @@ describe("parseStartDocument", () => {
       heartbeatIntervalMs: 5000,
       preemptible: false,
       spotCheckIntervalMs: 5000,
+      processUidFirst: 1_900_000_000,
+      processUidCount: 65_536,
+    });
+  });
+
+  it("takes the process runtime's uid range; its defaults are the config's", () => {
+    const parse = (extra: object) => parseStartDocument(JSON.stringify({ ...good, ...extra }), UUID);
+    expect(parse({ processUidFirst: 5000, processUidCount: 10 })).toMatchObject({
+      processUidFirst: 5000,
+      processUidCount: 10,
+    });
+    const { dispatcher } = defaultConfig();
+    expect(DEFAULT_PROCESS_UIDS).toEqual({
+      first: dispatcher.processRuntimeFirstUid,
+      count: dispatcher.processRuntimeUidCount,
     });
   });
 
@@ -65,6 +81,14 @@ describe("parseStartDocument", () => {
     ["a tiny spot check interval", { ...good, spotCheckIntervalMs: 5 }, "spotCheckIntervalMs"],
     ["a fractional spot check interval", { ...good, spotCheckIntervalMs: 100.5 }, "spotCheckIntervalMs"],
     ["a huge spot check interval", { ...good, spotCheckIntervalMs: 3_600_001 }, "spotCheckIntervalMs"],
+    ["uid 0 as the first uid", { ...good, processUidFirst: 0 }, "processUidFirst"],
+    [
+      "a uid range past the last uid",
+      { ...good, processUidFirst: 4_294_967_290, processUidCount: 6 },
+      "processUidCount",
+    ],
+    ["an empty uid range", { ...good, processUidCount: 0 }, "processUidCount"],
+    ["a uid as a string", { ...good, processUidFirst: "1000" }, "processUidFirst"],
   ])("rejects %s with the field's path", (_name, doc, path) => {
     const err = errorOf(doc);
     expect(err.code).toBe("crunchrun.invalid_start_document");

@@ -21,12 +21,19 @@ export interface StartDocument {
   preemptible: boolean;
   /** How often to ask the instance metadata service for a spot interruption notice; 0 = never. */
   spotCheckIntervalMs: number;
+  /** The process runtime's uids (a supervisor running as root gives each bundle one of its own). */
+  processUidFirst: number;
+  processUidCount: number;
 }
 
 export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;
 export const DEFAULT_SPOT_CHECK_INTERVAL_MS = 5000;
 /** Bounds of a non-zero spotCheckIntervalMs (the dispatcher clamps its config value into them). */
 export const SPOT_CHECK_INTERVAL_RANGE_MS = { min: 10, max: 3_600_000 } as const;
+/** The process runtime's uid range when the document names none (dispatcher.processRuntimeUids's default). */
+export const DEFAULT_PROCESS_UIDS = { first: 1_900_000_000, count: 65_536 } as const;
+/** The largest uid a range may reach (4294967295 is (uid_t)-1). */
+export const MAX_UID = 4_294_967_294;
 const KNOWN = new Set([
   "uuid",
   "attempt",
@@ -38,6 +45,8 @@ const KNOWN = new Set([
   "heartbeatIntervalMs",
   "preemptible",
   "spotCheckIntervalMs",
+  "processUidFirst",
+  "processUidCount",
 ]);
 const ENGINES: readonly RuntimeEngine[] = ["docker", "process", "auto"];
 
@@ -116,6 +125,22 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
       `must be 0 (never) or a whole number of milliseconds from ${min} to ${max}`,
     );
   }
+  const uidFirst = doc["processUidFirst"] ?? DEFAULT_PROCESS_UIDS.first;
+  if (typeof uidFirst !== "number" || !Number.isSafeInteger(uidFirst) || uidFirst < 1 || uidFirst > MAX_UID) {
+    throw bad("processUidFirst", `must be a uid from 1 to ${MAX_UID}`);
+  }
+  const uidCount = doc["processUidCount"] ?? DEFAULT_PROCESS_UIDS.count;
+  if (
+    typeof uidCount !== "number" ||
+    !Number.isSafeInteger(uidCount) ||
+    uidCount < 1 ||
+    uidFirst + uidCount - 1 > MAX_UID
+  ) {
+    throw bad(
+      "processUidCount",
+      `must be a whole number >= 1 with processUidFirst + processUidCount - 1 <= ${MAX_UID}`,
+    );
+  }
   return {
     uuid,
     attempt,
@@ -127,5 +152,7 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
     heartbeatIntervalMs: hb,
     preemptible,
     spotCheckIntervalMs: spot,
+    processUidFirst: uidFirst,
+    processUidCount: uidCount,
   };
 }

@@ -10,9 +10,15 @@
  * Outcomes without `finish`:
  * - SIGTERM/SIGINT (`--kill`): the container is stopped and removed, nothing is uploaded.
  * - A heartbeat or log push answered 401/409: the bundle is no longer this runner's; same as above.
- * - The Docker daemon is unreachable or fails with 5xx on create/start, or the disk is full (ENOSPC): the
- *   instance is broken. `${ROOT}/var/lock/crunch-run-broken` is written with the reason (`--list` then prints
- *   `broken`, the dispatcher requeues the bundle and drains the instance).
+ * - The Docker daemon is unreachable, or the disk is full (ENOSPC): the instance is broken.
+ *   `${ROOT}/var/lock/crunch-run-broken` is written with the reason (`--list` then prints `broken`, the
+ *   dispatcher requeues the bundle and drains the instance).
+ * - The container runtime cannot start the container for a reason that is not the bundle's command (an OCI hook,
+ *   a mount, a cgroup, a daemon 5xx: crunchrun.runtime_failed): the failure is counted against the instance
+ *   (runtime-failures.ts; RUNTIME_FAILURES_BEFORE_BROKEN in a row write the broken file), a line for the user
+ *   goes to the bundle's stderr, and the runner route `requeue` puts the bundle back in the queue (attempts
+ *   permitting). The bundle's command missing or not executable (crunchrun.command_unusable) fails the bundle
+ *   with a reason naming the command.
  * - A spot interruption notice (preemptible instance types only; the instance metadata service is polled every
  *   spotCheckIntervalMs from `start` until the container exits, imds.ts): `${ROOT}/var/lock/crunch-run-preempted`
  *   is written with the notice first (`--list` prints `preempted`, no new bundle starts here), a line for the
@@ -46,6 +52,11 @@ import { LogStream } from "./log-stream.ts";
 import { lockFile, type RunnerPaths, workDir } from "./paths.ts";
 import type { ContainerRuntime, RunningContainer } from "./runtime.ts";
 import { createDockerRuntime } from "./runtime-docker.ts";
+import {
+  clearRuntimeFailures,
+  RUNTIME_FAILURES_BEFORE_BROKEN,
+  recordRuntimeFailure,
+} from "./runtime-failures.ts";
 import { createProcessRuntime } from "./runtime-process.ts";
 import type { StartDocument } from "./start-doc.ts";
 
@@ -72,6 +83,8 @@ const DRAIN_MS = 5000;
 const PREEMPT_FLUSH_MS = 5000;
 /** How long it keeps retrying the `preempted` report (EC2 gives two minutes' notice). */
 const PREEMPT_REPORT_MS = 30_000;
+/** How long it keeps retrying a `requeue` report (then the dispatcher requeues the bundle as lost). */
+const REQUEUE_REPORT_MS = 30_000;
 const INPUT_NAME_RE = /^[A-Za-z0-9._-]{1,200}$/;
 
 const isNoSpace = (err: unknown): boolean =>
@@ -279,6 +292,50 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         ?.stop(KILL_GRACE_S)
         .catch((err: unknown) => log.warn({ err }, "stopping the container failed"));
     };
+    /**
+     * The runtime failed to start the container (not the bundle's fault): count it against the instance (a run
+     * of them marks it broken, before the report, so the bundle is not put straight back here), tell the user,
+     * and have the bundle requeued. The token stops working once the report is in: the line goes out first.
+     */
+    const requeueForRuntime = async (err: DispatchCloudError): Promise<number> => {
+      heartbeat.stopped = true;
+      let failures = 0;
+      try {
+        failures = recordRuntimeFailure(paths, doc.uuid, err.message);
+      } catch (e) {
+        log.error({ err: (e as Error).message }, "cannot record the runtime failure");
+      }
+      if (failures >= RUNTIME_FAILURES_BEFORE_BROKEN) {
+        markBroken(`${failures} container starts in a row failed in the runtime; the last: ${err.message}`);
+      }
+      const reason = `${err.message} (this instance's fault, not the bundle's)`;
+      say(`${reason}: the bundle is requeued`);
+      let flushTimer: NodeJS.Timeout | undefined;
+      await Promise.race([
+        Promise.all([stdout?.flush(), stderr?.flush()]).catch(() => {}),
+        new Promise<void>((r) => {
+          flushTimer = setTimeout(r, PREEMPT_FLUSH_MS);
+        }),
+      ]);
+      clearTimeout(flushTimer);
+      try {
+        const res = await client.requeue(reason, { budgetMs: REQUEUE_REPORT_MS });
+        log.info(
+          { state: res.state, attempt: res.attempt, failures },
+          `requeue reported: the bundle is ${res.state}`,
+        );
+      } catch (e) {
+        if (isNotOurs(e)) {
+          log.info({ err: (e as Error).message }, "requeue not recorded: the bundle is no longer ours");
+        } else {
+          log.error(
+            { err: (e as Error).message },
+            "cannot report the requeue; the dispatcher requeues the bundle once this runner is gone",
+          );
+        }
+      }
+      return 1;
+    };
     /** Polls for spot interruption notices on preemptible instances (null: not watched). */
     const watchSpot = (): SpotPoller | null => {
       if (!doc.preemptible || doc.spotCheckIntervalMs === 0) return null;
@@ -301,6 +358,10 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
     let spotPoller: SpotPoller | null = null;
 
     try {
+      // The work dir is root's alone until the runtime hands it over (the process runtime's uid needs the way
+      // to it open, not the dir itself: inputs staged into it must not be readable by other bundles).
+      mkdirSync(paths.workRoot, { recursive: true, mode: 0o711 });
+      mkdirSync(dir, { recursive: true, mode: 0o700 });
       mkdirSync(outDir, { recursive: true });
       mkdirSync(inDir, { recursive: true });
       stdout = new LogStream("stdout", path.join(dir, "stdout.log"), client, onLogFailure);
@@ -363,7 +424,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       if (stopping()) return 1;
 
       // Runtime.
-      const runtime = await chooseRuntime(doc.runtimeEngine, env, log);
+      const runtime = await chooseRuntime(doc, paths, env, log);
       say(`runtime: ${runtime.name}`);
       for (const w of runtime.warnings) {
         log.warn(w);
@@ -382,8 +443,12 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
           gpuDevices: doc.gpuDevices,
           vmRoot: paths.root,
         });
+        clearRuntimeFailures(paths);
       } catch (err) {
-        if (err instanceof DispatchCloudError && err.code === "crunchrun.image_missing") {
+        if (
+          err instanceof DispatchCloudError &&
+          (err.code === "crunchrun.image_missing" || err.code === "crunchrun.command_unusable")
+        ) {
           say(err.message);
           await finish(null, err.message, true);
           return 0;
@@ -506,6 +571,15 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       return 0;
     } catch (err) {
       if (stopping()) return 1;
+      // Reported only once the container ended (docker's State.Error): the same outcomes as at start.
+      if (err instanceof DispatchCloudError && err.code === "crunchrun.command_unusable") {
+        say(err.message);
+        await finish(null, err.message, true);
+        return 0;
+      }
+      if (err instanceof DispatchCloudError && err.code === "crunchrun.runtime_failed" && !isNoSpace(err)) {
+        return await requeueForRuntime(err);
+      }
       if (isNoSpace(err)) {
         markBroken(`no space left on device: ${(err as Error).message}`);
       } else if (err instanceof DispatchCloudError && err.code === "crunchrun.docker_error") {
@@ -556,11 +630,19 @@ function pipeInto(source: NodeJS.ReadableStream, target: LogStream): Promise<voi
 }
 
 async function chooseRuntime(
-  engine: StartDocument["runtimeEngine"],
+  doc: StartDocument,
+  paths: RunnerPaths,
   env: NodeJS.ProcessEnv,
   log: Logger,
 ): Promise<ContainerRuntime> {
-  if (engine === "process") return createProcessRuntime();
+  const engine = doc.runtimeEngine;
+  const processRuntime = () =>
+    createProcessRuntime({
+      uids: { first: doc.processUidFirst, count: doc.processUidCount },
+      workRoot: paths.workRoot,
+      uidLeaseDir: paths.uidLeaseDir,
+    });
+  if (engine === "process") return processRuntime();
   const docker = createDockerClient(env);
   let ok = false;
   try {
@@ -580,7 +662,7 @@ async function chooseRuntime(
       { socket: docker.socketPath },
       "runtime auto: no Docker daemon answers; using the process runtime",
     );
-    return createProcessRuntime();
+    return processRuntime();
   }
   return createDockerRuntime(docker);
 }

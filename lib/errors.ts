@@ -183,6 +183,16 @@ export const ERROR_CODES = {
     status: 404,
     description: "The bundle's image is neither on the instance nor pullable.",
   },
+  "crunchrun.command_unusable": {
+    status: 400,
+    description:
+      "The bundle's command cannot be run: not found (in $PATH or at its path) or not executable. The bundle fails; the reason names the command.",
+  },
+  "crunchrun.runtime_failed": {
+    status: 503,
+    description:
+      "The container runtime or the Docker daemon failed to create or start the bundle's container (an OCI hook, a mount, a cgroup, a 5xx), which is the instance's fault: the bundle is requeued, and repeated failures mark the instance broken.",
+  },
   "crunchrun.preempted": {
     status: 503,
     description:

@@ -4,8 +4,9 @@
  * `logs` stores log chunks by byte offset (retries are harmless, gaps are refused); `outputs` replaces the
  * bundle's outputs with a tar archive; `dependencies/:index` serves a dependency's outputs as a tar archive;
  * `finish` records the exit; `preempted` reports a spot interruption notice, which requeues the running bundle
- * (running -> staged while attempts remain, else failed). Raw bodies (log chunks, archives) are streamed, never
- * parsed as JSON.
+ * (running -> staged while attempts remain, else failed); `requeue` does the same for a failure that is the
+ * instance's and not the bundle's (the container runtime could not start the container), with the runner's
+ * reason. Raw bodies (log chunks, archives) are streamed, never parsed as JSON.
  */
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
@@ -60,6 +61,25 @@ const PreemptedRequest = Type.Object(
   },
   { additionalProperties: false },
 );
+
+/** Why the runner gives the bundle back: printable text (it becomes the bundle's state reason). */
+const RequeueRequest = Type.Object(
+  {
+    reason: Type.String({
+      minLength: 1,
+      maxLength: 1000,
+      pattern: "^[^\\u0000-\\u001f\\u007f]*$",
+      description: "What failed on the instance, for the bundle's state reason.",
+      errorMessage: "must be a string of 1 to 1000 characters without control characters",
+    }),
+  },
+  { additionalProperties: false },
+);
+
+/** The state reason of a bundle its runner requeued. */
+export function runnerRequeueReason(instanceId: string | null, reason: string): string {
+  return `requeued by its runner on instance ${instanceId ?? "(unknown)"}: ${reason}`;
+}
 
 /** The state reason of a bundle requeued by a spot interruption notice. */
 export function preemptedReason(notice: { action?: string; time?: string }): string {
@@ -146,6 +166,22 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     request.log.info(
       { bundleUuid: bundle.uuid, attempt: bundle.attempt, state: result.bundle.state },
       "runner reported a spot interruption notice",
+    );
+    return { uuid: result.bundle.uuid, state: result.bundle.state, attempt: result.bundle.attempt };
+  });
+
+  // The same transition as `preempted` (store/transitions.ts loseBundle): attempts rules unchanged.
+  app.post("/api/v1/runner/requeue", { onRequest }, async (request) => {
+    const bundle = runnerBundleOf(request);
+    const body = validate(RequeueRequest, request.body);
+    const result = await loseBundle(db, bundle.uuid, bundle.attempt, {
+      actor: ACTOR,
+      reason: runnerRequeueReason(bundle.instanceId, body.reason),
+    });
+    if (!result.ok) throw notCurrent(bundle, result);
+    request.log.info(
+      { bundleUuid: bundle.uuid, attempt: bundle.attempt, state: result.bundle.state },
+      "runner requeued its bundle",
     );
     return { uuid: result.bundle.uuid, state: result.bundle.state, attempt: result.bundle.attempt };
   });

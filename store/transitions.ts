@@ -256,8 +256,9 @@ export function finishBundle(
 }
 
 /**
- * running -> staged when the instance was lost or preempted and attempts remain; running -> failed (reason
- * ending "(attempts exhausted: n of m)") when they do not.
+ * running -> staged when the instance was lost or preempted, or its runner gave the bundle back (the runtime
+ * failed to start it), and attempts remain; running -> failed (reason ending "(attempts exhausted: n of m)")
+ * when they do not.
  */
 export function loseBundle(
   db: Db,

@@ -5,7 +5,7 @@
  */
 import { spawn } from "node:child_process";
 import { existsSync, readdirSync, rmSync } from "node:fs";
-import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import { chmod, mkdtemp, readdir, readFile, rm } from "node:fs/promises";
 import http from "node:http";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -63,6 +63,8 @@ export interface RunnerHarness {
 export async function startRunnerHarness(db: Db): Promise<RunnerHarness> {
   const dataDir = await mkdtemp(join(tmpdir(), "crunch-run-data-"));
   const root = await mkdtemp(join(tmpdir(), "crunch-run-vm-"));
+  // As a real VM's root ("/"): other users may pass through it (the process runtime's bundle uids must).
+  await chmod(root, 0o711);
   const app: FastifyInstance = await createRestServer({
     db,
     logger: false,

@@ -41,7 +41,9 @@ describe("crunch-run (process runtime)", () => {
     const stderr = await h.log(b.uuid, "stderr");
     expect(stderr).toContain("to-stderr\n");
     expect(stderr).toContain("[crunch-run] runtime: process");
-    expect(stderr).toContain("NO ISOLATION");
+    // Tests run as root: the bundle gets a uid of its own, and the warning says what it still shares.
+    expect(stderr).toContain("the bundle runs as a user of its own");
+    expect(stderr).toContain("NO CONTAINER");
     // The supervisor cleans up after itself: no lock, no work dir; --list shows nothing.
     await waitFor(async () => (await h.listBundles()) === "");
     expect(await readdir(join(h.root, "tmp", "crunch-run")).catch(() => [])).toEqual([]);

@@ -1032,6 +1032,13 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       instanceType: w.instanceType.name,
       gpuDevices: [...entry.gpuDevices],
       runtimeEngine: config.dispatcher.runtimeEngine,
+      // Only the process runtime uses them (crunch-run's defaults equal the config's).
+      ...(config.dispatcher.runtimeEngine === "docker"
+        ? {}
+        : {
+            processUidFirst: config.dispatcher.processRuntimeFirstUid,
+            processUidCount: config.dispatcher.processRuntimeUidCount,
+          }),
       // Only preemptible types' runners watch for spot interruption notices (crunch-run's defaults: off, 5 s).
       ...(w.instanceType.preemptible
         ? { preemptible: true, spotCheckIntervalMs: spotCheckIntervalMs(cloud.spotInterruptionCheckInterval) }
