@@ -1,7 +1,9 @@
 /**
- * OpenAPI 3.0 documents, built from the TypeBox schemas the routes use: the management API's
+ * OpenAPI 3.1 documents, built from the TypeBox schemas the routes use: the management API's
  * (`GET /management/v1/openapi.json`) and the users' API's (`GET /api/v1/openapi.json` on the REST server).
- * JSON round trips drop TypeBox's symbol keys, so what is served is plain JSON Schema.
+ * JSON round trips drop TypeBox's symbol keys, so what is served is plain JSON Schema; 3.1 because its schemas
+ * are JSON Schema 2020-12 (`const`, `patternProperties`, type arrays), which the TypeBox schemas use and 3.0's
+ * subset lacks. management-api/openapi.test.ts checks both with a standard validator (swagger-parser).
  */
 import type { TSchema } from "@sinclair/typebox";
 import { VERSION } from "../crunch-run/version.ts";
@@ -64,7 +66,7 @@ export function managementApiDocument(): Json {
     },
   });
   return {
-    openapi: "3.0.3",
+    openapi: "3.1.0",
     info: {
       title: "dispatch-cloud management API",
       version: VERSION,
@@ -190,7 +192,7 @@ export function usersApiDocument(): Json {
   const common = ["auth.missing_token", "auth.invalid_token"] as const;
   const ownBundle = [...common, "request.invalid_param", "bundle.not_found"] as const;
   return {
-    openapi: "3.0.3",
+    openapi: "3.1.0",
     info: {
       title: "dispatch-cloud users' API",
       version: VERSION,
@@ -220,7 +222,7 @@ export function usersApiDocument(): Json {
                 type: "object",
                 properties: {
                   items: { type: "array", items: { type: "object" } },
-                  nextCursor: { type: "string", nullable: true },
+                  nextCursor: { type: ["string", "null"] },
                 },
               },
               "A page of the caller's bundles.",

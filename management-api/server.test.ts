@@ -114,7 +114,7 @@ describe("management API: authentication, standby, metrics, OpenAPI", () => {
     const doc = await app.inject({ url: "/management/v1/openapi.json", headers: auth });
     expect(doc.statusCode).toBe(200);
     const body = doc.json();
-    expect(body.openapi).toBe("3.0.3");
+    expect(body.openapi).toBe("3.1.0");
     expect(Object.keys(body.paths).sort()).toEqual([
       "/_health/ping",
       "/management/v1/bundles",
@@ -241,7 +241,7 @@ describe("management API: authentication, standby, metrics, OpenAPI", () => {
     const res = await rest.inject({ url: "/api/v1/openapi.json" });
     expect(res.statusCode).toBe(200);
     const doc = res.json();
-    expect(doc.openapi).toBe("3.0.3");
+    expect(doc.openapi).toBe("3.1.0");
     expect(doc.paths["/api/v1/bundles"].post.requestBody.content["application/json"].schema).toEqual({
       $ref: "#/components/schemas/BundleRequest",
     });
