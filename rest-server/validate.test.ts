@@ -66,4 +66,17 @@ describe("checkJsonShape", () => {
     expect(caught(() => checkJsonShape(JSON.parse('{"x":{"__proto__":{"y":1}}}'))).path).toBe("x.__proto__");
     expect(() => checkJsonShape({ a: [1, { b: "c" }] })).not.toThrow();
   });
+
+  it("refuses lone surrogates in strings and keys, with the path; keeps surrogate pairs", () => {
+    // JSON.parse keeps a lone "\ud800" escape as it is; UTF-8 (and so the database) cannot hold it.
+    const parsed = JSON.parse('{"a":{"b":["ok","x\\ud800"]},"c":"fine"}');
+    expect(caught(() => checkJsonShape(parsed))).toMatchObject({
+      code: "request.invalid_body",
+      path: "a.b[1]",
+    });
+    expect(caught(() => checkJsonShape({ c: "\udc00y" })).path).toBe("c");
+    expect(caught(() => checkJsonShape({ c: "y\ud83d" })).path).toBe("c");
+    expect(caught(() => checkJsonShape({ ["k\ud800"]: 1 })).path).toBe('["k\\ud800"]');
+    expect(() => checkJsonShape(JSON.parse('{"rocket":"\\ud83d\\ude80","k\\ud83d\\ude80":1}'))).not.toThrow();
+  });
 });

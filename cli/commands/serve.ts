@@ -122,6 +122,10 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     dataDir: resolve(config.dataDir),
     maxOutputSize: config.restServer.maxOutputSize,
     instancePrice: instancePriceLookup(config),
+    headersTimeout: config.restServer.headersTimeout,
+    requestTimeout: config.restServer.requestTimeout,
+    minUploadRate: config.restServer.minUploadRate,
+    bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
   });
   const manager = createBundleManager({
     db,
