@@ -174,6 +174,26 @@ const RestServer = Section("The users' and runners' REST API.", {
     "Largest output archive a runner may upload for one bundle (sum of its files' sizes).",
     "10GiB",
   ),
+  headersTimeout: Duration(
+    "30s",
+    "A request's line and headers must arrive within this long, else the answer is 408 and the connection is closed.",
+    { positive: true },
+  ),
+  requestTimeout: Duration(
+    "1m",
+    "A request's body must arrive within this long after its headers, else the connection is closed (with a 408 answer if none was sent yet). Only what the client sends is timed: long answers such as a followed log are not.",
+    { positive: true },
+  ),
+  minUploadRate: Size(
+    "A runner's upload (outputs, log chunks) may take longer than requestTimeout while its bytes keep arriving at this average rate, per second; 0 = no longer.",
+    "256KiB",
+  ),
+  minBundleRam: Size("Smallest resources.ram a bundle may ask for.", "16MiB"),
+  minBundleVcpus: Num(
+    0.01,
+    "Smallest resources.vcpus a bundle may ask for (Docker's own minimum is 0.01).",
+    0.01,
+  ),
 });
 
 const Management = Section("The operators' management API, /metrics and health checks.", {
@@ -182,6 +202,16 @@ const Management = Section("The operators' management API, /metrics and health c
     expected: "host:port, e.g. 127.0.0.1:8901 or [::1]:8901 (port 0..65535)",
   }),
   token: Secret("Bearer token operators must present; empty = the management API answers 403 to everything."),
+  headersTimeout: Duration(
+    "30s",
+    "A request's line and headers must arrive within this long, else the answer is 408 and the connection is closed.",
+    { positive: true },
+  ),
+  requestTimeout: Duration(
+    "30s",
+    "A request's body must arrive within this long after its headers, else the connection is closed (with a 408 answer if none was sent yet).",
+    { positive: true },
+  ),
 });
 
 const Logging = Section("Process logs (on stderr).", {

@@ -5,14 +5,20 @@ import { containerCreateBody } from "./runtime-docker.ts";
 
 const UUID = "zzzzz-bndl-000000000000001";
 
-function config(over: { gpu?: RunnerSpec["resources"]["gpu"]; gpuDevices?: number[]; network?: boolean }) {
+function config(over: {
+  gpu?: RunnerSpec["resources"]["gpu"];
+  gpuDevices?: number[];
+  network?: boolean;
+  ram?: number;
+  vcpus?: number;
+}) {
   const spec: RunnerSpec = {
     uuid: UUID,
     attempt: 2,
     command: ["sh", "-c", "nvidia-smi -L"],
     image: "dctest/busybox:1",
     env: { A: "1" },
-    resources: { vcpus: 1.5, ram: 64 * 2 ** 20, scratch: 0, gpu: over.gpu ?? null },
+    resources: { vcpus: over.vcpus ?? 1.5, ram: over.ram ?? 64 * 2 ** 20, scratch: 0, gpu: over.gpu ?? null },
     limits: { time: null, disk: null, network: over.network ?? false },
     dependencies: [],
     gpuDevices: over.gpuDevices ?? [],
@@ -72,5 +78,23 @@ describe("the container a bundle runs in", () => {
     const none = config({ gpu: null });
     expect(none.HostConfig["DeviceRequests"]).toBeUndefined();
     expect(none.HostConfig["Devices"]).toBeUndefined();
+  });
+
+  it("never gives Docker a 0 (no limit at all): memory and CPUs at least Docker's minimums", () => {
+    for (const [ram, vcpus] of [
+      [0, 0],
+      [1, 1e-300],
+      [-1, -1],
+      [Number.NaN, Number.NaN],
+    ] as const) {
+      const host = config({ ram, vcpus }).HostConfig;
+      expect([host["Memory"], host["MemorySwap"], host["NanoCpus"]], `${ram} ${vcpus}`).toEqual([
+        6 * 2 ** 20,
+        6 * 2 ** 20,
+        10_000_000,
+      ]);
+    }
+    const host = config({ ram: 16 * 2 ** 20, vcpus: 0.01 }).HostConfig;
+    expect([host["Memory"], host["NanoCpus"]]).toEqual([16 * 2 ** 20, 10_000_000]);
   });
 });

@@ -47,6 +47,19 @@ export function splitImageRef(image: string): { fromImage: string; tag: string }
   return { fromImage: image, tag: "latest" };
 }
 
+/** Docker's smallest memory limit (it refuses less); 0 would mean no limit at all. */
+export const DOCKER_MIN_MEMORY = 6 * 2 ** 20;
+/** Docker's smallest CPU limit, 0.01 CPUs; 0 would mean no limit at all. */
+export const DOCKER_MIN_NANO_CPUS = 10_000_000;
+
+/**
+ * A limit for Docker from a bundle's request: at least Docker's minimum, so a 0 (or a value that rounds to 0,
+ * or garbage) from a server that let it through never becomes "unlimited".
+ */
+function dockerLimit(value: number, minimum: number): number {
+  return Number.isFinite(value) && value > minimum ? Math.round(value) : minimum;
+}
+
 /**
  * The Docker Engine API body that creates a bundle's container: its limits, mounts (outputs read-write, inputs
  * read-only), no network unless asked, the runner's uid:gid, labels, and exactly the GPU devices assigned.
@@ -58,12 +71,13 @@ export function containerCreateBody(config: ContainerConfig, user: { uid: number
   // bundle's, so packed bundles never share one.
   const rocm = config.gpuDevices.length > 0 && spec.resources.gpu?.stack === "rocm";
   if (rocm) env["ROCR_VISIBLE_DEVICES"] = config.gpuDevices.join(",");
+  const memory = dockerLimit(spec.resources.ram, DOCKER_MIN_MEMORY);
   const binds = [`${config.outDir}:/out:rw`, ...config.inputs.map((n) => `${config.inDir}/${n}:/in/${n}:ro`)];
   const hostConfig: Record<string, unknown> = {
     Binds: binds,
-    Memory: spec.resources.ram,
-    MemorySwap: spec.resources.ram,
-    NanoCpus: Math.round(spec.resources.vcpus * 1e9),
+    Memory: memory,
+    MemorySwap: memory,
+    NanoCpus: dockerLimit(spec.resources.vcpus * 1e9, DOCKER_MIN_NANO_CPUS),
     PidsLimit: 4096,
     NetworkMode: spec.limits.network ? "default" : "none",
   };

@@ -25,6 +25,32 @@ export const ERROR_CODES = {
     description: "The request body's content type is not application/json.",
   },
   "request.not_found": { status: 404, description: "No route matches the request's method and path." },
+  "request.invalid_url": {
+    status: 400,
+    description: "The URL's path cannot be decoded (a %-escape that is not UTF-8, such as %ff).",
+  },
+  "request.uri_too_long": {
+    status: 414,
+    description: "A path parameter of the URL is longer than the server accepts (100 characters).",
+  },
+  "request.timeout": {
+    status: 408,
+    description:
+      "The request's headers or body did not arrive within the server's headersTimeout or requestTimeout; the connection is closed.",
+  },
+  "request.headers_too_large": {
+    status: 431,
+    description:
+      "The request line and headers are larger than the server accepts (16 KiB); the connection is closed.",
+  },
+  "request.malformed_http": {
+    status: 400,
+    description: "The request is not valid HTTP/1.1; the connection is closed.",
+  },
+  "request.server_closing": {
+    status: 503,
+    description: "The server is shutting down and takes no new requests; retry once it (or another) is up.",
+  },
   "auth.missing_token": { status: 401, description: "The request carries no bearer token." },
   "auth.invalid_token": {
     status: 401,

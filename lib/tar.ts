@@ -7,6 +7,7 @@ import { mkdir, open, opendir, stat } from "node:fs/promises";
 import path from "node:path";
 import { Readable } from "node:stream";
 import { DispatchCloudError } from "./errors.ts";
+import { pathLengthProblem } from "./text-limits.ts";
 
 const BLOCK = 512;
 const ZERO_BLOCK = Buffer.alloc(BLOCK);
@@ -19,6 +20,9 @@ export interface TarSummary {
 }
 
 const badArchive = (message: string) => new DispatchCloudError("runner.bad_archive", message);
+/** A path within the limits that, below the extraction directory, is longer than the filesystem holds. */
+const tooDeep = (rel: string) =>
+  badArchive(`entry ${JSON.stringify(rel.slice(0, 80))}... is too long a path below the output directory`);
 
 // ---- writing ----
 
@@ -227,6 +231,8 @@ function safePath(name: string): string | null {
   if (name.startsWith("/")) throw badArchive(`absolute path ${JSON.stringify(name)} in the archive`);
   const parts = name.split("/").filter((p) => p !== "" && p !== ".");
   if (parts.includes("..")) throw badArchive(`path ${JSON.stringify(name)} leaves the archive`);
+  const tooLong = pathLengthProblem(parts);
+  if (tooLong !== undefined) throw badArchive(`entry path ${tooLong}`);
   return parts.length === 0 ? null : parts.join("/");
 }
 
@@ -304,6 +310,7 @@ export async function extractTar(
     const fh = await open(target, "wx", mode).catch((err: NodeJS.ErrnoException) => {
       if (err.code === "EEXIST" || err.code === "ENOTDIR" || err.code === "EISDIR")
         throw badArchive(`entry ${JSON.stringify(rel)} clashes with another entry of the archive`);
+      if (err.code === "ENAMETOOLONG") throw tooDeep(rel);
       throw err;
     });
     try {
@@ -328,6 +335,7 @@ async function mkdirEntry(target: string, rel: string): Promise<void> {
     const code = (err as NodeJS.ErrnoException).code;
     if (code === "EEXIST" || code === "ENOTDIR")
       throw badArchive(`entry ${JSON.stringify(rel)} clashes with another entry of the archive`);
+    if (code === "ENAMETOOLONG") throw tooDeep(rel);
     throw err;
   }
 }

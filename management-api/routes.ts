@@ -7,6 +7,8 @@ import type { FastifyInstance } from "fastify";
 import type { Registry } from "prom-client";
 import type { IdleBehavior } from "../dispatcher/pool/bootstrap.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { hasControlCharacter, hasLoneSurrogate } from "../lib/text-limits.ts";
+import { BUNDLE_UUID_PATTERN } from "../rest-server/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { killBundle } from "../store/transitions.ts";
 import { type Bundle, isFinalState } from "../store/types.ts";
@@ -28,6 +30,8 @@ export interface ManagementContext {
 }
 
 const MAX_REASON = 1000;
+const MAX_INSTANCE_ID = 200;
+const BUNDLE_UUID = new RegExp(BUNDLE_UUID_PATTERN);
 
 /** The query string as single values; only `allowed` keys, each at most once. */
 function queryOf(query: unknown, allowed: readonly string[]): Record<string, string> {
@@ -48,23 +52,42 @@ function queryOf(query: unknown, allowed: readonly string[]): Record<string, str
   return out;
 }
 
+const badQuery = (key: string, why: string) =>
+  new DispatchCloudError("request.invalid_query", `${key}: ${why}`, { path: key });
+
+/**
+ * Text the query gives for a log line, a tag or a state reason: no control characters or line breaks (NUL,
+ * which PostgreSQL refuses, among them) and no lone surrogates (which UTF-8 cannot hold).
+ */
+function checkText(key: string, value: string, max: number): string {
+  if (value.length > max) throw badQuery(key, `at most ${max} characters`);
+  if (hasControlCharacter(value)) throw badQuery(key, "must not contain control characters or line breaks");
+  if (hasLoneSurrogate(value)) throw badQuery(key, "must not contain a lone UTF-16 surrogate");
+  return value;
+}
+
 function required(q: Record<string, string>, key: string): string {
   const v = q[key];
-  if (v === undefined || v.trim() === "") {
-    throw new DispatchCloudError("request.invalid_query", `${key}: required`, { path: key });
-  }
+  if (v === undefined || v.trim() === "") throw badQuery(key, "required");
   return v;
+}
+
+/** An instance id as the pool knows them: printable, at most MAX_INSTANCE_ID characters. */
+function instanceIdOf(q: Record<string, string>): string {
+  return checkText("instance_id", required(q, "instance_id"), MAX_INSTANCE_ID);
+}
+
+/** A bundle uuid (the kill query's or the path's): xxxxx-bndl-xxxxxxxxxxxxxxx. */
+function bundleUuid(value: string, key: string, where: "query" | "param"): string {
+  if (BUNDLE_UUID.test(value)) return value;
+  const code = where === "query" ? "request.invalid_query" : "request.invalid_param";
+  throw new DispatchCloudError(code, `${key}: not a bundle uuid: ${show(value)}`, { path: key });
 }
 
 function reasonOf(q: Record<string, string>, fallback: string): string {
   const r = q["reason"];
   if (r === undefined || r.trim() === "") return fallback;
-  if (r.length > MAX_REASON) {
-    throw new DispatchCloudError("request.invalid_query", `reason: at most ${MAX_REASON} characters`, {
-      path: "reason",
-    });
-  }
-  return r;
+  return checkText("reason", r, MAX_REASON);
 }
 
 const show = (s: string): string => JSON.stringify(s.length > 80 ? `${s.slice(0, 80)}...` : s);
@@ -107,7 +130,7 @@ export function registerManagementRoutes(app: FastifyInstance, ctx: ManagementCo
   for (const behavior of ["hold", "drain", "run"] as const satisfies readonly IdleBehavior[]) {
     app.post(`/management/v1/instances/${behavior}`, async (request) => {
       const q = queryOf(request.query, ["instance_id"]);
-      const id = required(q, "instance_id");
+      const id = instanceIdOf(q);
       const parts = partsOf();
       const w = workerOf(parts, id);
       request.log.info({ instanceId: w.id, idleBehavior: behavior }, "operator set the idle behaviour");
@@ -118,7 +141,7 @@ export function registerManagementRoutes(app: FastifyInstance, ctx: ManagementCo
 
   app.post("/management/v1/instances/kill", async (request) => {
     const q = queryOf(request.query, ["instance_id", "reason"]);
-    const id = required(q, "instance_id");
+    const id = instanceIdOf(q);
     const reason = reasonOf(q, "killed by an operator");
     const parts = partsOf();
     const w = workerOf(parts, id);
@@ -134,7 +157,11 @@ export function registerManagementRoutes(app: FastifyInstance, ctx: ManagementCo
 
   app.get("/management/v1/bundles/:uuid", async (request) => {
     queryOf(request.query, []);
-    const uuid = (request.params as Record<string, string | undefined>)["uuid"] ?? "";
+    const uuid = bundleUuid(
+      (request.params as Record<string, string | undefined>)["uuid"] ?? "",
+      "uuid",
+      "param",
+    );
     const parts = partsOf();
     const b = parts.queue.get(uuid);
     if (b === undefined) {
@@ -147,7 +174,7 @@ export function registerManagementRoutes(app: FastifyInstance, ctx: ManagementCo
 
   app.post("/management/v1/bundles/kill", async (request) => {
     const q = queryOf(request.query, ["uuid", "reason"]);
-    const uuid = required(q, "uuid");
+    const uuid = bundleUuid(required(q, "uuid"), "uuid", "query");
     const reason = reasonOf(q, "killed by an operator");
     const parts = partsOf();
     const result = await killBundle(ctx.db, uuid, { actor: "operator", reason });

@@ -215,6 +215,16 @@ describe("management API: authentication, standby, metrics, OpenAPI", () => {
       ["/management/v1/instances/hold?instance_id=i-1&force=1", "force"],
       ["/management/v1/bundles/kill", "uuid"],
       ["/management/v1/bundles/kill?uuid=zzzzz-bndl-000000000000000&reason=" + "x".repeat(1001), "reason"],
+      // NUL (PostgreSQL refuses it: this was a 500), other control characters and line breaks, malformed uuids.
+      ["/management/v1/bundles/kill?uuid=zzzzz-bndl-000000000000000%00", "uuid"],
+      ["/management/v1/bundles/kill?uuid=%00", "uuid"],
+      ["/management/v1/bundles/kill?uuid=not-a-uuid", "uuid"],
+      ["/management/v1/bundles/kill?uuid=zzzzz-bndl-000000000000000&reason=a%00b", "reason"],
+      ["/management/v1/bundles/kill?uuid=zzzzz-bndl-000000000000000&reason=a%0AINFO%20forged", "reason"],
+      ["/management/v1/bundles/kill?uuid=zzzzz-bndl-000000000000000&reason=a%E2%80%A8b", "reason"],
+      ["/management/v1/instances/kill?instance_id=i-1&reason=%1b%5b31m", "reason"],
+      ["/management/v1/instances/hold?instance_id=i-1%00", "instance_id"],
+      ["/management/v1/instances/drain?instance_id=" + "i".repeat(201), "instance_id"],
     ];
     for (const [url, path] of cases) {
       const res = await app.inject({ method: "POST", url, headers: auth });
@@ -226,6 +236,11 @@ describe("management API: authentication, standby, metrics, OpenAPI", () => {
     }
     const list = await app.inject({ url: "/management/v1/instances?x=1", headers: auth });
     expect([list.statusCode, list.json().error.path]).toEqual([400, "x"]);
+    const one = await app.inject({ url: "/management/v1/bundles/not-a-uuid%00", headers: auth });
+    expect([one.statusCode, one.json().error]).toEqual([
+      400,
+      expect.objectContaining({ code: "request.invalid_param", path: "uuid" }),
+    ]);
   });
 
   it("serves the users' API OpenAPI document on the REST server, built from the schemas its routes use", async () => {

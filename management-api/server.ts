@@ -2,15 +2,12 @@
  * The management API server (issue 6; docs/operations.md): a fastify instance served on `management.listen`
  * by the process that runs the dispatcher. Every route, /metrics and /_health/ping included, needs
  * `Authorization: Bearer <management.token>`: no token configured -> 403 auth.forbidden for everything, no
- * header -> 401 auth.missing_token, a wrong token -> 403 auth.forbidden (compared in constant time). Errors
- * are `{ error: { code, message, path? } }` as on the REST server; the token never appears in a log.
+ * header -> 401 auth.missing_token, a wrong token -> 403 auth.forbidden (compared in constant time). Errors,
+ * fastify's and Node's own included, are `{ error: { code, message, path? } }` as on the REST server
+ * (lib/http-errors.ts); requests are timed as there (management.headersTimeout, requestTimeout); the token
+ * never appears in a log.
  */
-import Fastify, {
-  type FastifyBaseLogger,
-  type FastifyError,
-  type FastifyInstance,
-  type FastifyReply,
-} from "fastify";
+import Fastify, { type FastifyBaseLogger, type FastifyInstance } from "fastify";
 import { pino } from "pino";
 import type { Registry } from "prom-client";
 import type { Config } from "../config/schema.ts";
@@ -18,8 +15,17 @@ import { resolveSecret } from "../config/secrets.ts";
 import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
 import { createEligibleNames } from "../dispatcher/scheduler/eligible.ts";
 import type { Clock } from "../lib/clock.ts";
-import { DispatchCloudError, ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
+import { DispatchCloudError } from "../lib/errors.ts";
+import {
+  clientErrorHandler,
+  errorHandler,
+  frameworkErrorsHandler,
+  refuseWhileClosing,
+  sendError,
+} from "../lib/http-errors.ts";
 import { logRequestsAtDebug } from "../lib/http-log.ts";
+import { recordRoutes } from "../lib/http-routes.ts";
+import { closeAfterEarlyAnswer, enforceBodyTimeout, httpServerOptions } from "../lib/http-timeouts.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import { bearerToken } from "../rest-server/auth.ts";
 import { constantTimeEqual } from "../rest-server/tokens.ts";
@@ -43,14 +49,6 @@ export interface ManagementServerOptions {
   env?: Readonly<Record<string, string | undefined>>;
 }
 
-/** fastify's own client errors, mapped to ours. */
-const FASTIFY_CODES: Record<string, ErrorCode> = {
-  FST_ERR_CTP_BODY_TOO_LARGE: "request.body_too_large",
-  FST_ERR_CTP_INVALID_MEDIA_TYPE: "request.unsupported_media_type",
-  FST_ERR_CTP_EMPTY_JSON_BODY: "request.invalid_json",
-  FST_ERR_CTP_INVALID_JSON_BODY: "request.invalid_json",
-};
-
 /**
  * Builds the server (not listening: call app.listen). Throws config.missing_secret or config.unreadable_file
  * when management.token points at an unset variable or an unreadable file.
@@ -65,12 +63,24 @@ export async function createManagementServer(opts: ManagementServerOptions): Pro
           { component: "management-api" },
           { redact: { paths: REDACTED_PATHS, censor: "[redacted]" } },
         );
+  const timeouts = {
+    headersTimeout: opts.config.management.headersTimeout,
+    requestTimeout: opts.config.management.requestTimeout,
+  };
   const app = Fastify({
     loggerInstance: logger as FastifyBaseLogger,
     bodyLimit: 64 * 1024,
+    http: httpServerOptions(timeouts),
+    frameworkErrors: frameworkErrorsHandler("request.invalid_query"),
+    clientErrorHandler: clientErrorHandler(logger as FastifyBaseLogger),
+    return503OnClosing: false,
     disableRequestLogging: true,
   });
   logRequestsAtDebug(app);
+  recordRoutes(app);
+  refuseWhileClosing(app);
+  enforceBodyTimeout(app, timeouts, logger as FastifyBaseLogger);
+  closeAfterEarlyAnswer(app);
 
   app.addHook("onRequest", async (request) => {
     if (token === "") {
@@ -89,25 +99,7 @@ export async function createManagementServer(opts: ManagementServerOptions): Pro
     sendError(reply, "request.not_found", `no route for ${request.method} ${request.url.split("?")[0]}`);
   });
 
-  app.setErrorHandler((err: FastifyError | DispatchCloudError | Error, request, reply) => {
-    if (err instanceof DispatchCloudError) {
-      if (err.status >= 500) request.log.warn({ err }, "request failed");
-      sendError(reply, err.code, err.message, err.path);
-      return;
-    }
-    const code = "code" in err && typeof err.code === "string" ? FASTIFY_CODES[err.code] : undefined;
-    const status = "statusCode" in err && typeof err.statusCode === "number" ? err.statusCode : 500;
-    if (code !== undefined) {
-      sendError(reply, code, err.message);
-      return;
-    }
-    if (status >= 400 && status < 500) {
-      sendError(reply, status === 404 ? "request.not_found" : "request.invalid_query", err.message);
-      return;
-    }
-    request.log.error({ err }, "unexpected error while handling a management request");
-    sendError(reply, "internal.error", "internal error; the server log has the details");
-  });
+  app.setErrorHandler(errorHandler("request.invalid_query"));
 
   registerManagementRoutes(app, {
     dispatcher: opts.dispatcher,
@@ -118,11 +110,4 @@ export async function createManagementServer(opts: ManagementServerOptions): Pro
   });
   await app.ready();
   return app;
-}
-
-function sendError(reply: FastifyReply, code: ErrorCode, message: string, path?: string): void {
-  void reply
-    .code(ERROR_CODES[code].status)
-    .type("application/json")
-    .send(errorBody(code, message, path));
 }

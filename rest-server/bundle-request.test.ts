@@ -4,11 +4,12 @@ import { parseBundleRequest } from "./bundle-request.ts";
 
 const OWNER = "zzzzz-user-000000000000000";
 const DEP = "zzzzz-bndl-000000000000001";
-const parse = (body: unknown) => parseBundleRequest(body, OWNER, 3);
+const MIN = { ram: 16 * 2 ** 20, vcpus: 0.01 };
+const parse = (body: unknown, minimums = MIN) => parseBundleRequest(body, OWNER, 3, minimums);
 
-function problem(body: unknown): { code: string; path: string | undefined } {
+function problem(body: unknown, minimums = MIN): { code: string; path: string | undefined } {
   try {
-    parse(body);
+    parse(body, minimums);
   } catch (err) {
     if (err instanceof DispatchCloudError) return { code: err.code, path: err.path };
     throw err;
@@ -138,5 +139,98 @@ describe("parseBundleRequest", () => {
     [{ ...base, name: "a\u0000b" }, "request.invalid_body", "name"],
   ])("refuses %j with %s at %s", (body, code, path) => {
     expect(problem(body)).toEqual({ code, path });
+  });
+
+  describe("the smallest resources (restServer.minBundleRam and minBundleVcpus)", () => {
+    it.each([
+      [{ ram: 0 }, "resources.ram"],
+      [{ ram: "0B" }, "resources.ram"],
+      [{ ram: "1MiB" }, "resources.ram"],
+      [{ ram: 16 * 2 ** 20 - 1 }, "resources.ram"],
+      [{ vcpus: 1e-300 }, "resources.vcpus"],
+      [{ vcpus: 0.001 }, "resources.vcpus"],
+      [{ vcpus: 5e-324 }, "resources.vcpus"],
+    ])("refuses resources %j below them, at %s", (resources, path) => {
+      expect(problem({ ...base, resources })).toEqual({ code: "request.invalid_body", path });
+    });
+
+    it("accepts them exactly, and what the server's own minimums allow", () => {
+      expect(parse({ ...base, resources: { ram: "16MiB", vcpus: 0.01 } }).resources).toMatchObject({
+        ram: 16 * 2 ** 20,
+        vcpus: 0.01,
+      });
+      expect(
+        parse({ ...base, resources: { ram: "8MiB" } }, { ram: 8 * 2 ** 20, vcpus: 0.5 }).resources.ram,
+      ).toBe(8 * 2 ** 20);
+      expect(problem({ ...base, resources: { vcpus: 0.25 } }, { ram: 0, vcpus: 0.5 })).toEqual({
+        code: "request.invalid_body",
+        path: "resources.vcpus",
+      });
+    });
+  });
+
+  describe("text: lone surrogates everywhere, control characters where they make no sense", () => {
+    it.each([
+      [{ ...base, image: "busybox\nlatest" }, "image"],
+      [{ ...base, image: "busybox\r" }, "image"],
+      [{ ...base, image: "busy box" }, "image"],
+      [{ ...base, image: "busybox\tx" }, "image"],
+      [{ ...base, image: "busybox\u0085" }, "image"],
+      [{ ...base, image: "busybox\u2028" }, "image"],
+      [{ ...base, image: "busybox\u001b[31m" }, "image"],
+      [{ ...base, image: "busybox\ud800" }, "image"],
+      [{ ...base, image: "\udc00busybox" }, "image"],
+      [{ ...base, name: "a\nb" }, "name"],
+      [{ ...base, name: "a\u007fb" }, "name"],
+      [{ ...base, name: "a\u2029b" }, "name"],
+      [{ ...base, name: "\ud83d" }, "name"],
+      [{ ...base, command: ["echo", "\udfff"] }, "command[1]"],
+      [{ ...base, env: { A: "x\ud800y" } }, "env.A"],
+      [{ ...base, env: { "A\ud800": "x" } }, 'env["A\\ud800"]'],
+      [
+        { ...base, resources: { gpu: { stack: "cuda", deviceCount: 1, hardwareTarget: "8.0\n" } } },
+        "resources.gpu.hardwareTarget",
+      ],
+      [
+        { ...base, resources: { gpu: { stack: "cuda", deviceCount: 1, hardwareTarget: ["8.0", "\u0000"] } } },
+        "resources.gpu.hardwareTarget[1]",
+      ],
+    ])("refuses %j at %s", (body, path) => {
+      expect(problem(body)).toEqual({ code: "request.invalid_body", path });
+    });
+
+    it("keeps command and env values as the user's own bytes (NUL and lone surrogates aside)", () => {
+      const b = parse({
+        ...base,
+        name: "a name with spaces and ünïcödé 🚀",
+        image: "registry.example:5000/team/image:1.2@sha256:abc",
+        command: ["sh", "-c", "printf 'a\tb\n\u001b[0m'\n", "🚀"],
+        env: { MULTI: "line one\nline two\r\n", ESC: "\u001b" },
+      });
+      expect(b.command).toEqual(["sh", "-c", "printf 'a\tb\n\u001b[0m'\n", "🚀"]);
+      expect(b.env).toEqual({ MULTI: "line one\nline two\r\n", ESC: "\u001b" });
+      expect(b.name).toBe("a name with spaces and ünïcödé 🚀");
+    });
+  });
+
+  describe("dependency subpaths the filesystem can hold", () => {
+    const sub = (subpath: string) => ({ ...base, dependencies: [{ bundle: DEP, subpath }] });
+
+    it("refuses a name over 255 bytes, counted in UTF-8", () => {
+      expect(problem(sub(`a/${"x".repeat(256)}/b`))).toEqual({
+        code: "request.invalid_body",
+        path: "dependencies[0].subpath",
+      });
+      // 128 characters, 256 bytes.
+      expect(problem(sub("é".repeat(128)))).toEqual({
+        code: "request.invalid_body",
+        path: "dependencies[0].subpath",
+      });
+    });
+
+    it("accepts names of 255 bytes", () => {
+      const name = "x".repeat(255);
+      expect(parse(sub(`${name}/${name}`)).dependencies[0]?.subpath).toBe(`${name}/${name}`);
+    });
   });
 });

@@ -1,10 +1,13 @@
 /**
  * The body of `POST /api/v1/bundles`: one TypeBox schema (unknown fields refused, defaults filled), then
- * normalisation into a NewBundle (sizes in bytes, durations in milliseconds, dependency names filled in).
+ * normalisation into a NewBundle (sizes in bytes, durations in milliseconds, dependency names filled in) and
+ * the checks the schema cannot express: the server's smallest RAM and vCPUs (restServer.minBundleRam and
+ * minBundleVcpus, so Docker never gets a 0 that means "no limit") and subpaths the filesystem can hold.
  */
 import { type Static, Type } from "@sinclair/typebox";
 import { DispatchCloudError } from "../lib/errors.ts";
-import { parseDuration, parseSize, SIZE_FORMAT } from "../lib/units.ts";
+import { CONTROL_CHARACTERS, NO_CONTROL_PATTERN, pathLengthProblem } from "../lib/text-limits.ts";
+import { formatSize, parseDuration, parseSize, SIZE_FORMAT } from "../lib/units.ts";
 import { GPU_STACKS, type NewBundle } from "../store/types.ts";
 import { BUNDLE_UUID_PATTERN } from "./tokens.ts";
 import { childPath, invalidBody, validate } from "./validate.ts";
@@ -12,6 +15,21 @@ import { childPath, invalidBody, validate } from "./validate.ts";
 export const MAX_SIZE = 64 * 2 ** 40; // 64TiB
 export const MAX_TIME_LIMIT_MS = 366 * 86_400_000;
 const KIB64 = 64 * 1024;
+
+/** Text shown to people (names, targets): no control characters or line breaks. */
+const Text = (opts: { minLength?: number; maxLength: number; default?: string }) =>
+  Type.String({
+    ...opts,
+    pattern: NO_CONTROL_PATTERN,
+    errorMessage: `must be a string of ${opts.minLength ?? 0}-${opts.maxLength} characters without control characters or line breaks`,
+  });
+
+/** The smallest resources a bundle may ask for (config restServer.minBundleRam, restServer.minBundleVcpus). */
+export interface BundleMinimums {
+  /** Bytes. */
+  ram: number;
+  vcpus: number;
+}
 
 const Size = (opts: { default?: string | number; description: string }) =>
   Type.Union(
@@ -39,10 +57,15 @@ const Gpu = Type.Object(
     hardwareTarget: Type.Optional(
       Type.Union(
         [
-          Type.String({ minLength: 1, maxLength: 64 }),
-          Type.Array(Type.String({ minLength: 1, maxLength: 64 }), { maxItems: 64 }),
+          Type.String({ minLength: 1, maxLength: 64, pattern: NO_CONTROL_PATTERN }),
+          Type.Array(Type.String({ minLength: 1, maxLength: 64, pattern: NO_CONTROL_PATTERN }), {
+            maxItems: 64,
+          }),
         ],
-        { errorMessage: "must be a target name (1-64 characters) or a list of at most 64 of them" },
+        {
+          errorMessage:
+            "must be a target name (1-64 characters, no control characters) or a list of at most 64 of them",
+        },
       ),
     ),
   },
@@ -89,9 +112,15 @@ const Dependency = Type.Object(
 
 export const BundleRequest = Type.Object(
   {
-    name: Type.Optional(Type.String({ maxLength: 200, default: "" })),
+    name: Type.Optional(Text({ maxLength: 200, default: "" })),
+    // The user's own bytes, passed to the container as they are (NUL and lone surrogates aside).
     command: Type.Array(Type.String({ maxLength: KIB64 }), { minItems: 1, maxItems: 1000 }),
-    image: Type.String({ minLength: 1, maxLength: 500 }),
+    image: Type.String({
+      minLength: 1,
+      maxLength: 500,
+      pattern: `^[^\\s${CONTROL_CHARACTERS}]+$`,
+      errorMessage: "must be an image reference of 1-500 characters without spaces or control characters",
+    }),
     env: Type.Optional(
       Type.Record(Type.String(), Type.String({ maxLength: KIB64 }), { maxProperties: 1000 }),
     ),
@@ -121,16 +150,23 @@ function size(value: string | number, path: string): number {
   return bytes;
 }
 
-/** `a/./b/` -> `a/b`; refuses absolute paths and `..`. */
+/** `a/./b/` -> `a/b`; refuses absolute paths, `..` and names or paths too long for the filesystem. */
 function normaliseSubpath(subpath: string, path: string): string {
   if (subpath.startsWith("/")) throw invalidBody(path, "must be a relative path (no leading /)");
   const parts = subpath.split("/").filter((p) => p !== "" && p !== ".");
   if (parts.includes("..")) throw invalidBody(path, 'must not contain ".."');
+  const tooLong = pathLengthProblem(parts);
+  if (tooLong !== undefined) throw invalidBody(path, tooLong);
   return parts.join("/");
 }
 
 /** Validates a request body and turns it into the NewBundle the store inserts. */
-export function parseBundleRequest(body: unknown, ownerUuid: string, defaultMaxAttempts: number): NewBundle {
+export function parseBundleRequest(
+  body: unknown,
+  ownerUuid: string,
+  defaultMaxAttempts: number,
+  minimums: BundleMinimums,
+): NewBundle {
   const req = validate(BundleRequest, body);
 
   const env: Record<string, string> = {};
@@ -166,6 +202,19 @@ export function parseBundleRequest(body: unknown, ownerUuid: string, defaultMaxA
                   : [...gpu.hardwareTarget],
           },
   };
+
+  if (resources.vcpus < minimums.vcpus) {
+    throw invalidBody(
+      "resources.vcpus",
+      `must be at least ${minimums.vcpus} (the smallest this server runs)`,
+    );
+  }
+  if (resources.ram < minimums.ram) {
+    throw invalidBody(
+      "resources.ram",
+      `must be at least ${formatSize(minimums.ram)} (the smallest this server runs)`,
+    );
+  }
 
   const l = req.limits ?? {};
   let time: number | null = null;

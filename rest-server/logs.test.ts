@@ -15,6 +15,7 @@ describe("parseLogQuery", () => {
     });
     expect(parseLogQuery({ follow: "true" }).follow).toBe(true);
     expect(parseLogQuery({ follow: "0" }).follow).toBe(false);
+    expect(parseLogQuery({ attempt: "2147483647" }).attempt).toBe(2 ** 31 - 1);
   });
 
   it("refuses anything else with the parameter's path", () => {
@@ -25,6 +26,9 @@ describe("parseLogQuery", () => {
       [{ attempt: "0" }, "attempt"],
       [{ attempt: "-1" }, "attempt"],
       [{ attempt: "1e3" }, "attempt"],
+      // The attempt column is a PostgreSQL integer (int4).
+      [{ attempt: "2147483648" }, "attempt"],
+      [{ attempt: "9007199254740991" }, "attempt"],
       [{ tail: "10" }, "tail"],
     ] as const) {
       expect(() => parseLogQuery(query), JSON.stringify(query)).toThrow(
@@ -41,5 +45,14 @@ describe("parseCount", () => {
     for (const bad of ["", "01", "+1", "1.0", "0x10", "9007199254740992", " 1", "99999999999999999"]) {
       expect(() => parseCount("offset", bad), bad).toThrow(expect.objectContaining({ path: "offset" }));
     }
+  });
+});
+
+describe("parseCount with a maximum", () => {
+  it("refuses numbers above it, with the parameter's path", () => {
+    expect(parseCount("n", "10", 1, 10)).toBe(10);
+    expect(() => parseCount("n", "11", 1, 10)).toThrow(
+      expect.objectContaining({ code: "request.invalid_query", path: "n" }),
+    );
   });
 });

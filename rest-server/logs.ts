@@ -42,13 +42,23 @@ export function parseStream(raw: unknown): LogStream {
   return s as LogStream;
 }
 
-/** A non-negative whole number in decimal, at most 2^53 - 1. */
-export function parseCount(key: string, raw: unknown, min = 0): number {
+/** The largest PostgreSQL integer (int4), for numbers stored in such a column (attempt). */
+export const MAX_INT4 = 2 ** 31 - 1;
+
+/**
+ * A whole number in decimal from min to max (default 2^53 - 1, within PostgreSQL's bigint); the bounds are
+ * those of the column the number is compared with, so the database never sees one out of its range.
+ */
+export function parseCount(key: string, raw: unknown, min = 0, max = Number.MAX_SAFE_INTEGER): number {
   const s = single(key, raw);
-  if (!/^(0|[1-9][0-9]{0,15})$/.test(s) || !Number.isSafeInteger(Number(s)) || Number(s) < min) {
-    throw badQuery(key, `must be a whole number >= ${min}, not ${JSON.stringify(s.slice(0, 40))}`);
+  const n = Number(s);
+  if (!/^(0|[1-9][0-9]{0,15})$/.test(s) || !Number.isSafeInteger(n) || n < min || n > max) {
+    throw badQuery(
+      key,
+      `must be a whole number from ${min} to ${max}, not ${JSON.stringify(s.slice(0, 40))}`,
+    );
   }
-  return Number(s);
+  return n;
 }
 
 /** `?stream=stdout|stderr&follow=1&attempt=N`; anything else is refused. */
@@ -60,7 +70,7 @@ export function parseLogQuery(query: unknown): LogQuery {
       const v = single(key, raw);
       if (!["0", "1", "true", "false"].includes(v)) throw badQuery(key, "must be 1 or 0");
       out.follow = v === "1" || v === "true";
-    } else if (key === "attempt") out.attempt = parseCount(key, raw, 1);
+    } else if (key === "attempt") out.attempt = parseCount(key, raw, 1, MAX_INT4);
     else throw badQuery(key, "unknown query parameter; known: stream, follow, attempt");
   }
   return out;

@@ -27,11 +27,45 @@ function tarOf(name: string, content: string): Buffer {
   return Buffer.concat([h, data, Buffer.alloc((512 - (data.length % 512)) % 512), Buffer.alloc(1024)]);
 }
 
+/** A one-file archive whose name travels in a pax header (so it may be longer than ustar's 255 bytes). */
+function paxTarOf(name: string, content: string): Buffer {
+  const record = (len: number) => `${len} path=${name}\n`;
+  let len = Buffer.byteLength(record(0));
+  while (Buffer.byteLength(record(len)) !== len) len = Buffer.byteLength(record(len));
+  const pax = Buffer.from(record(len));
+  const header = tarOf("PaxHeader", "x".repeat(pax.length)).subarray(0, 512);
+  header.write("x", 156);
+  header.write("        ", 148);
+  let sum = 0;
+  for (const b of header) sum += b;
+  header.write(`${sum.toString(8).padStart(6, "0")}\0 `, 148);
+  const padded = Buffer.concat([pax, Buffer.alloc((512 - (pax.length % 512)) % 512)]);
+  return Buffer.concat([header, padded, tarOf("placeholder", content)]);
+}
+
 describe("parseOutputPath", () => {
   it("normalises a trailing slash and keeps names as they are", () => {
     expect(parseOutputPath("")).toBe("");
     expect(parseOutputPath("a/b/")).toBe("a/b");
     expect(parseOutputPath("a b/..c/c..")).toBe("a b/..c/c..");
+  });
+
+  it("refuses a name over 255 bytes (counted in UTF-8) and a path over 4096 bytes; takes 255-byte names", () => {
+    const name255 = "n".repeat(255);
+    expect(parseOutputPath(`${name255}/${name255}`)).toBe(`${name255}/${name255}`);
+    for (const bad of [
+      "x".repeat(256),
+      `a/${"x".repeat(256)}/b`,
+      "é".repeat(128),
+      Array.from({ length: 18 }, () => "y".repeat(240)).join("/"),
+    ]) {
+      expect(() => parseOutputPath(bad), bad.slice(0, 20)).toThrow(
+        expect.objectContaining({ code: "request.invalid_param", path: "path" }),
+      );
+    }
+    expect(() => parseOutputPath("x".repeat(256), "subpath")).toThrow(
+      expect.objectContaining({ code: "request.invalid_param", path: "subpath" }),
+    );
   });
 
   it("refuses ., .., absolute paths, empty names and NUL", () => {
@@ -99,5 +133,22 @@ describe("output store", () => {
     expect(await store.get(uuid, "")).toEqual({ kind: "dir", files: [{ path: "b.txt", size: 6 }] });
     const names = await readdir(join(dir, "outputs"));
     expect(names.filter((n) => n.includes(uuid))).toHaveLength(2);
+  });
+
+  it("refuses archive entries with a name over 255 bytes or too long a path, and finds no such output", async () => {
+    const before = await store.get(uuid, "");
+    for (const name of [
+      `dir/${"x".repeat(256)}`,
+      Array.from({ length: 16 }, () => "z".repeat(255)).join("/"),
+    ]) {
+      await expect(
+        store.replace(uuid, Readable.from([paxTarOf(name, "data")]), { maxBytes: 100 }),
+      ).rejects.toMatchObject({ code: "runner.bad_archive" });
+    }
+    expect(await store.get(uuid, "")).toEqual(before);
+    // A path within the limits that, below the outputs directory, no filesystem can hold: not found.
+    const deep = Array.from({ length: 16 }, () => "z".repeat(255)).join("/");
+    await expect(store.get(uuid, deep)).rejects.toMatchObject({ code: "output.not_found" });
+    expect(await store.pack(uuid, deep)).toBeNull();
   });
 });

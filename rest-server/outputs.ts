@@ -23,6 +23,7 @@ import path from "node:path";
 import { Readable } from "node:stream";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { extractTar, packTar, type TarSummary } from "../lib/tar.ts";
+import { MAX_PATH_BYTES, pathLengthProblem } from "../lib/text-limits.ts";
 
 export interface OutputFile {
   /** Path relative to the bundle's output root, `/`-separated. */
@@ -57,16 +58,15 @@ export interface OutputStore {
 /** Two zero blocks: a tar archive with no entries. */
 const EMPTY_TAR = Buffer.alloc(1024);
 
-const MAX_PATH_LENGTH = 4096;
-
 /**
  * A relative output path from a request: `/`-separated names, none of them `.` or `..`, no NUL, not absolute,
- * no empty names (a trailing `/` is allowed). Returns the normalised path ("" for the root).
+ * no empty names (a trailing `/` is allowed), no name over 255 bytes and at most 4096 bytes in all (what the
+ * filesystem holds). Returns the normalised path ("" for the root).
  */
 export function parseOutputPath(raw: string, field = "path"): string {
   const bad = (why: string) =>
     new DispatchCloudError("request.invalid_param", `${field}: ${why}`, { path: field });
-  if (raw.length > MAX_PATH_LENGTH) throw bad(`longer than ${MAX_PATH_LENGTH} characters`);
+  if (raw.length > MAX_PATH_BYTES) throw bad(`is longer than ${MAX_PATH_BYTES} bytes`);
   if (raw.includes("\0")) throw bad("must not contain NUL characters");
   if (raw.startsWith("/")) throw bad("must be a relative path (no leading /)");
   const trimmed = raw.endsWith("/") ? raw.slice(0, -1) : raw;
@@ -76,12 +76,15 @@ export function parseOutputPath(raw: string, field = "path"): string {
     if (p === "") throw bad("must not contain empty names (//)");
     if (p === "." || p === "..") throw bad(`must not contain ${JSON.stringify(p)}`);
   }
+  const tooLong = pathLengthProblem(parts);
+  if (tooLong !== undefined) throw bad(tooLong);
   return parts.join("/");
 }
 
 const isNotFound = (err: unknown): boolean => {
   const code = (err as NodeJS.ErrnoException | null)?.code;
-  return code === "ENOENT" || code === "ENOTDIR";
+  // ENAMETOOLONG: a path longer than the filesystem holds (with the data directory before it) exists nowhere.
+  return code === "ENOENT" || code === "ENOTDIR" || code === "ENAMETOOLONG";
 };
 
 async function walkFiles(root: string, rel: string, out: OutputFile[]): Promise<void> {

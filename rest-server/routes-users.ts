@@ -4,6 +4,7 @@
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { NO_CONTROL_PATTERN } from "../lib/text-limits.ts";
 import { createUser, getBundleForOwner, insertBundle, listBundles, listEvents } from "../store/queries.ts";
 import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
@@ -20,7 +21,16 @@ export const DEFAULT_LIST_LIMIT = 50;
 export const MAX_LIST_LIMIT = 500;
 
 export const KillRequest = Type.Object(
-  { reason: Type.Optional(Type.String({ minLength: 1, maxLength: 1000 })) },
+  {
+    reason: Type.Optional(
+      Type.String({
+        minLength: 1,
+        maxLength: 1000,
+        pattern: NO_CONTROL_PATTERN,
+        errorMessage: "must be a string of 1-1000 characters without control characters or line breaks",
+      }),
+    ),
+  },
   { additionalProperties: false },
 );
 
@@ -116,7 +126,12 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
 
   app.post("/api/v1/bundles", { onRequest }, async (request, reply) => {
     const caller = callerOf(request);
-    const newBundle = parseBundleRequest(request.body, caller.uuid, ctx.defaultMaxAttempts);
+    const newBundle = parseBundleRequest(
+      request.body,
+      caller.uuid,
+      ctx.defaultMaxAttempts,
+      ctx.bundleMinimums,
+    );
     const bundle = await insertBundle(db, newBundleUuid(ctx.clusterId), newBundle, "created");
     return reply.code(201).send(view(bundle));
   });

@@ -1,21 +1,35 @@
 /**
- * The REST server: the users' API, the runner API and the health check, on fastify. One error handler
- * turns every failure into `{ error: { code, message, path? } }`; a caller's mistake is always a 4xx.
+ * The REST server: the users' API, the runner API and the health check, on fastify. Every failure, fastify's
+ * and Node's own included (lib/http-errors.ts), is `{ error: { code, message, path? } }`, and a caller's
+ * mistake is always a 4xx. Bodies are JSON in valid UTF-8 (the runner's raw uploads aside); what clients send
+ * is timed (lib/http-timeouts.ts), what the server answers is not.
  */
+import { isUtf8 } from "node:buffer";
 import { join } from "node:path";
-import Fastify, {
-  type FastifyBaseLogger,
-  type FastifyError,
-  type FastifyInstance,
-  type FastifyReply,
-} from "fastify";
+import Fastify, { type FastifyBaseLogger, type FastifyInstance } from "fastify";
 import { pino } from "pino";
+import { defaultConfig } from "../config/load.ts";
 import type { Clock } from "../lib/clock.ts";
-import { DispatchCloudError, ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
+import { DispatchCloudError } from "../lib/errors.ts";
+import {
+  clientErrorHandler,
+  errorHandler,
+  frameworkErrorsHandler,
+  refuseWhileClosing,
+  sendError,
+} from "../lib/http-errors.ts";
 import { logRequestsAtDebug } from "../lib/http-log.ts";
+import { recordRoutes } from "../lib/http-routes.ts";
+import {
+  allowSlowUpload,
+  closeAfterEarlyAnswer,
+  enforceBodyTimeout,
+  httpServerOptions,
+} from "../lib/http-timeouts.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import { usersApiDocument } from "../management-api/openapi.ts";
 import type { Db } from "../store/db.ts";
+import type { BundleMinimums } from "./bundle-request.ts";
 import { createLogNotifier, type LogNotifier } from "./logs.ts";
 import { createOutputStore, type OutputStore } from "./outputs.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";
@@ -40,6 +54,14 @@ export interface RestServerOptions {
   logPollInterval?: number;
   /** An instance type's price in dollars per hour (config), for the cost stored at finish; none: no cost. */
   instancePrice?: (instanceType: string) => number | undefined;
+  /** Milliseconds for a request's line and headers (restServer.headersTimeout; default its default). */
+  headersTimeout?: number;
+  /** Milliseconds for a request's body after its headers (restServer.requestTimeout). */
+  requestTimeout?: number;
+  /** Bytes per second at which a runner's upload may outlast requestTimeout (restServer.minUploadRate). */
+  minUploadRate?: number;
+  /** The smallest RAM and vCPUs a bundle may ask for (restServer.minBundleRam, minBundleVcpus). */
+  bundleMinimums?: BundleMinimums;
 }
 
 /** What the routes need, built once by createRestServer. */
@@ -53,27 +75,14 @@ export interface RouteContext {
   logNotifier: LogNotifier;
   logPollInterval: number;
   instancePrice(instanceType: string): number | undefined;
+  bundleMinimums: BundleMinimums;
 }
 
 export const DEFAULT_MAX_OUTPUT_SIZE = 10 * 2 ** 30;
 
-/** fastify's own error codes, mapped to ours. */
-const FASTIFY_CODES: Record<string, ErrorCode> = {
-  FST_ERR_CTP_BODY_TOO_LARGE: "request.body_too_large",
-  FST_ERR_CTP_INVALID_MEDIA_TYPE: "request.unsupported_media_type",
-  FST_ERR_CTP_INVALID_CONTENT_LENGTH: "request.invalid_body",
-  FST_ERR_CTP_EMPTY_JSON_BODY: "request.invalid_json",
-  FST_ERR_CTP_INVALID_JSON_BODY: "request.invalid_json",
-  FST_ERR_CTP_INVALID_TYPE: "request.unsupported_media_type",
-};
-
-const MESSAGES: Partial<Record<ErrorCode, string>> = {
-  "request.body_too_large": "the request body is larger than the server accepts",
-  "request.unsupported_media_type": "the request body must be JSON with Content-Type: application/json",
-};
-
 export async function createRestServer(opts: RestServerOptions): Promise<FastifyInstance> {
   const clock = opts.clock;
+  const defaults = defaultConfig().restServer;
   const logger =
     opts.logger === false
       ? pino({ enabled: false })
@@ -91,6 +100,15 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     logNotifier: createLogNotifier(opts.db, logger),
     logPollInterval: opts.logPollInterval ?? 5000,
     instancePrice: opts.instancePrice ?? (() => undefined),
+    bundleMinimums: opts.bundleMinimums ?? {
+      ram: defaults.minBundleRam,
+      vcpus: defaults.minBundleVcpus,
+    },
+  };
+  const timeouts = {
+    headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,
+    requestTimeout: opts.requestTimeout ?? defaults.requestTimeout,
+    minUploadRate: opts.minUploadRate ?? defaults.minUploadRate,
   };
   const app = Fastify({
     loggerInstance: logger as FastifyBaseLogger,
@@ -100,18 +118,31 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     ajv: {
       customOptions: { removeAdditional: false, coerceTypes: false, useDefaults: false, allErrors: false },
     },
-    return503OnClosing: true,
+    http: httpServerOptions(timeouts),
+    frameworkErrors: frameworkErrorsHandler("request.invalid_body"),
+    clientErrorHandler: clientErrorHandler(logger as FastifyBaseLogger),
+    return503OnClosing: false,
     disableRequestLogging: true,
   });
   logRequestsAtDebug(app);
+  recordRoutes(app);
+  refuseWhileClosing(app);
+  enforceBodyTimeout(app, timeouts, logger as FastifyBaseLogger);
+  closeAfterEarlyAnswer(app);
 
   app.decorateRequest("caller", null);
   app.decorateRequest("runnerBundle", null);
 
   // JSON only. fastify's default parsers (including text/plain) are removed so anything else is a 415.
   app.removeAllContentTypeParsers();
-  app.addContentTypeParser("application/json", { parseAs: "string" }, (_req, body, done) => {
-    const text = typeof body === "string" ? body : body.toString("utf8");
+  // Parsed from bytes: invalid UTF-8 is refused, not decoded to U+FFFD (nothing a client sends is coerced).
+  app.addContentTypeParser("application/json", { parseAs: "buffer" }, (_req, body, done) => {
+    const bytes = typeof body === "string" ? Buffer.from(body, "utf8") : body;
+    if (!isUtf8(bytes)) {
+      done(new DispatchCloudError("request.invalid_json", "the request body is not valid UTF-8"), undefined);
+      return;
+    }
+    const text = bytes.toString("utf8");
     if (text.trim() === "") {
       done(null, undefined);
       return;
@@ -132,25 +163,12 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     sendError(reply, "request.not_found", `no route for ${request.method} ${request.url.split("?")[0]}`);
   });
 
-  app.setErrorHandler((err: FastifyError | DispatchCloudError | Error, request, reply) => {
-    if (err instanceof DispatchCloudError) {
-      if (err.status >= 500) request.log.error({ err }, "request failed");
-      sendError(reply, err.code, err.message, err.path);
-      return;
-    }
-    const code = "code" in err && typeof err.code === "string" ? FASTIFY_CODES[err.code] : undefined;
-    const status = "statusCode" in err && typeof err.statusCode === "number" ? err.statusCode : 500;
-    if (code !== undefined) {
-      sendError(reply, code, MESSAGES[code] ?? err.message);
-      return;
-    }
-    if (status >= 400 && status < 500) {
-      // Some other client error found by fastify (bad URL, bad header...): still the caller's mistake.
-      sendError(reply, status === 404 ? "request.not_found" : "request.invalid_body", err.message);
-      return;
-    }
-    request.log.error({ err }, "unexpected error while handling a request");
-    sendError(reply, "internal.error", "internal error; the server log has the details");
+  app.setErrorHandler(errorHandler("request.invalid_body"));
+
+  // A runner's upload (its token checked by the route's onRequest hook) may outlast requestTimeout while its
+  // bytes keep coming at restServer.minUploadRate; anybody else's body must arrive within requestTimeout.
+  app.addHook("preHandler", async (request) => {
+    if (request.runnerBundle !== null) allowSlowUpload(request.raw);
   });
 
   // Log followers end their responses before the server waits for open connections to finish.
@@ -164,9 +182,4 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   registerRunnerRoutes(app, ctx);
   await app.ready();
   return app;
-}
-
-function sendError(reply: FastifyReply, code: ErrorCode, message: string, path?: string): void {
-  const body = errorBody(code, message, path);
-  void reply.code(ERROR_CODES[code].status).type("application/json").send(body);
 }

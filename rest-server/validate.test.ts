@@ -1,6 +1,7 @@
 import { Type } from "@sinclair/typebox";
 import { describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { KillRequest, UserRequest } from "./routes-users.ts";
 import { checkJsonShape, pointerToPath, validate } from "./validate.ts";
 
 function caught(fn: () => unknown): DispatchCloudError {
@@ -65,5 +66,33 @@ describe("checkJsonShape", () => {
     expect(caught(() => checkJsonShape({ a: ["ok", "b\u0000"] })).path).toBe("a[1]");
     expect(caught(() => checkJsonShape(JSON.parse('{"x":{"__proto__":{"y":1}}}'))).path).toBe("x.__proto__");
     expect(() => checkJsonShape({ a: [1, { b: "c" }] })).not.toThrow();
+  });
+
+  it("refuses lone surrogates in strings and keys, with the path; keeps surrogate pairs", () => {
+    // JSON.parse keeps a lone "\ud800" escape as it is; UTF-8 (and so the database) cannot hold it.
+    const parsed = JSON.parse('{"a":{"b":["ok","x\\ud800"]},"c":"fine"}');
+    expect(caught(() => checkJsonShape(parsed))).toMatchObject({
+      code: "request.invalid_body",
+      path: "a.b[1]",
+    });
+    expect(caught(() => checkJsonShape({ c: "\udc00y" })).path).toBe("c");
+    expect(caught(() => checkJsonShape({ c: "y\ud83d" })).path).toBe("c");
+    expect(caught(() => checkJsonShape({ ["k\ud800"]: 1 })).path).toBe('["k\\ud800"]');
+    expect(() => checkJsonShape(JSON.parse('{"rocket":"\\ud83d\\ude80","k\\ud83d\\ude80":1}'))).not.toThrow();
+  });
+});
+
+describe("the users' API's small bodies", () => {
+  it("refuse control characters and line breaks in a kill reason, and take any other text", () => {
+    for (const reason of ["a\nb", "a\rb", "\u001b[31mred", "a\u0085b", "a\u2029b", "tab\there"]) {
+      expect(caught(() => validate(KillRequest, { reason }))).toMatchObject({
+        code: "request.invalid_body",
+        path: "reason",
+      });
+    }
+    expect(validate(KillRequest, { reason: "no longer needed — ünïcödé 🚀" })).toEqual({
+      reason: "no longer needed — ünïcödé 🚀",
+    });
+    expect(caught(() => validate(UserRequest, { name: "bob\nadmin" }))).toMatchObject({ path: "name" });
   });
 });

@@ -1,10 +1,12 @@
 /**
  * Request validation: TypeBox schemas checked with no coercion and no stripping, first error reported with
- * a stable code and the field's path in dotted form (`resources.ram`, `dependencies[2].bundle`).
+ * a stable code and the field's path in dotted form (`resources.ram`, `dependencies[2].bundle`). Before any
+ * schema, every string and key of a body is checked for what no layer below can hold (NUL, lone surrogates).
  */
 import type { Static, TSchema } from "@sinclair/typebox";
 import { Value, ValueErrorType } from "@sinclair/typebox/value";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { hasLoneSurrogate } from "../lib/text-limits.ts";
 
 /** Bodies nest a few levels; anything deeper is junk and is refused before any recursive walk. */
 const MAX_DEPTH = 16;
@@ -34,9 +36,13 @@ export function invalidBody(path: string, message: string): DispatchCloudError {
   return new DispatchCloudError("request.invalid_body", `${where}: ${message}`, path === "" ? {} : { path });
 }
 
+const LONE_SURROGATE_MESSAGE =
+  "must not contain a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): UTF-8 cannot hold it";
+
 /**
  * Refuses what no schema here would accept and what could hurt the layers below: nesting deeper than
- * MAX_DEPTH, `__proto__` keys, and NUL characters (PostgreSQL text and jsonb cannot hold them).
+ * MAX_DEPTH, `__proto__` keys, NUL characters (PostgreSQL text and jsonb cannot hold them), and lone
+ * surrogates (UTF-8 cannot: the database would store U+FFFD instead, and nothing may be coerced).
  */
 export function checkJsonShape(value: unknown): void {
   const stack: { v: unknown; path: string; depth: number }[] = [{ v: value, path: "", depth: 0 }];
@@ -44,6 +50,7 @@ export function checkJsonShape(value: unknown): void {
     const { v, path, depth } = stack.pop()!;
     if (typeof v === "string") {
       if (v.includes("\u0000")) throw invalidBody(path, "must not contain NUL characters");
+      if (hasLoneSurrogate(v)) throw invalidBody(path, LONE_SURROGATE_MESSAGE);
       continue;
     }
     if (v === null || typeof v !== "object") continue;
@@ -56,7 +63,9 @@ export function checkJsonShape(value: unknown): void {
     }
     for (const [key, item] of Object.entries(v)) {
       const p = childPath(path, key);
-      if (key === "__proto__" || key.includes("\u0000")) throw invalidBody(p, "is not an allowed field name");
+      if (key === "__proto__" || key.includes("\u0000") || hasLoneSurrogate(key)) {
+        throw invalidBody(p, "is not an allowed field name");
+      }
       stack.push({ v: item, path: p, depth: depth + 1 });
     }
   }

@@ -73,6 +73,8 @@ export function encodeCursor(c: ListCursor): string {
   );
 }
 
+const CURSOR_TIME = /^[1-9][0-9]{3}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z$/;
+
 export function decodeCursor(text: string): ListCursor {
   const bad = () =>
     new DispatchCloudError("request.invalid_query", "cursor: not a cursor returned by this API", {
@@ -94,7 +96,10 @@ export function decodeCursor(text: string): ListCursor {
   ) {
     throw bad();
   }
+  // What encodeCursor writes, for years 1000-9999: well inside PostgreSQL's timestamptz range (4713 BC to
+  // 294276 AD), where JavaScript's own range (+-275760) is not.
+  if (!CURSOR_TIME.test(createdAt)) throw bad();
   const date = new Date(createdAt);
-  if (Number.isNaN(date.getTime())) throw bad();
+  if (Number.isNaN(date.getTime()) || date.toISOString() !== createdAt) throw bad();
   return { createdAt: date, uuid };
 }

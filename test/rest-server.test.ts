@@ -239,6 +239,77 @@ describeEachDb("REST server", (getDb) => {
       });
     });
 
+    it("refuses what no layer below may coerce or misread, with the field's path (issue 14)", async () => {
+      const json = { "content-type": "application/json" };
+      const cases: [string, string, string | undefined][] = [
+        // Below the server's smallest resources: Docker would take a 0 as "no limit".
+        [JSON.stringify({ ...minimal, resources: { ram: 0 } }), "request.invalid_body", "resources.ram"],
+        [
+          JSON.stringify({ ...minimal, resources: { vcpus: 1e-300 } }),
+          "request.invalid_body",
+          "resources.vcpus",
+        ],
+        // A lone surrogate escape: JSON.parse keeps it, UTF-8 cannot hold it.
+        ['{"command":["x"],"image":"busybox\\ud800"}', "request.invalid_body", "image"],
+        ['{"command":["x\\udc00"],"image":"busybox"}', "request.invalid_body", "command[0]"],
+        // Control characters and line breaks where they make no sense.
+        [
+          JSON.stringify({ ...minimal, image: "busybox\nINFO forged log line" }),
+          "request.invalid_body",
+          "image",
+        ],
+        [JSON.stringify({ ...minimal, name: "a\u2028b" }), "request.invalid_body", "name"],
+        [
+          JSON.stringify({
+            ...minimal,
+            dependencies: [{ bundle: "zzzzz-bndl-000000000000000", subpath: "x".repeat(256) }],
+          }),
+          "request.invalid_body",
+          "dependencies[0].subpath",
+        ],
+      ];
+      for (const [body, code, path] of cases) {
+        const res = await api("POST", "/api/v1/bundles", alice, body, json);
+        expect([body.slice(0, 60), res.status, res.body.error?.code, res.body.error?.path]).toEqual([
+          body.slice(0, 60),
+          400,
+          code,
+          path,
+        ]);
+      }
+      // Bytes that are not UTF-8 are refused, not decoded to U+FFFD.
+      const latin1 = Buffer.from('{"command":["x"],"image":"caf\xe9"}', "latin1");
+      const bytes = await api("POST", "/api/v1/bundles", alice, latin1, json);
+      expect(bytes).toMatchObject({ status: 400, body: { error: { code: "request.invalid_json" } } });
+      // Command and env values are the user's own bytes: kept as they are.
+      const kept = await create(alice, { ...minimal, command: ["printf", "a\tb\n"], env: { X: "1\n2" } });
+      expect([kept.command, kept.env]).toEqual([["printf", "a\tb\n"], { X: "1\n2" }]);
+      const reason = await api("POST", `/api/v1/bundles/${kept.uuid}/kill`, alice, { reason: "a\nb" });
+      expect(reason).toMatchObject({
+        status: 400,
+        body: { error: { code: "request.invalid_body", path: "reason" } },
+      });
+      // Query numbers and cursors within what PostgreSQL holds.
+      const attempt = await api("GET", `/api/v1/bundles/${kept.uuid}/logs?attempt=2147483648`, alice);
+      expect(attempt).toMatchObject({
+        status: 400,
+        body: { error: { code: "request.invalid_query", path: "attempt" } },
+      });
+      const far = Buffer.from(
+        JSON.stringify({ createdAt: "+275760-09-13T00:00:00.000Z", uuid: kept.uuid }),
+      ).toString("base64url");
+      const cursor = await api("GET", `/api/v1/bundles?cursor=${far}`, alice);
+      expect(cursor).toMatchObject({
+        status: 400,
+        body: { error: { code: "request.invalid_query", path: "cursor" } },
+      });
+      const long = await api("GET", `/api/v1/bundles/${kept.uuid}/outputs/${"n".repeat(256)}`, alice);
+      expect(long).toMatchObject({
+        status: 400,
+        body: { error: { code: "request.invalid_param", path: "path" } },
+      });
+    });
+
     it("answers unknown routes with request.not_found", async () => {
       for (const [method, url] of [
         ["GET", "/nope"],

@@ -189,6 +189,10 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       dataDir,
       maxOutputSize: config.restServer.maxOutputSize,
       instancePrice: instancePriceLookup(config),
+      headersTimeout: config.restServer.headersTimeout,
+      requestTimeout: config.restServer.requestTimeout,
+      minUploadRate: config.restServer.minUploadRate,
+      bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
     });
     opened.push({ what: "the REST server", close: () => app.close() });
     const manager = createBundleManager({
