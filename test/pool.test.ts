@@ -11,7 +11,7 @@ import type { StubVm } from "../cloud-drivers/stub/vm.ts";
 import { type Instance, type InstanceSet, type InstanceType, TAG } from "../cloud-drivers/types.ts";
 import { defaultConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
-import { createWorkerPool, type PoolEvent, type WorkerPool } from "../dispatcher/pool/pool.ts";
+import { createWorkerPool, LIST_GRACE_MS, type PoolEvent, type WorkerPool } from "../dispatcher/pool/pool.ts";
 import type { QueueView } from "../dispatcher/types.ts";
 import { createLogger } from "../lib/logger.ts";
 import { hashToken } from "../rest-server/tokens.ts";
@@ -144,6 +144,8 @@ function harness(
         if (w === undefined || w.placeholder) throw new Error("create did not complete");
         ids.push(w.id);
       }
+      // Listed once, as the sync loop soon does (a created instance no list has shown yet gets a grace period).
+      await pool.syncOnce();
       await pool.probeOnce();
       await pool.settled();
       for (const id of ids) expect(pool.worker(id)?.state).toBe("idle");
@@ -546,6 +548,51 @@ describe("pool: shutdown rules", () => {
     expect(
       await metricValue(h.registry, "dispatchcloud_instances_disappeared_total", { state: "running" }),
     ).toBe(1);
+  });
+
+  it("keeps a created instance the cloud does not list yet for a grace period, then forgets it", async () => {
+    const hidden = new Set<string>();
+    const h = harness(db, {
+      cloud: { timeoutIdle: 1000 * MIN, timeoutBooting: 1000 * MIN },
+      instanceSet: (set) => ({
+        ...set,
+        create: (...args) => set.create(...args),
+        // Eventual consistency: the list does not show instances in `hidden`.
+        instances: async (f) => (await set.instances(f)).filter((i) => !hidden.has(i.id)),
+        quotaGroup: (t) => set.quotaGroup(t),
+        stop: () => set.stop(),
+      }),
+    });
+    h.cloud.on("vm:create", (vm) => hidden.add(vm.id));
+    const res = h.pool.create(SMALL);
+    if (!res.ok) throw new Error("create refused");
+    await h.pool.settled();
+    const [id] = h.pool.workers().map((w) => w.id);
+    if (id === undefined) throw new Error("no worker");
+    await h.pool.syncOnce();
+    await h.clock.advance(MIN);
+    await h.pool.syncOnce();
+    expect(h.pool.worker(id)).toBeDefined();
+    expect(h.cloud.counts.create["ok"]).toBe(1);
+    // Listed at last: an ordinary instance from then on.
+    hidden.delete(id);
+    await h.pool.syncOnce();
+    await h.pool.probeOnce();
+    await h.pool.settled();
+    expect(h.pool.worker(id)?.state).toBe("idle");
+
+    // Another one that never shows up is forgotten once the grace period is over.
+    const again = h.pool.create(SMALL);
+    if (!again.ok) throw new Error("create refused");
+    await h.pool.settled();
+    const other = h.pool.workers().find((w) => w.id !== id && !w.placeholder)?.id ?? "";
+    await h.clock.advance(LIST_GRACE_MS - SEC);
+    await h.pool.syncOnce();
+    expect(h.pool.worker(other)).toBeDefined();
+    await h.clock.advance(2 * SEC);
+    await h.pool.syncOnce();
+    expect(h.pool.worker(other)).toBeUndefined();
+    expect(h.events.at(-1)).toEqual({ type: "worker:gone", workerId: other, reason: "disappeared" });
   });
 
   it("destroys a shutdown instance again while it is still listed after timeoutShutdown", async () => {

@@ -47,6 +47,8 @@ const IMMEDIATE_WINDOW_MS = 60_000;
  * RUNNER_BLOCK_MAX_MS), until an instance becomes ready.
  */
 export const RUNNER_FAILURE_TRIES = 3;
+/** How long an instance this pool created may be missing from the cloud's lists before it counts as gone. */
+export const LIST_GRACE_MS = 5 * 60_000;
 export const RUNNER_BLOCK_MS = 60_000;
 export const RUNNER_BLOCK_MAX_MS = 16 * 60_000;
 /** Bounds of the start document's spotCheckIntervalMs (crunch-run/start-doc.ts). */
@@ -509,6 +511,12 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       const known = workers.get(inst.id);
       if (known !== undefined) {
         known.instance = inst;
+        if (!known.listedOnce) {
+          known.listedOnce = true;
+          if (known.unlistedSince !== null)
+            known.log.info({ after: formatDuration(now - known.since) }, "instance listed at last");
+          known.unlistedSince = null;
+        }
         if (
           known.state === "shutdown" &&
           !known.destroying &&
@@ -521,13 +529,34 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       }
       const secret = inst.tags[prefix + TAG.instanceSecret] ?? "";
       const mine = secret === "" ? undefined : creating.get(secret);
-      if (mine !== undefined) becomeReal(mine, inst);
-      else addUnknown(inst, now);
+      if (mine !== undefined) {
+        becomeReal(mine, inst);
+        mine.listedOnce = true;
+      } else addUnknown(inst, now);
     }
     for (const w of [...workers.values()]) {
-      if (!w.placeholder && w.knownSeq <= seqAtStart && !listed.has(w.id)) forget(w);
+      if (w.placeholder || w.knownSeq > seqAtStart || listed.has(w.id)) continue;
+      if (notListedYet(w, now)) continue;
+      forget(w);
     }
     quota();
+  }
+
+  /**
+   * A cloud's list may not show an instance for a while after its create call returned (EC2's eventual
+   * consistency): one this pool created and has never seen listed is kept for LIST_GRACE_MS, said once in the
+   * log, rather than forgotten as disappeared (which would requeue its bundles and create a replacement).
+   */
+  function notListedYet(w: Worker, now: number): boolean {
+    if (w.listedOnce || !w.created || w.state === "shutdown" || now - w.since >= LIST_GRACE_MS) return false;
+    if (w.unlistedSince === null) {
+      w.unlistedSince = now;
+      w.log.info(
+        { sinceCreate: formatDuration(now - w.since), grace: formatDuration(LIST_GRACE_MS) },
+        "created instance not listed by the cloud yet: kept for the grace period",
+      );
+    }
+    return true;
   }
 
   function addUnknown(inst: Instance, now: number): void {
@@ -549,6 +578,7 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
       parentLogger: log,
     });
     w.knownSeq = ++knownSeq;
+    w.listedOnce = true;
     workers.set(w.id, w);
     w.log.info({ instanceType: typeName, idleBehavior: behavior }, "found an instance");
     emit({ type: "worker:created", workerId: w.id, state: w.state });

@@ -42,6 +42,10 @@ export class Worker implements WorkerView {
   placeholderId: string | null = null;
   /** Order in which the pool learned the instance's id (sync forgets only instances known before its list). */
   knownSeq = 0;
+  /** A cloud list has shown it (instances found by a list are born listed). */
+  listedOnce = false;
+  /** When a list first left out this created instance (it is kept for LIST_GRACE_MS); null otherwise. */
+  unlistedSince: number | null = null;
   listBroken = false;
   /** `--list` said preempted (a spot interruption notice arrived on the instance). */
   preempted = false;
