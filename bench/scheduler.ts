@@ -25,6 +25,7 @@ import type { Config } from "../config/schema.ts";
 import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
 import { initScript, instanceTags, newInstanceSecret } from "../dispatcher/pool/bootstrap.ts";
 import { createWorkerPool } from "../dispatcher/pool/pool.ts";
+import { createBundleTransitions } from "../dispatcher/queue/transitions.ts";
 import { artifactOf } from "../dispatcher/runner-artifact.ts";
 import { demandOf, eligibleTypes } from "../dispatcher/scheduler/eligible.ts";
 import { createScheduler } from "../dispatcher/scheduler/scheduler.ts";
@@ -349,6 +350,7 @@ async function main(): Promise<void> {
   const scheduler = createScheduler({
     queue,
     pool,
+    transitions: createBundleTransitions({ db: nullDb, queue, logger }),
     instanceTypes: types,
     config: cfg,
     db: nullDb,

@@ -26,6 +26,7 @@ import { createDispatcherMetrics } from "./metrics.ts";
 import { loadDispatcherKey } from "./pool/bootstrap.ts";
 import { createWorkerPool, type PoolEvent, type WorkerPool } from "./pool/pool.ts";
 import { type BundleQueue, createBundleQueue } from "./queue/queue.ts";
+import { createBundleTransitions } from "./queue/transitions.ts";
 import { loadRunnerArtifact } from "./runner-artifact.ts";
 import { createScheduler, type Scheduler } from "./scheduler/scheduler.ts";
 import { sshConnector } from "./sshexec/executor.ts";
@@ -147,7 +148,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
   const retryInterval = opts.lockRetryInterval ?? LOCK_RETRY_INTERVAL_MS;
   let runner: RunnerArtifact | undefined = opts.runner;
   // Registered now, so every series exists (at zero) on a standby too.
-  const metrics = createDispatcherMetrics({ registry, config, clock, db, logger: opts.logger });
+  const metrics = createDispatcherMetrics({ registry, config, clock, logger: opts.logger });
 
   let lock: AdvisoryLock | null = null;
   let parts: Parts | null = null;
@@ -216,6 +217,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
       logger: opts.logger,
       pollInterval: config.dispatcher.pollInterval,
     });
+    const transitions = createBundleTransitions({ db, queue, logger: opts.logger });
     const pool = createWorkerPool({
       config,
       instanceSet,
@@ -225,13 +227,23 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
       logger: opts.logger,
       registry,
       queue,
+      transitions,
       connect,
       runner,
       runnerApiUrl: opts.runnerApiUrl,
       ...(publicKey === undefined ? {} : { dispatcherPublicKey: publicKey }),
     });
-    const scheduler = createScheduler({ queue, pool, instanceTypes, config, db, clock, logger: opts.logger });
-    const sync = createSync({ queue, pool, db, clock, logger: opts.logger, config, startedAt });
+    const scheduler = createScheduler({
+      queue,
+      pool,
+      transitions,
+      instanceTypes,
+      config,
+      db,
+      clock,
+      logger: opts.logger,
+    });
+    const sync = createSync({ queue, pool, transitions, clock, logger: opts.logger, config, startedAt });
     try {
       await queue.start();
       await pool.start();

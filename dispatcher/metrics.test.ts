@@ -12,6 +12,7 @@ import { createRestServer } from "../rest-server/server.ts";
 import { hashToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
 import { createUser, getBundle } from "../store/queries.ts";
 import { finishBundle, markRunning, stageBundle } from "../store/transitions.ts";
+import type { Bundle, BundleState } from "../store/types.ts";
 import { createTestBundle, createTestUser, startWithRunnerToken } from "../test/db.ts";
 import { stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
 import { FakeClock, flushMicrotasks } from "../test/fake-clock.ts";
@@ -25,6 +26,7 @@ import {
   type MetricParts,
 } from "./metrics.ts";
 import { categoryOf, createInstanceMetrics, INSTANCE_METRIC } from "./pool/metrics.ts";
+import type { QueueChange } from "./queue/queue.ts";
 import { createSshMetrics, SSH_METRIC } from "./sshexec/metrics.ts";
 import type { RunnerView, WorkerState, WorkerView } from "./types.ts";
 
@@ -227,7 +229,7 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
   it("has every series at zero before the dispatcher is active", async () => {
     const registry = new Registry();
     const config = stubConfig();
-    createDispatcherMetrics({ registry, config, clock: new FakeClock(), db: getDb(), logger });
+    createDispatcherMetrics({ registry, config, clock: new FakeClock(), logger });
     const s = await series(registry);
     expect(s.get(DISPATCHER_METRIC.bundles)).toEqual(
       new Map([
@@ -259,21 +261,23 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
     const db = getDb();
     const clock = new FakeClock(Date.UTC(2025, 11, 1, 1));
     const registry = new Registry();
-    const m = createDispatcherMetrics({ registry, config: stubConfig(), clock, db, logger });
+    const m = createDispatcherMetrics({ registry, config: stubConfig(), clock, logger });
     const queue = new MemoryQueue();
-    const listeners = new Set<() => void>();
+    const listeners = new Set<(changes: readonly QueueChange[]) => void>();
     let atQuota = true;
     const parts: MetricParts = {
       queue: Object.assign(queue, {
-        subscribe(fn: () => void) {
+        subscribe(fn: (changes: readonly QueueChange[]) => void) {
           listeners.add(fn);
           return () => listeners.delete(fn);
         },
       }),
       pool: { workers: () => [], quota: () => ({ atQuota }), subscribe: () => () => {} },
     };
-    const changed = () => {
-      for (const fn of listeners) fn();
+    /** The queue's typed events for these rows (from: the state the queue held). */
+    const changed = (...rows: { bundle: Bundle; from: BundleState | null }[]) => {
+      const changes = rows.map(({ bundle, from }) => ({ uuid: bundle.uuid, from, to: bundle.state, bundle }));
+      for (const fn of listeners) fn(changes);
     };
     // A real bundle in the store, run to ready below.
     const owner = (await createTestUser(db)).uuid;
@@ -299,29 +303,46 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
     atQuota = false;
 
     // The stored bundle starts (runningAt 90 s after stagedAt), then finishes.
-    queue.set({
+    const running: Bundle = {
       ...staged,
       state: "running",
       attempt: 1,
       runningAt: new Date(staged.stagedAt!.getTime() + 90_000),
-    });
-    changed();
+    };
+    queue.set(running);
+    changed({ bundle: running, from: "staged" });
     s = await series(registry);
     expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_count`)?.get("")).toBe(1);
     expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_sum`)?.get("")).toBe(90);
     expect(s.get(DISPATCHER_METRIC.bundles)?.get("state=running")).toBe(1);
     expect(s.get(DISPATCHER_METRIC.atQuota)?.get("")).toBe(0);
-    changed(); // seen again: not observed twice
+    changed({ bundle: running, from: "running" }); // seen again: not observed twice
     await startWithRunnerToken(db, stored.uuid);
     await markRunning(db, stored.uuid, 1, { actor: "runner" });
-    await finishBundle(db, stored.uuid, 1, { exitCode: 0, actor: "runner" });
+    const done = await finishBundle(db, stored.uuid, 1, { exitCode: 0, actor: "runner" });
+    if (!done.ok) throw new Error("finish refused");
     queue.delete(stored.uuid);
-    changed();
-    await m.settled();
+    changed({ bundle: done.bundle, from: "running" });
+    // A bundle that ran and ended between two reads of the queue (never seen running) counts too.
+    const quick: Bundle = {
+      ...done.bundle,
+      uuid: "zzzzz-bndl-quickquickquick",
+      attempt: 2,
+      stagedAt: new Date(clock.now() - 30_000),
+      runningAt: new Date(clock.now() - 20_000),
+      finishedAt: new Date(clock.now()),
+      state: "failed",
+    };
+    changed({ bundle: quick, from: null });
+    // One that finished before the dispatcher watched (the queue's first read may show it) does not.
+    changed({
+      bundle: { ...quick, uuid: "zzzzz-bndl-oldoldoldoldold", finishedAt: new Date(0) },
+      from: null,
+    });
     s = await series(registry);
-    expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_count`)?.get("")).toBe(1);
+    expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_count`)?.get("")).toBe(3);
     expect(s.get(DISPATCHER_METRIC.bundlesFinished)?.get("state=ready")).toBe(1);
-    expect(s.get(DISPATCHER_METRIC.bundlesFinished)?.get("state=failed")).toBe(0);
+    expect(s.get(DISPATCHER_METRIC.bundlesFinished)?.get("state=failed")).toBe(1);
 
     stop();
     s = await series(registry);

@@ -10,11 +10,10 @@ import type { InstanceType } from "../cloud-drivers/types.ts";
 import type { Config } from "../config/schema.ts";
 import type { Clock } from "../lib/clock.ts";
 import type { Logger } from "../lib/logger.ts";
-import type { Db } from "../store/db.ts";
-import { getBundle } from "../store/queries.ts";
 import { type Bundle, FINAL_STATES } from "../store/types.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
 import { createInstanceMetrics } from "./pool/metrics.ts";
+import type { QueueChange } from "./queue/queue.ts";
 import { createEligibleNames } from "./scheduler/eligible.ts";
 import { type Connect, createSshMetrics } from "./sshexec/metrics.ts";
 import type { QueueView, WorkerView } from "./types.ts";
@@ -37,7 +36,7 @@ const QUEUE_TO_RUNNER_BUCKETS = [1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 36
 
 /** What the metrics read of the active dispatcher. */
 export interface MetricParts {
-  queue: QueueView & { subscribe(fn: () => void): () => void };
+  queue: QueueView & { subscribe(fn: (changes: readonly QueueChange[]) => void): () => void };
   pool: {
     workers(): readonly WorkerView[];
     quota(): { atQuota: boolean };
@@ -50,20 +49,16 @@ export interface DispatcherMetrics {
   watch(parts: MetricParts): () => void;
   /** Wraps an executor factory with the SSH command latency histogram. */
   timeConnect(connect: Connect): Connect;
-  /** Resolves when the final-state look-ups started so far are done (tests). */
-  settled(): Promise<void>;
 }
 
 export function createDispatcherMetrics(opts: {
   registry: Registry;
   config: Config;
   clock: Clock;
-  db: Db;
   logger: Logger;
   instanceTypes?: readonly InstanceType[];
 }): DispatcherMetrics {
-  const { registry, config, clock, db } = opts;
-  const log = opts.logger.child({ component: "metrics" });
+  const { registry, config, clock } = opts;
   const types = opts.instanceTypes ?? instanceTypesFromConfig(config);
   const typeLabels = [...types.map((t) => t.name), NO_TYPE];
   let parts: MetricParts | null = null;
@@ -150,41 +145,36 @@ export function createDispatcherMetrics(opts: {
   );
   for (const state of FINAL_STATES) finished.inc({ state }, 0);
 
-  /** Active bundles as last seen (uuid -> state and attempt), and the running attempts already observed. */
-  let known = new Map<string, { state: string; attempt: number }>();
+  /** Attempts whose queue-to-runner time is observed (`uuid/attempt`); forgotten once the bundle is final. */
   const observedRunning = new Set<string>();
-  const lookups = new Set<Promise<void>>();
+  /** Bundles that finished before this moment are not counted (the queue's first read may show some). */
+  let watchingSince = Number.POSITIVE_INFINITY;
 
-  const onQueueChange = (queue: QueueView): void => {
-    const next = new Map<string, { state: string; attempt: number }>();
-    for (const b of queue.all()) {
-      next.set(b.uuid, { state: b.state, attempt: b.attempt });
-      if (b.state !== "running" || b.runningAt === null || b.stagedAt === null) continue;
-      const key = `${b.uuid}/${b.attempt}`;
-      if (observedRunning.has(key)) continue;
-      observedRunning.add(key);
-      queueToRunner.observe(Math.max(0, b.runningAt.getTime() - b.stagedAt.getTime()) / 1000);
-    }
-    const gone: string[] = [];
-    for (const [uuid, was] of known) {
-      if (next.has(uuid)) continue;
-      gone.push(uuid);
-      for (let a = 0; a <= was.attempt; a++) observedRunning.delete(`${uuid}/${a}`);
-    }
-    known = next;
-    if (gone.length > 0) lookupFinal(gone);
+  /** Queue-to-runner time, once per attempt: from any row of the attempt that has its runningAt. */
+  const observeRunning = (b: Bundle): void => {
+    if (b.runningAt === null || b.stagedAt === null) return;
+    const key = `${b.uuid}/${b.attempt}`;
+    if (observedRunning.has(key)) return;
+    observedRunning.add(key);
+    queueToRunner.observe(Math.max(0, b.runningAt.getTime() - b.stagedAt.getTime()) / 1000);
   };
 
-  /** Counts the final states of bundles that left the queue (read back from the store, one at a time). */
-  const lookupFinal = (uuids: string[]): void => {
-    const p = (async () => {
-      for (const uuid of uuids) {
-        const b = await getBundle(db, uuid);
-        if (b !== null && FINAL_STATES.includes(b.state)) finished.inc({ state: b.state });
+  /**
+   * What the queue says changed (typed events: no re-read of the queue or the store). A bundle that ran and ended
+   * between two reads of the queue still counts: its final row carries its runningAt.
+   */
+  const onChanges = (changes: readonly QueueChange[]): void => {
+    for (const c of changes) {
+      const b = c.bundle;
+      if (c.to === "running") {
+        observeRunning(b);
+        continue;
       }
-    })().catch((err: unknown) => log.warn({ err }, "cannot read the final state of finished bundles"));
-    lookups.add(p);
-    void p.finally(() => lookups.delete(p));
+      if (!(FINAL_STATES as readonly string[]).includes(c.to)) continue;
+      if (c.to !== "killed") observeRunning(b);
+      if (b.finishedAt === null || b.finishedAt.getTime() >= watchingSince) finished.inc({ state: c.to });
+      for (let a = 0; a <= b.attempt; a++) observedRunning.delete(`${b.uuid}/${a}`);
+    }
   };
 
   const timeConnect = createSshMetrics(registry, clock);
@@ -192,13 +182,10 @@ export function createDispatcherMetrics(opts: {
   return {
     watch(p) {
       parts = p;
-      known = new Map();
       observedRunning.clear();
-      onQueueChange(p.queue);
-      const unsubscribe = [
-        p.queue.subscribe(() => onQueueChange(p.queue)),
-        p.pool.subscribe(() => instances.update()),
-      ];
+      watchingSince = clock.now();
+      for (const b of p.queue.all()) if (b.state === "running") observeRunning(b);
+      const unsubscribe = [p.queue.subscribe(onChanges), p.pool.subscribe(() => instances.update())];
       return () => {
         for (const u of unsubscribe) u();
         instances.update();
@@ -206,9 +193,6 @@ export function createDispatcherMetrics(opts: {
       };
     },
     timeConnect,
-    async settled() {
-      while (lookups.size > 0) await Promise.all([...lookups]);
-    },
   };
 }
 

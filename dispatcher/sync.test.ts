@@ -10,6 +10,7 @@ import type { Bundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, openTestDb, type TestDb } from "../test/db.ts";
 import { FakeClock } from "../test/fake-clock.ts";
 import { MemoryQueue, testInstanceType } from "../test/stub-pool.ts";
+import { createBundleTransitions } from "./queue/transitions.ts";
 import { createSync, type SyncPool } from "./sync.ts";
 import type { RunnerView, WorkerView } from "./types.ts";
 
@@ -111,7 +112,7 @@ describe("sync", () => {
     const sync = createSync({
       queue,
       pool,
-      db,
+      transitions: createBundleTransitions({ db, queue, logger: pino({ enabled: false }) }),
       clock,
       logger: pino({ enabled: false }),
       config: testConfig(),
@@ -276,7 +277,7 @@ describe("sync", () => {
     const sync = createSync({
       queue,
       pool: new FakePool(),
-      db: counting,
+      transitions: createBundleTransitions({ db: counting, queue, logger: pino({ enabled: false }) }),
       clock,
       logger: pino({ enabled: false }),
       config: testConfig(),

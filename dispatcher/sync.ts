@@ -13,9 +13,8 @@
 import type { Config } from "../config/schema.ts";
 import type { Clock } from "../lib/clock.ts";
 import type { Logger } from "../lib/logger.ts";
-import type { Db } from "../store/db.ts";
-import { loseBundle, requeueStarting } from "../store/transitions.ts";
 import type { Bundle, TransitionResult } from "../store/types.ts";
+import type { BundleTransitions } from "./queue/transitions.ts";
 import type { QueueView, WorkerView } from "./types.ts";
 
 /** What sync needs of the pool (a WorkerPool fits). */
@@ -28,7 +27,8 @@ export interface SyncPool {
 export interface SyncOptions {
   queue: QueueView;
   pool: SyncPool;
-  db: Db;
+  /** The dispatcher's owner of bundle transitions (it applies their rows to the queue). */
+  transitions: Pick<BundleTransitions, "requeue" | "lose">;
   clock: Clock;
   logger: Logger;
   config: Pick<Config, "cloud" | "dispatcher">;
@@ -41,11 +41,10 @@ export interface Sync {
   syncOnce(): Promise<void>;
 }
 
-const ACTOR = "dispatcher";
 export const LOST_REASON = "instance lost";
 
 export function createSync(opts: SyncOptions): Sync {
-  const { queue, pool, db, clock, config } = opts;
+  const { queue, pool, transitions, clock, config } = opts;
   const logger = opts.logger.child({ component: "sync" });
   const probeInterval = config.cloud.probeInterval;
   const staleLockTimeout = config.dispatcher.staleLockTimeout;
@@ -65,17 +64,11 @@ export function createSync(opts: SyncOptions): Sync {
    */
   const strays = new Map<string, number>();
 
-  const apply = (result: TransitionResult): void => {
-    const row = result.ok ? result.bundle : result.current;
-    if (row !== null) queue.apply(row);
-  };
-
   const run = async (uuid: string, what: string, op: () => Promise<TransitionResult>): Promise<void> => {
     if (inflight.has(uuid)) return;
     inflight.add(uuid);
     try {
       const result = await op();
-      apply(result);
       if (result.ok) logger.info({ bundle: uuid, state: result.bundle.state }, what);
       else logger.debug({ bundle: uuid, reason: result.reason }, `${what}: the bundle had moved on`);
     } catch (err) {
@@ -128,9 +121,7 @@ export function createSync(opts: SyncOptions): Sync {
           ? `its instance ${id ?? "(none)"} is gone`
           : `its runner did not appear on instance ${w.id}`;
       ops.push(
-        run(b.uuid, "requeued a starting bundle", () =>
-          requeueStarting(db, b.uuid, b.attempt, { actor: ACTOR, reason }),
-        ),
+        run(b.uuid, "requeued a starting bundle", () => transitions.requeue(b.uuid, b.attempt, reason)),
       );
       return;
     }
@@ -140,11 +131,7 @@ export function createSync(opts: SyncOptions): Sync {
         ? id === null || instanceLost(id, now)
         : w.state !== "shutdown" && confirmedMissing(key, w, -1);
     if (!gone) return;
-    ops.push(
-      run(b.uuid, "bundle lost its runner", () =>
-        loseBundle(db, b.uuid, b.attempt, { actor: ACTOR, reason: LOST_REASON }),
-      ),
-    );
+    ops.push(run(b.uuid, "bundle lost its runner", () => transitions.lose(b.uuid, b.attempt, LOST_REASON)));
   };
 
   const checkRunners = (w: WorkerView): void => {

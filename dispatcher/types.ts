@@ -59,6 +59,25 @@ export interface WorkerView {
   pricePerHour?(now: number): number;
 }
 
+/** What the pool tells its subscribers (the scheduler, sync, metrics, tests). */
+export type PoolEvent =
+  | {
+      type: "worker:created" | "worker:state" | "worker:gone";
+      workerId: string;
+      state?: WorkerState;
+      /** worker:gone: "disappeared", "shut down", "create failed: ...", or "created as <id>". */
+      reason?: string;
+      /** worker:gone of a placeholder whose instance now exists: the instance's id. */
+      replacedBy?: string;
+    }
+  | {
+      type: "runner:started" | "runner:start_failed" | "runner:gone";
+      workerId: string;
+      uuid: string;
+      reason?: string;
+    }
+  | { type: "create:error"; instanceType: string; code: string; message: string };
+
 /** Why the pool would not create an instance now. */
 export type CreateRefusal =
   | { kind: "quota"; message: string; instances: number; max: number | null; until: number | null }

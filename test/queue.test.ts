@@ -209,6 +209,42 @@ describeEachDb("bundle queue", (getDb) => {
     expect(q.get(a.uuid)).toBeUndefined();
   });
 
+  it("tells its listeners what changed: {uuid, from, to} with the row, final rows included", async () => {
+    const db = getDb();
+    const a = await stagedBundle(db, owner);
+    const q = newQueue();
+    const seen: string[] = [];
+    q.subscribe((changes) => {
+      for (const c of changes)
+        seen.push(`${c.uuid === a.uuid ? "a" : c.uuid} ${c.from} -> ${c.to} #${c.bundle.changeSeq}`);
+    });
+    await q.start();
+    const started = await startBundle(db, a.uuid, {
+      instanceId: "i-1",
+      instanceType: "small",
+      runnerTokenHash: "x".repeat(64),
+      gpuDevices: [],
+      actor,
+    });
+    if (!started.ok) throw new Error("start refused");
+    await q.refresh();
+    const killed = await killBundle(db, a.uuid, { actor, reason: "test" });
+    if (!killed.ok) throw new Error("kill refused");
+    await q.refresh();
+    // A bundle the queue never held shows up only once it is final.
+    const b = await createTestBundle(db, owner.uuid);
+    await q.refresh();
+    const bKilled = await killBundle(db, b.uuid, { actor, reason: "test" });
+    if (!bKilled.ok) throw new Error("kill refused");
+    await q.refresh();
+    expect(seen).toEqual([
+      `a null -> staged #${a.changeSeq}`,
+      `a staged -> starting #${started.bundle.changeSeq}`,
+      `a starting -> killed #${killed.bundle.changeSeq}`,
+      `${b.uuid} null -> killed #${bKilled.bundle.changeSeq}`,
+    ]);
+  });
+
   it("a slow full re-read drops a row the incremental reads cannot see", async () => {
     const db = getDb();
     const a = await stagedBundle(db, owner);

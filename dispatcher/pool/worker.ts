@@ -1,23 +1,51 @@
 /**
- * One instance as the pool keeps it: the WorkerView every other part reads, plus the pool's own bookkeeping.
- * Only the pool (pool.ts) changes these fields.
+ * One instance of the pool and its behaviour (Arvados: worker/worker.go): its state and idle behaviour, the
+ * result of each probe (boot, runner deployment, `--list`), its runners (remote-runner.ts), why it is broken, and
+ * its own shutdown rules (dispatcher/README.md "Instance states"). What it needs of the fleet comes through a
+ * WorkerContext; the pool (pool.ts) creates, lists and forgets workers, and decides what they are for.
  */
 import type { Instance, InstanceType } from "../../cloud-drivers/types.ts";
+import type { Config } from "../../config/schema.ts";
+import type { Clock } from "../../lib/clock.ts";
 import type { Logger } from "../../lib/logger.ts";
+import { formatDuration } from "../../lib/units.ts";
+import type { Bundle } from "../../store/types.ts";
+import type { BundleTransitions } from "../queue/transitions.ts";
 import type { Executor } from "../sshexec/types.ts";
-import type { RunnerView, WorkerState, WorkerView } from "../types.ts";
-import type { IdleBehavior } from "./bootstrap.ts";
+import type { PoolEvent, QueueView, WorkerState, WorkerView } from "../types.ts";
+import { type IdleBehavior, instanceTags } from "./bootstrap.ts";
+import type { BootOutcome, PoolMetrics } from "./metrics.ts";
+import { type ProbeResult, probeBooting, probeList } from "./probe.ts";
+import { RemoteRunner, reconcileRunners, sendKill } from "./remote-runner.ts";
+import type { ListedRunners, RunnerCommands } from "./runner-commands.ts";
 
-export interface PoolRunner extends RunnerView {
-  state: RunnerView["state"];
-  gpuDevices: readonly number[];
-  since: number;
-  /** When `--list` first showed it stale (null while it is not). */
-  staleSince: number | null;
-  /** Set by killRunner: when the first TERM went out, when the last one did, and whether we gave up. */
-  killing: { since: number; lastSent: number; reason: string; gaveUp: boolean } | null;
-  /** When `--detach` returned success (runners found by `--list` count as detached when found). */
-  detachedAt: number | null;
+/** Probes in a row in which the runner cannot run before the instance is shut down as broken. */
+export const RUNNER_FAILURE_TRIES = 3;
+
+export const BOOTING: ReadonlySet<WorkerState> = new Set(["unknown", "booting"]);
+export const BOOTED: ReadonlySet<WorkerState> = new Set(["idle", "running"]);
+
+/** What a worker needs of the fleet around it. */
+export interface WorkerContext {
+  readonly config: Config;
+  readonly clock: Clock;
+  readonly metrics: PoolMetrics;
+  /** The queue the dispatcher reads (a preempted runner's bundle, a starting runner's fate). */
+  readonly queue: QueueView | undefined;
+  readonly transitions: BundleTransitions;
+  readonly runner: { content: Buffer; sha256: string };
+  readonly cmds: RunnerCommands;
+  readonly runnerApiUrl: string;
+  connect(instance: Instance, expectedSecret: string): Executor;
+  emit(event: PoolEvent): void;
+  /** Runs `p` in the background: tracked for the pool's settled(), errors logged. */
+  track(p: Promise<unknown>, what: string, logger?: Logger): void;
+  /** The pool still holds this worker (it is not forgotten). */
+  holds(w: Worker): boolean;
+  /** This worker, created by the pool, was shut down because the runner cannot run on it. */
+  runnerFailed(w: Worker, message: string): void;
+  /** This worker became ready (booted, runner in place). */
+  ready(w: Worker): void;
 }
 
 export class Worker implements WorkerView {
@@ -27,7 +55,7 @@ export class Worker implements WorkerView {
   state: WorkerState;
   idleBehavior: IdleBehavior;
   placeholder: boolean;
-  readonly runners = new Map<string, PoolRunner>();
+  readonly runners = new Map<string, RemoteRunner>();
   /** When the `--list` of the last successful probe was sent. */
   probedAt: number | null = null;
   stateSince: number;
@@ -49,11 +77,6 @@ export class Worker implements WorkerView {
   listBroken = false;
   /** `--list` said preempted (a spot interruption notice arrived on the instance). */
   preempted = false;
-  /** An immediate probe was asked for (probeNow) and has not started yet. */
-  probeWanted = false;
-  /** When the last immediate probe started, and when the current run of them was first asked for. */
-  immediateProbeAt = Number.NEGATIVE_INFINITY;
-  immediateSince: number | null = null;
   /** The warm spare supervisor's socket from the last `--list`, if one waited. */
   spareSocket: string | null = null;
   secretMismatch = false;
@@ -61,33 +84,35 @@ export class Worker implements WorkerView {
   /** Probes in a row in which the runner, in place, could not run (`--version`/`--list`), and the last reason. */
   runnerFailures = 0;
   runnerFailure: string | null = null;
+  /** Bundles of this (preempted) instance being requeued because their runner left without reporting it. */
+  readonly losing = new Set<string>();
   /** The runner binary was found or put in place by this pool. */
   runnerPresent = false;
   bootDone = false;
   sshSeen = false;
-  probing = false;
-  nextProbeAt = 0;
   lastProbeError: string | null = null;
   shutdownReason: string | null = null;
   lastDestroyAt: number | null = null;
   destroying = false;
-  executor: Executor | null = null;
+  private exec: Executor | null = null;
   /** Probes and starts run one after another on a worker. */
-  chain: Promise<void> = Promise.resolve();
-  private readonly parentLogger: Logger;
+  private chain: Promise<void> = Promise.resolve();
   private logger: { id: string; log: Logger } | null = null;
 
-  constructor(init: {
-    id: string;
-    instance: Instance | null;
-    instanceType: InstanceType;
-    state: WorkerState;
-    idleBehavior: IdleBehavior;
-    secret: string;
-    created: boolean;
-    now: number;
-    parentLogger: Logger;
-  }) {
+  constructor(
+    readonly ctx: WorkerContext,
+    init: {
+      id: string;
+      instance: Instance | null;
+      instanceType: InstanceType;
+      state: WorkerState;
+      idleBehavior: IdleBehavior;
+      secret: string;
+      created: boolean;
+      now: number;
+      parentLogger: Logger;
+    },
+  ) {
     this.id = init.id;
     this.instance = init.instance;
     this.placeholder = init.instance === null;
@@ -101,6 +126,10 @@ export class Worker implements WorkerView {
     this.lastBusy = init.now;
     this.parentLogger = init.parentLogger;
   }
+
+  private readonly parentLogger: Logger;
+
+  // --- what others read -----------------------------------------------------------------------------------
 
   pricePerHour(now: number): number {
     const history = this.instance?.priceHistory?.(this.instanceType) ?? [];
@@ -134,11 +163,333 @@ export class Worker implements WorkerView {
     return null;
   }
 
+  /** Shut down, or no longer in the pool (forgotten). */
+  get gone(): boolean {
+    return this.state === "shutdown" || !this.ctx.holds(this);
+  }
+
+  /** May take new bundles now. */
+  get acceptsBundles(): boolean {
+    return !this.placeholder && BOOTED.has(this.state) && this.idleBehavior === "run" && !this.broken;
+  }
+
   /** A child logger naming the instance (renewed when a placeholder gets its real id). */
   get log(): Logger {
     if (this.logger?.id !== this.id) {
       this.logger = { id: this.id, log: this.parentLogger.child({ instanceId: this.id }) };
     }
     return this.logger.log;
+  }
+
+  // --- plumbing -------------------------------------------------------------------------------------------
+
+  /** Runs `fn` after the worker's probes and starts before it. */
+  exclusive(fn: () => Promise<void>): Promise<void> {
+    const run = this.chain.then(fn);
+    this.chain = run.then(
+      () => {},
+      () => {},
+    );
+    return run;
+  }
+
+  executor(): Executor {
+    if (this.exec === null) {
+      if (this.instance === null) throw new Error(`no instance for ${this.id} yet`);
+      this.exec = this.ctx.connect(this.instance, this.secret);
+    }
+    return this.exec;
+  }
+
+  closeExecutor(): void {
+    const exec = this.exec;
+    this.exec = null;
+    if (exec !== null) this.ctx.track(exec.close(), "closing the executor", this.log);
+  }
+
+  setState(state: WorkerState): void {
+    if (this.state === state) return;
+    const from = this.state;
+    this.state = state;
+    this.stateSince = this.ctx.clock.now();
+    this.log.info({ from, to: state }, "instance state changed");
+    this.ctx.emit({ type: "worker:state", workerId: this.id, state });
+  }
+
+  /** idle <-> running by whether any runner is on it (for booted workers only). */
+  settleBusy(): void {
+    if (!BOOTED.has(this.state)) return;
+    const busy = this.runners.size > 0;
+    const now = this.ctx.clock.now();
+    if (busy || this.state === "running") this.lastBusy = now;
+    this.setState(busy ? "running" : "idle");
+  }
+
+  private bootOutcome(outcome: BootOutcome): void {
+    if (!this.created || this.bootDone) return;
+    this.bootDone = true;
+    this.ctx.metrics.bootOutcome(outcome);
+  }
+
+  // --- tags and idle behaviour ----------------------------------------------------------------------------
+
+  async writeTags(): Promise<void> {
+    if (this.instance === null) return;
+    await this.instance.setTags(
+      instanceTags(this.ctx.config, this.instanceType.name, this.idleBehavior, this.secret),
+    );
+  }
+
+  changeBehavior(behavior: IdleBehavior, reason: string): void {
+    if (this.idleBehavior === behavior) return;
+    this.log.info({ from: this.idleBehavior, to: behavior, reason }, "idle behaviour changed");
+    // An instance released from hold gets a whole timeoutIdle to take work, rather than being shut down at
+    // once for the time it spent held.
+    if (this.idleBehavior === "hold" && behavior === "run") this.lastBusy = this.ctx.clock.now();
+    this.idleBehavior = behavior;
+    this.ctx.emit({ type: "worker:state", workerId: this.id, state: this.state });
+  }
+
+  /** Internal drains (broken, stale lock, kill given up, type no longer configured): tags in the background. */
+  drain(reason: string): void {
+    if (this.idleBehavior !== "run") return;
+    this.changeBehavior("drain", reason);
+    if (!this.placeholder) this.ctx.track(this.writeTags(), "writing tags", this.log);
+  }
+
+  // --- shutdown -------------------------------------------------------------------------------------------
+
+  destroy(): void {
+    const inst = this.instance;
+    if (inst === null) return;
+    this.destroying = true;
+    this.lastDestroyAt = this.ctx.clock.now();
+    this.ctx.track(
+      inst
+        .destroy()
+        .catch((err: unknown) => this.log.warn({ err }, "destroy failed (retried while still listed)"))
+        .finally(() => {
+          this.destroying = false;
+        }),
+      "destroy",
+      this.log,
+    );
+  }
+
+  shutdown(reason: string, outcome: BootOutcome = "aborted"): void {
+    if (this.state === "shutdown") return;
+    if (BOOTING.has(this.state)) this.bootOutcome(outcome);
+    this.shutdownReason = reason;
+    this.log.info({ reason, state: this.state, instanceType: this.instanceType.name }, "shutting down");
+    this.setState("shutdown");
+    this.closeExecutor();
+    // A placeholder is destroyed as soon as its create call returns.
+    this.destroy();
+  }
+
+  /** The shutdown rules (ARVADOS-FACTS.md §4) and kill repeats, at `now`. */
+  applyRules(now: number): void {
+    if (this.placeholder || this.state === "shutdown") return;
+    const cloud = this.ctx.config.cloud;
+    for (const r of this.runners.values()) {
+      if (r.repeatKill(now)) this.drain(`runner ${r.uuid} did not stop within timeoutTerm`);
+    }
+    for (const r of this.runners.values()) {
+      if (r.staleSince !== null && now - r.staleSince > cloud.timeoutStaleRunLock) {
+        this.drain(`runner ${r.uuid} has held a stale lock for ${formatDuration(now - r.staleSince)}`);
+      }
+    }
+    // The cloud is taking it away anyway: not even a hold keeps it once nothing runs on it.
+    if (this.preempted && this.state === "idle") {
+      this.shutdown("preempted (spot interruption notice)");
+      return;
+    }
+    if (this.idleBehavior === "hold") return;
+    if (BOOTING.has(this.state)) {
+      if (this.state === "booting" && this.idleBehavior === "drain") {
+        this.shutdown("drained while booting");
+      } else if (now - this.since >= cloud.timeoutBooting) {
+        this.shutdown(`not ready after timeoutBooting (${formatDuration(cloud.timeoutBooting)})`, "failure");
+      }
+      return;
+    }
+    const lastOk = this.probedAt ?? this.stateSince;
+    if (now - lastOk >= cloud.timeoutProbe) {
+      this.shutdown(`no successful probe for ${formatDuration(now - lastOk)} (timeoutProbe)`);
+    } else if (this.state === "idle" && this.idleBehavior === "drain") {
+      this.shutdown("drained");
+    } else if (this.state === "idle" && now - this.lastBusy >= cloud.timeoutIdle) {
+      this.shutdown(`idle for ${formatDuration(now - this.lastBusy)} (timeoutIdle)`);
+    }
+  }
+
+  // --- probes ---------------------------------------------------------------------------------------------
+
+  /** One probe (in the worker's chain): the boot probe and deployment while booting, else `--list`. */
+  probe(): Promise<void> {
+    return this.exclusive(async () => {
+      if (this.gone) return;
+      const booting = BOOTING.has(this.state);
+      let result: ProbeResult;
+      try {
+        const target = {
+          exec: this.executor(),
+          cmds: this.ctx.cmds,
+          runner: this.ctx.runner,
+          bootProbeCommand: this.ctx.config.cloud.bootProbeCommand,
+          now: () => this.ctx.clock.now(),
+        };
+        result = booting
+          ? await probeBooting(target, {
+              unknown: this.state === "unknown",
+              runnerPresent: this.runnerPresent,
+            })
+          : await probeList(target);
+      } catch (err) {
+        result = { ok: false, stage: "connect", message: String(err), answered: false, mismatch: false };
+      }
+      this.applyProbe(booting, result);
+    });
+  }
+
+  private applyProbe(booting: boolean, r: ProbeResult): void {
+    if (this.gone) return;
+    const { clock, metrics } = this.ctx;
+    const now = clock.now();
+    if ((r.ok || r.answered) && !this.sshSeen) {
+      this.sshSeen = true;
+      if (this.created) metrics.timeToSsh(now - this.since);
+    }
+    if (!r.ok) {
+      this.lastProbeError = r.message;
+      if (r.mismatch) {
+        this.secretMismatch = true;
+        this.log.error(
+          { address: this.address },
+          "instance failed the identity check: it never gets a token",
+        );
+        this.shutdown("secret mismatch", "failure");
+        return;
+      }
+      if (r.stage === "runner") {
+        this.runnerCannotRun(r.message);
+        if (this.gone) return;
+      } else if (r.stage === "deploy") {
+        this.deployFailed = true;
+        this.log.warn({ reason: r.message }, "runner deployment failed");
+      } else if (booting) {
+        this.log.debug({ stage: r.stage, reason: r.message }, "not ready yet");
+      } else {
+        this.log.warn({ stage: r.stage, reason: r.message }, "probe failed");
+      }
+      this.applyRules(now);
+      return;
+    }
+    this.lastProbeError = null;
+    this.deployFailed = false;
+    this.runnerFailures = 0;
+    this.runnerFailure = null;
+    if (r.booted) this.runnerPresent = true;
+    if (r.deployed) this.log.info({ sha256: this.ctx.runner.sha256 }, "runner deployed");
+    this.probedAt = r.listSentAt;
+    this.applyList(r.listed, now);
+    if (booting) {
+      if (this.created && !this.bootDone) metrics.timeToReady(now - this.since);
+      this.bootOutcome("success");
+      this.ctx.ready(this);
+      this.lastBusy = now;
+      this.setState(this.runners.size > 0 ? "running" : "idle");
+      this.log.info({ runners: this.runners.size }, "instance ready");
+    } else {
+      this.settleBusy();
+    }
+    this.applyRules(now);
+  }
+
+  /**
+   * The runner is in place but cannot run here (it exits non-zero or prints what is not its grammar): no bundle
+   * could ever start. After RUNNER_FAILURE_TRIES probes in a row the instance is shut down with the runner's own
+   * words, and the pool makes creates wait (ctx.runnerFailed).
+   */
+  private runnerCannotRun(message: string): void {
+    this.runnerFailures++;
+    this.runnerFailure = message;
+    this.log.warn(
+      { reason: message, try: this.runnerFailures, of: RUNNER_FAILURE_TRIES },
+      "the runner cannot run on this instance",
+    );
+    if (this.runnerFailures < RUNNER_FAILURE_TRIES) return;
+    this.shutdown(`the runner cannot run: ${message}`, "failure");
+    if (this.created) this.ctx.runnerFailed(this, message);
+  }
+
+  /** A runner `--list` showed whose bundle the queue has back in `staged`: it is on its way out. */
+  requeuedButListed(): boolean {
+    const queue = this.ctx.queue;
+    if (queue === undefined) return false;
+    for (const r of this.runners.values()) {
+      if (r.state !== "starting" && queue.get(r.uuid)?.state === "staged") return true;
+    }
+    return false;
+  }
+
+  /** What `--list` said of the instance (broken, preempted, a spare) and of its runners (remote-runner.ts). */
+  private applyList(listed: ListedRunners, now: number): void {
+    if (listed.unknown.length > 0) this.log.warn({ lines: listed.unknown }, "unexpected lines from --list");
+    this.spareSocket = listed.spare;
+    if (listed.broken && !this.listBroken) {
+      this.listBroken = true;
+      this.log.warn("crunch-run reports the instance broken");
+      this.drain("crunch-run reports the instance broken");
+    }
+    if (listed.preempted && !this.preempted) {
+      // No new bundles (broken), drained, shut down as soon as nothing runs on it (applyRules).
+      this.preempted = true;
+      this.ctx.metrics.preempted(this.instanceType.name);
+      this.log.warn(
+        { runners: listed.runners.size },
+        "spot interruption notice on the instance: draining it",
+      );
+      this.drain("spot interruption notice (preempted)");
+    }
+    reconcileRunners(this, listed.runners, now);
+  }
+
+  // --- runners --------------------------------------------------------------------------------------------
+
+  /** Records a `starting` runner at once, then starts it in the worker's chain. Throws if it cannot take one. */
+  startRunner(bundle: Bundle, gpuDevices: readonly number[]): void {
+    if (!this.acceptsBundles) {
+      throw new Error(
+        `startBundle: worker ${this.id} cannot take bundles (state ${this.state}, idle behaviour ${this.idleBehavior}` +
+          `${this.broken ? ", broken" : ""})`,
+      );
+    }
+    if (this.runners.has(bundle.uuid))
+      throw new Error(`startBundle: ${bundle.uuid} is already on ${this.id}`);
+    const r = new RemoteRunner(this, bundle.uuid, {
+      state: "starting",
+      gpuDevices: [...gpuDevices],
+      now: this.ctx.clock.now(),
+      detached: false,
+    });
+    this.runners.set(bundle.uuid, r);
+    this.settleBusy();
+    this.ctx.track(
+      this.exclusive(() => r.start(bundle)),
+      "starting a runner",
+      this.log,
+    );
+  }
+
+  /** TERM to the runner (known or not), repeated until it is gone (applyRules); then drained if it outlives it. */
+  killRunner(uuid: string, reason: string): void {
+    const r = this.runners.get(uuid);
+    if (r !== undefined) {
+      r.kill(reason);
+      return;
+    }
+    this.log.info({ uuid, reason }, "killing a runner (TERM)");
+    sendKill(this, uuid);
   }
 }

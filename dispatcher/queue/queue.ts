@@ -18,10 +18,23 @@ import {
   activeBundlesPage,
   bundlesChangedSinceExcept,
   changeSeqOlderThan,
+  getBundle,
   maxChangeSeq,
 } from "../../store/queries.ts";
 import { BUNDLE_CHANNEL, type Bundle, type BundleState } from "../../store/types.ts";
 import type { QueueView } from "../types.ts";
+
+/**
+ * One change the queue learned of: a bundle's row with a newer change_seq. `from` is the state the queue held
+ * for it (null: it was not in the queue); `to` is the row's state, active or not (a bundle leaving the queue is
+ * a change to a final state, or back to `created`).
+ */
+export interface QueueChange {
+  readonly uuid: string;
+  readonly from: BundleState | null;
+  readonly to: BundleState;
+  readonly bundle: Bundle;
+}
 
 export interface BundleQueue extends QueueView {
   /** Incremental read by change_seq; returns the number of rows applied (that changed the queue). */
@@ -29,8 +42,11 @@ export interface BundleQueue extends QueueView {
   /** Initial load (active bundles only, paged) + LISTEN + the fallback poll loop. */
   start(): Promise<void>;
   stop(): Promise<void>;
-  /** fn runs after any refresh or apply that changed something; returns an unsubscribe function. */
-  subscribe(fn: () => void): () => void;
+  /**
+   * fn runs after any load, refresh or apply that changed something, with what changed (in the order applied);
+   * returns an unsubscribe function. Rows of bundles the queue never held are left out unless final.
+   */
+  subscribe(fn: (changes: readonly QueueChange[]) => void): () => void;
   readonly size: number;
 }
 
@@ -49,6 +65,7 @@ export interface BundleQueueOptions {
 }
 
 const ACTIVE: ReadonlySet<BundleState> = new Set(["staged", "starting", "running"]);
+const FINAL: ReadonlySet<BundleState> = new Set(["ready", "failed", "killed"]);
 /** How many recently ended bundles the queue remembers (for ended()). */
 const MAX_ENDED = 100_000;
 
@@ -64,7 +81,9 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   const tombstones = new Map<string, number>();
   /** Bundles seen leaving the queue as ready or failed. */
   const ended = new Set<string>();
-  const listeners = new Set<() => void>();
+  const listeners = new Set<(changes: readonly QueueChange[]) => void>();
+  /** Changes applied since listeners were last told. */
+  let pending: QueueChange[] = [];
   /** Every row with change_seq <= safeSeq has been read. */
   let safeSeq = 0;
   /** Sequences already read above safeSeq (excluded from the next reads). */
@@ -105,28 +124,39 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     return run;
   };
 
-  /** Applies one row if it is newer than what is known of its uuid; returns whether the queue changed. */
+  /**
+   * Applies one row if it is newer than what is known of its uuid; returns whether the queue changed. The
+   * change is noted for the listeners (also a final row of a bundle the queue never held).
+   */
   function applyRow(b: Bundle): boolean {
     const cur = bundles.get(b.uuid);
     const known = cur?.changeSeq ?? tombstones.get(b.uuid) ?? -1;
     if (b.changeSeq <= known) return false;
+    const from = cur?.state ?? null;
     if (ACTIVE.has(b.state)) {
       bundles.set(b.uuid, b);
+      pending.push({ uuid: b.uuid, from, to: b.state, bundle: b });
       return true;
     }
     if (reading) tombstones.set(b.uuid, b.changeSeq);
+    const final = FINAL.has(b.state);
     if (b.state === "ready" || b.state === "failed") {
       ended.add(b.uuid);
       // Bounded: the oldest go first (a Set iterates in insertion order).
       if (ended.size > MAX_ENDED) ended.delete(ended.values().next().value as string);
     }
+    if (cur !== undefined || final) pending.push({ uuid: b.uuid, from, to: b.state, bundle: b });
     return bundles.delete(b.uuid);
   }
 
+  /** Tells the listeners what changed since they were last told (if anything did). */
   function notify(): void {
+    if (pending.length === 0) return;
+    const changes = pending;
+    pending = [];
     for (const fn of [...listeners]) {
       try {
-        fn();
+        fn(changes);
       } catch (err) {
         logger.error({ err }, "queue listener failed");
       }
@@ -163,7 +193,7 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
       history = [{ at: clock.now(), seq: top }];
       nextFullReload = clock.now() + fullReloadInterval;
       logger.info({ bundles: bundles.size, ms: clock.now() - t0 }, "queue loaded");
-      if (applied > 0) notify();
+      notify();
       return applied;
     });
   }
@@ -173,16 +203,23 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
       touched = new Set();
       try {
         let [changed, seen] = await readActive();
-        for (const uuid of bundles.keys()) {
-          // Not active when its page was read (so final now), and not applied since: it left the queue.
-          if (!seen.has(uuid) && !touched.has(uuid)) {
+        for (const uuid of [...bundles.keys()]) {
+          // Not active when its page was read (so final now), and not applied since: it left the queue. Its
+          // row as it is now says how (for the listeners); a row that cannot be read leaves it all the same.
+          if (seen.has(uuid) || touched.has(uuid)) continue;
+          const was = bundles.get(uuid);
+          const row = await getBundle(db, uuid).catch(() => null);
+          if (row === null || !applyRow(row)) {
+            // Its change_seq did not move (or it cannot be read): it leaves all the same, as the row says.
             bundles.delete(uuid);
-            changed++;
+            if (was !== undefined)
+              pending.push({ uuid, from: was.state, to: row?.state ?? was.state, bundle: row ?? was });
           }
+          changed++;
         }
         nextFullReload = clock.now() + fullReloadInterval;
         logger.debug({ bundles: bundles.size, changed }, "queue re-read");
-        if (changed > 0) notify();
+        notify();
         return changed;
       } finally {
         touched = null;
@@ -214,7 +251,7 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
         maxSeen = cursor;
         history.push({ at: clock.now(), seq: cursor });
       }
-      if (applied > 0) notify();
+      notify();
       return applied;
     });
   }
@@ -253,7 +290,8 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     ended: (uuid) => ended.has(uuid),
     apply(bundle) {
       touched?.add(bundle.uuid);
-      if (applyRow(bundle)) notify();
+      applyRow(bundle);
+      notify();
     },
     refresh,
     async start() {

@@ -13,6 +13,7 @@ import type { Bundle, NewBundle } from "../../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, type TestDb } from "../../test/db.ts";
 import { FakeClock } from "../../test/fake-clock.ts";
 import { MemoryQueue, StubSchedulerPool, testInstanceType } from "../../test/stub-pool.ts";
+import { createBundleTransitions } from "../queue/transitions.ts";
 import { createScheduler } from "./scheduler.ts";
 
 const GiB = 2 ** 30;
@@ -43,7 +44,16 @@ describeEachDb("scheduler and the store", (getDb) => {
   });
 
   const scheduler = () =>
-    createScheduler({ queue, pool, instanceTypes: [small, gpu2], config: testConfig(), db, clock, logger });
+    createScheduler({
+      queue,
+      pool,
+      transitions: createBundleTransitions({ db, queue, logger }),
+      instanceTypes: [small, gpu2],
+      config: testConfig(),
+      db,
+      clock,
+      logger,
+    });
 
   async function stagedBundle(overrides: Partial<NewBundle> = {}): Promise<Bundle> {
     const user = await createTestUser(db);

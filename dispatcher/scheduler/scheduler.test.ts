@@ -12,6 +12,7 @@ import type { Bundle } from "../../store/types.ts";
 import { openTestDb, type TestDb } from "../../test/db.ts";
 import { FakeClock } from "../../test/fake-clock.ts";
 import { MemoryQueue, StubSchedulerPool, testBundle, testInstanceType } from "../../test/stub-pool.ts";
+import { createBundleTransitions } from "../queue/transitions.ts";
 import { createScheduler, type Scheduler } from "./scheduler.ts";
 
 const logger = createLogger({ level: "silent", format: "json" });
@@ -62,7 +63,16 @@ function scheduler(
   types: readonly InstanceType[] = [small, medium, large],
   over: Parameters<typeof testConfig>[0] = {},
 ): Scheduler {
-  return createScheduler({ queue, pool, instanceTypes: types, config: testConfig(over), db, clock, logger });
+  return createScheduler({
+    queue,
+    pool,
+    transitions: createBundleTransitions({ db, queue, logger }),
+    instanceTypes: types,
+    config: testConfig(over),
+    db,
+    clock,
+    logger,
+  });
 }
 
 function staged(...bundles: Bundle[]): Bundle[] {

@@ -17,8 +17,8 @@ import type { Clock } from "../../lib/clock.ts";
 import type { Logger } from "../../lib/logger.ts";
 import type { Db } from "../../store/db.ts";
 import { setSchedulingStatus } from "../../store/queries.ts";
-import { failStaged } from "../../store/transitions.ts";
 import type { Bundle } from "../../store/types.ts";
+import type { BundleTransitions } from "../queue/transitions.ts";
 import type { CreateRefusal, CreateResult, Demand, QueueView, RunnerView, WorkerView } from "../types.ts";
 import { demandOf, type EligibleResult, eligibilityOptions, eligibleTypes } from "./eligible.ts";
 import * as say from "./status.ts";
@@ -66,6 +66,8 @@ export interface Scheduler {
 export interface SchedulerOptions {
   queue: QueueView;
   pool: SchedulerPool;
+  /** The dispatcher's owner of bundle transitions: the scheduler fails bundles that can never run. */
+  transitions: Pick<BundleTransitions, "fail">;
   instanceTypes: readonly InstanceType[];
   config: Config;
   db: Db;
@@ -221,7 +223,7 @@ async function eachLimited<T>(items: readonly T[], n: number, fn: (item: T) => P
 }
 
 export function createScheduler(opts: SchedulerOptions): Scheduler {
-  const { queue, pool, instanceTypes, config, db, clock } = opts;
+  const { queue, pool, transitions, instanceTypes, config, db, clock } = opts;
   const log = opts.logger.child({ component: "scheduler" });
   const { demand: demandOpts, eligible: eligibleOpts } = eligibilityOptions(config);
   const perInstance = config.cloud.maxRunningBundlesPerInstance;
@@ -404,9 +406,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
             ? "no instance type fits"
             : e.shape.eligible.reason;
       try {
-        const r = await failStaged(db, e.uuid, { actor: "dispatcher", reason });
-        const row = r.ok ? r.bundle : r.current;
-        if (row !== null) queue.apply(row);
+        const r = await transitions.fail(e.uuid, reason);
         if (r.ok) {
           result.failed.push(e.uuid);
           log.info({ bundleUuid: e.uuid, reason }, "bundle failed: it can never run");

@@ -1,0 +1,295 @@
+/**
+ * One crunch-run on one instance, as the pool drives it (Arvados: worker/runner.go): starting it (the bundle
+ * claimed, then the start document handed to the instance's warm spare supervisor or to `--detach`), killing it
+ * with a TERM repeated every timeoutSignal until it is gone or timeoutTerm passes (then the instance is drained),
+ * and what `--list` said of it. The Worker owns its runners; this module only speaks to the one instance.
+ */
+import type { Bundle } from "../../store/types.ts";
+import type { RunnerView } from "../types.ts";
+import { PROBE_COMMAND_TIMEOUT_MS, tail } from "./probe.ts";
+import type { Worker } from "./worker.ts";
+
+/** Bounds of the start document's spotCheckIntervalMs (crunch-run/start-doc.ts). */
+const SPOT_CHECK_MS = { min: 10, max: 3_600_000 } as const;
+
+/** cloud.spotInterruptionCheckInterval for the start document: 0 (never), else within crunch-run's bounds. */
+export function spotCheckIntervalMs(ms: number): number {
+  if (ms <= 0) return 0;
+  return Math.min(SPOT_CHECK_MS.max, Math.max(SPOT_CHECK_MS.min, Math.round(ms)));
+}
+
+export interface KillState {
+  since: number;
+  lastSent: number;
+  reason: string;
+  gaveUp: boolean;
+}
+
+export class RemoteRunner implements RunnerView {
+  state: RunnerView["state"];
+  gpuDevices: readonly number[];
+  readonly since: number;
+  /** When `--list` first showed it stale (null while it is not). */
+  staleSince: number | null = null;
+  /** Set by kill(): when the first TERM went out, when the last one did, and whether we gave up. */
+  killing: KillState | null = null;
+  /** When `--detach` returned success (runners found by `--list` count as detached when found). */
+  detachedAt: number | null;
+
+  constructor(
+    readonly worker: Worker,
+    readonly uuid: string,
+    init: { state: RunnerView["state"]; gpuDevices: readonly number[]; now: number; detached: boolean },
+  ) {
+    this.state = init.state;
+    this.gpuDevices = init.gpuDevices;
+    this.since = init.now;
+    this.detachedAt = init.detached ? init.now : null;
+  }
+
+  /**
+   * Starts the bundle here (the worker runs this in its exclusive chain): claims it (staged -> starting with a
+   * fresh runner token), then hands the start document to the spare or runs `--detach`. A lost claim drops the
+   * runner; a failed start requeues the bundle (event runner:start_failed).
+   */
+  async start(bundle: Bundle): Promise<void> {
+    const w = this.worker;
+    const ctx = w.ctx;
+    const uuid = bundle.uuid;
+    const log = w.log.child({ uuid });
+    if (w.gone) {
+      this.dropStarting("the instance is shutting down");
+      return;
+    }
+    let claim: Awaited<ReturnType<typeof ctx.transitions.claim>>;
+    try {
+      claim = await ctx.transitions.claim(uuid, {
+        instanceId: w.id,
+        instanceType: w.instanceType.name,
+        gpuDevices: [...this.gpuDevices],
+      });
+    } catch (err) {
+      log.error({ err }, "start transition failed");
+      this.dropStarting("the start transition failed");
+      return;
+    }
+    if (!claim.ok) {
+      log.info({ reason: claim.reason }, "start lost: the bundle changed meanwhile");
+      this.dropStarting(`the bundle could not be started (${claim.reason})`);
+      return;
+    }
+    const started = claim.bundle;
+    const cloud = ctx.config.cloud;
+    const doc = {
+      uuid,
+      attempt: started.attempt,
+      apiUrl: ctx.runnerApiUrl,
+      token: claim.token,
+      instanceType: w.instanceType.name,
+      gpuDevices: [...this.gpuDevices],
+      runtimeEngine: ctx.config.dispatcher.runtimeEngine,
+      // Only the process runtime uses them (crunch-run's defaults equal the config's).
+      ...(ctx.config.dispatcher.runtimeEngine === "docker"
+        ? {}
+        : {
+            processUidFirst: ctx.config.dispatcher.processRuntimeFirstUid,
+            processUidCount: ctx.config.dispatcher.processRuntimeUidCount,
+          }),
+      // Only preemptible types' runners watch for spot interruption notices (crunch-run's defaults: off, 5 s).
+      ...(w.instanceType.preemptible
+        ? { preemptible: true, spotCheckIntervalMs: spotCheckIntervalMs(cloud.spotInterruptionCheckInterval) }
+        : {}),
+    };
+    let failure: string | null = null;
+    let via: "spare" | "detach" = "spare";
+    try {
+      if (w.gone) throw new Error("the instance is shutting down");
+      if (!(await this.handToSpare(doc))) {
+        via = "detach";
+        const res = await w.executor().execute(ctx.cmds.detach(uuid), {
+          stdin: `${JSON.stringify(doc)}\n`,
+          timeoutMs: PROBE_COMMAND_TIMEOUT_MS,
+        });
+        if (res.exitCode !== 0)
+          failure = `crunch-run --detach exited ${res.exitCode}: ${tail(res.stderr, 200)}`;
+      }
+    } catch (err) {
+      failure = `crunch-run --detach failed: ${err instanceof Error ? err.message : String(err)}`;
+    }
+    if (failure === null) {
+      this.detachedAt = ctx.clock.now();
+      log.info({ attempt: started.attempt, via }, "runner started");
+      ctx.emit({ type: "runner:started", workerId: w.id, uuid });
+      return;
+    }
+    log.warn({ reason: failure }, "runner start failed: requeueing");
+    try {
+      await ctx.transitions.requeue(uuid, started.attempt, failure);
+    } catch (err) {
+      log.error({ err }, "requeue after a failed start failed (sync will retry)");
+    }
+    this.dropStarting(failure);
+  }
+
+  /**
+   * Hands the start document straight to the instance's warm spare supervisor (crunch-run/spare.ts) over the
+   * SSH connection, which skips starting a `crunch-run --detach` process. True when the spare took it;
+   * false (no spare known, the executor cannot, the spare is gone or busy or refused) means use --detach.
+   */
+  private async handToSpare(doc: { uuid: string }): Promise<boolean> {
+    const w = this.worker;
+    const socket = w.spareSocket;
+    const executor = w.executor();
+    if (socket === null || executor.exchange === undefined) return false;
+    const log = w.log.child({ uuid: this.uuid });
+    const t0 = w.ctx.clock.now();
+    try {
+      const answer = (
+        await executor.exchange(socket, `start ${doc.uuid}\n${JSON.stringify(doc)}\n`, { timeoutMs: 5000 })
+      ).toString("utf8");
+      if (/^pid \d+\n$/.test(answer)) {
+        log.debug({ ms: w.ctx.clock.now() - t0 }, "handed to the spare supervisor");
+        return true;
+      }
+      log.debug({ answer: answer.slice(0, 200) }, "the spare supervisor refused the bundle; using --detach");
+    } catch (err) {
+      log.debug(
+        { err: err instanceof Error ? err.message : String(err) },
+        "no spare supervisor; using --detach",
+      );
+    }
+    return false;
+  }
+
+  /** Forgets a runner whose start did not happen, and says so (runner:start_failed). */
+  private dropStarting(reason: string): void {
+    const w = this.worker;
+    if (w.runners.get(this.uuid) === this && this.state === "starting") {
+      w.runners.delete(this.uuid);
+      w.settleBusy();
+    }
+    w.ctx.emit({ type: "runner:start_failed", workerId: w.id, uuid: this.uuid, reason });
+  }
+
+  /** `--kill 15` now, and again every timeoutSignal (repeatKill) until it is gone or timeoutTerm passes. */
+  kill(reason: string): void {
+    if (this.killing !== null) return;
+    const now = this.worker.ctx.clock.now();
+    this.killing = { since: now, lastSent: now, reason, gaveUp: false };
+    this.worker.log.info({ uuid: this.uuid, reason }, "killing a runner (TERM)");
+    sendKill(this.worker, this.uuid);
+  }
+
+  /** The kill's next step at `now`; true when it has just given up (the worker drains the instance). */
+  repeatKill(now: number): boolean {
+    const k = this.killing;
+    if (k === null || k.gaveUp) return false;
+    const cloud = this.worker.ctx.config.cloud;
+    if (now - k.since >= cloud.timeoutTerm) {
+      k.gaveUp = true;
+      this.worker.log.warn({ uuid: this.uuid, afterMs: now - k.since }, "runner outlived SIGTERM: draining");
+      return true;
+    }
+    if (now - k.lastSent >= cloud.timeoutSignal) {
+      k.lastSent = now;
+      sendKill(this.worker, this.uuid);
+    }
+    return false;
+  }
+}
+
+/** One `--kill 15 <uuid>` to the worker's instance (also for a runner the pool does not know yet). */
+export function sendKill(w: Worker, uuid: string): void {
+  if (w.instance === null || w.state === "shutdown") return;
+  const exec = w.executor();
+  w.ctx.track(
+    exec.execute(w.ctx.cmds.kill(uuid, 15), { timeoutMs: PROBE_COMMAND_TIMEOUT_MS }).then((res) => {
+      if (res.exitCode !== 0) {
+        w.log.info(
+          { uuid, exitCode: res.exitCode, stderr: tail(res.stderr, 200) },
+          "runner still running after TERM",
+        );
+      }
+    }),
+    "kill",
+    w.log,
+  );
+}
+
+/**
+ * The worker's runners after a `--list` that showed `listed` (uuid -> listed state): runners found are added (a
+ * restart, or a start the pool did not see finish), stale ones noted, and runners no longer listed forgotten,
+ * except a `starting` one that sync has not decided about yet (keepStarting). On a preempted instance, a runner
+ * that left without reporting the notice has its bundle requeued here (loseUnreported).
+ */
+export function reconcileRunners(
+  w: Worker,
+  listed: ReadonlyMap<string, "running" | "stale">,
+  now: number,
+): void {
+  const { queue, emit } = w.ctx;
+  for (const [uuid, state] of listed) {
+    let r = w.runners.get(uuid);
+    if (r === undefined) {
+      r = new RemoteRunner(w, uuid, {
+        state,
+        gpuDevices: queue?.get(uuid)?.gpuDevices ?? [],
+        now,
+        detached: true,
+      });
+      w.runners.set(uuid, r);
+      w.log.info({ uuid }, "found a runner");
+      emit({ type: "runner:started", workerId: w.id, uuid, reason: "listed" });
+    }
+    r.state = state;
+    if (state === "stale") r.staleSince ??= now;
+    else r.staleSince = null;
+  }
+  for (const r of [...w.runners.values()]) {
+    if (listed.has(r.uuid)) continue;
+    if (r.state === "starting" && keepStarting(w, r, now)) continue;
+    w.runners.delete(r.uuid);
+    w.log.info({ uuid: r.uuid }, "runner gone");
+    if (w.preempted) loseUnreported(w, r.uuid);
+    emit({ type: "runner:gone", workerId: w.id, uuid: r.uuid, reason: "no longer listed" });
+  }
+}
+
+/**
+ * A `starting` runner that `--list` does not show stays until sync decides about its bundle: while the detach
+ * has not returned, and while the queue still has the bundle starting on this instance (sync requeues it, or the
+ * runner got further and ended). Without a queue, for dispatcher.staleLockTimeout. A runner being killed is gone
+ * as soon as a list after its detach misses it. Probes and detaches of one worker never overlap, so a detach that
+ * has returned happened before this probe's `--list`.
+ */
+function keepStarting(w: Worker, r: RemoteRunner, now: number): boolean {
+  if (r.detachedAt === null) return true;
+  if (r.killing !== null) return false;
+  const queue = w.ctx.queue;
+  if (queue === undefined) return now - r.detachedAt < w.ctx.config.dispatcher.staleLockTimeout;
+  const row = queue.get(r.uuid);
+  return row?.state === "starting" && row.instanceId === w.id;
+}
+
+/**
+ * A runner left a preempted instance while the queue still has its bundle running there: it stopped without
+ * reporting the notice (or the report has not reached the queue yet). Requeue it now, with the reason, rather
+ * than wait for sync's two probes; the guarded transition loses harmlessly to a report or a finish.
+ */
+function loseUnreported(w: Worker, uuid: string): void {
+  const row = w.ctx.queue?.get(uuid);
+  if (row === undefined || row.state !== "running" || row.instanceId !== w.id || w.losing.has(uuid)) return;
+  w.losing.add(uuid);
+  const reason = `preempted: spot interruption notice on instance ${w.id} (its runner did not report it)`;
+  w.ctx.track(
+    w.ctx.transitions
+      .lose(uuid, row.attempt, reason)
+      .then((res) => {
+        if (res.ok)
+          w.log.info({ uuid, state: res.bundle.state }, "requeued a bundle of the preempted instance");
+      })
+      .finally(() => w.losing.delete(uuid)),
+    "requeueing a bundle of a preempted instance",
+    w.log,
+  );
+}

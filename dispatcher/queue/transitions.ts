@@ -1,0 +1,78 @@
+/**
+ * The one owner of the dispatcher's bundle transitions (Arvados: the container queue's Lock/Unlock/Cancel):
+ * claim (staged -> starting, with a fresh runner token), requeue (starting -> staged), lose (running -> staged,
+ * or failed once attempts are used up) and fail (staged -> failed). Each is the store's guarded statement; the
+ * row it returns, or the row as it is now when the guard did not hold, is applied to the queue at once, so the
+ * next pass need not wait for NOTIFY. The pool, sync and the scheduler ask this module; none writes a
+ * transition itself. Database errors are thrown (each caller has its own retry rule).
+ */
+import type { Logger } from "../../lib/logger.ts";
+import { hashToken, newRunnerToken } from "../../rest-server/tokens.ts";
+import type { Db } from "../../store/db.ts";
+import { failStaged, loseBundle, requeueStarting, startBundle } from "../../store/transitions.ts";
+import type { Bundle, TransitionResult } from "../../store/types.ts";
+import type { QueueView } from "../types.ts";
+
+export type ClaimResult =
+  | { ok: true; bundle: Bundle /** The runner token; only its hash is stored. */; token: string }
+  | { ok: false; reason: "not_found" | "wrong_state" | "wrong_attempt"; current: Bundle | null };
+
+export interface BundleTransitions {
+  /** staged -> starting on an instance: the next attempt, the instance, its GPU devices, a new runner token. */
+  claim(
+    uuid: string,
+    on: { instanceId: string; instanceType: string; gpuDevices: readonly number[] },
+  ): Promise<ClaimResult>;
+  /** starting -> staged: the runner never started (or failed before `start`); counts the attempt. */
+  requeue(uuid: string, attempt: number, reason: string): Promise<TransitionResult>;
+  /** running -> staged while attempts remain, else failed: the instance was lost or preempted. */
+  lose(uuid: string, attempt: number, reason: string): Promise<TransitionResult>;
+  /** staged -> failed: it can never run (no type fits it, or its attempts are used up). */
+  fail(uuid: string, reason: string): Promise<TransitionResult>;
+}
+
+const ACTOR = "dispatcher";
+
+export function createBundleTransitions(opts: {
+  db: Db;
+  /** Where rows are applied (the dispatcher's BundleQueue); none: nothing is applied. */
+  queue?: Pick<QueueView, "apply"> | undefined;
+  logger: Logger;
+}): BundleTransitions {
+  const { db, queue } = opts;
+  const log = opts.logger.child({ component: "transitions" });
+
+  const applied = (result: TransitionResult, what: string, uuid: string): TransitionResult => {
+    const row = result.ok ? result.bundle : result.current;
+    if (row !== null) queue?.apply(row);
+    if (result.ok) log.debug({ bundle: uuid, state: result.bundle.state }, what);
+    else log.debug({ bundle: uuid, reason: result.reason, state: result.current?.state }, `${what}: lost`);
+    return result;
+  };
+
+  return {
+    async claim(uuid, on) {
+      const token = newRunnerToken();
+      const result = await startBundle(db, uuid, {
+        instanceId: on.instanceId,
+        instanceType: on.instanceType,
+        runnerTokenHash: hashToken(token),
+        gpuDevices: [...on.gpuDevices],
+        actor: ACTOR,
+      });
+      applied(result, "claimed", uuid);
+      return result.ok
+        ? { ok: true, bundle: result.bundle, token }
+        : { ok: false, reason: result.reason, current: result.current };
+    },
+    async requeue(uuid, attempt, reason) {
+      return applied(await requeueStarting(db, uuid, attempt, { actor: ACTOR, reason }), "requeued", uuid);
+    },
+    async lose(uuid, attempt, reason) {
+      return applied(await loseBundle(db, uuid, attempt, { actor: ACTOR, reason }), "lost", uuid);
+    },
+    async fail(uuid, reason) {
+      return applied(await failStaged(db, uuid, { actor: ACTOR, reason }), "failed", uuid);
+    },
+  };
+}
