@@ -11,6 +11,7 @@ import { authenticateUser, callerOf, requireAdmin } from "./auth.ts";
 import { parseBundleRequest } from "./bundle-request.ts";
 import { logReadable, parseLogQuery } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
+import { encodeOutputCursor, parseOutputListQuery } from "./outputs-listing.ts";
 import type { RouteContext } from "./server.ts";
 import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "./tokens.ts";
 import { validate } from "./validate.ts";
@@ -196,8 +197,16 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
   const outputs = async (request: FastifyRequest, reply: FastifyReply) => {
     const bundle = await ownBundle(request);
     const raw = (request.params as Record<string, string | undefined>)["*"] ?? "";
-    const entry = await ctx.outputs.get(bundle.uuid, parseOutputPath(raw));
-    if (entry.kind === "dir") return { files: entry.files };
+    const rel = parseOutputPath(raw);
+    const page = parseOutputListQuery(request.query);
+    // One file more than the page tells whether another page follows.
+    const entry = await ctx.outputs.get(bundle.uuid, rel, { after: page.after, limit: page.limit + 1 });
+    if (entry.kind === "dir") {
+      const files = entry.files.slice(0, page.limit);
+      const last = files[files.length - 1];
+      const more = entry.files.length > page.limit && last !== undefined;
+      return { files, nextCursor: more ? encodeOutputCursor(last.path) : null };
+    }
     return reply
       .type("application/octet-stream")
       .header("content-length", String(entry.size))
