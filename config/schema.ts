@@ -176,6 +176,15 @@ const RestServer = Section("The users' and runners' REST API.", {
   ),
 });
 
+const Quotas = Section("Per-user limits the REST server enforces.", {
+  maxTokensPerUser: Int(
+    100,
+    "API tokens one user may hold (not revoked; expired ones count until revoked); 429 quota.tokens beyond it.",
+    1,
+    10000,
+  ),
+});
+
 const Management = Section("The operators' management API, /metrics and health checks.", {
   listen: Str("127.0.0.1:8901", "Address to listen on, host:port.", {
     format: "dc-host-port",
@@ -389,6 +398,7 @@ export const ConfigSchema = Type.Object(
     ),
     database: Database,
     restServer: RestServer,
+    quotas: Quotas,
     management: Management,
     logging: Logging,
     dispatcher: Dispatcher,

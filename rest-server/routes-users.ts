@@ -7,7 +7,7 @@ import { DispatchCloudError } from "../lib/errors.ts";
 import { createUser, getBundleForOwner, insertBundle, listBundles, listEvents } from "../store/queries.ts";
 import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
-import { authenticateUser, callerOf, requireAdmin } from "./auth.ts";
+import { callerOf, requireAdmin, userAuthHook } from "./auth.ts";
 import { parseBundleRequest } from "./bundle-request.ts";
 import { logReadable, parseLogQuery } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
@@ -104,9 +104,7 @@ const userView = (u: User) => ({
 
 export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): void {
   const { db } = ctx;
-  const onRequest = async (request: FastifyRequest) => {
-    request.caller = await authenticateUser(db, request);
-  };
+  const onRequest = userAuthHook(db, ctx.nowMs);
   const view = (b: Bundle) => bundleView(b, ctx.nowMs());
   const ownBundle = async (request: FastifyRequest): Promise<Bundle> => {
     const uuid = uuidParam(request);

@@ -18,6 +18,7 @@ import type { Db } from "../store/db.ts";
 import { createLogNotifier, type LogNotifier } from "./logs.ts";
 import { createOutputStore, type OutputStore } from "./outputs.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";
+import { registerTokenRoutes } from "./routes-tokens.ts";
 import { registerUserRoutes } from "./routes-users.ts";
 
 export interface RestServerOptions {
@@ -39,6 +40,8 @@ export interface RestServerOptions {
   logPollInterval?: number;
   /** An instance type's price in dollars per hour (config), for the cost stored at finish; none: no cost. */
   instancePrice?: (instanceType: string) => number | undefined;
+  /** Per-user limits (config `quotas`); default: 100 tokens per user. */
+  quotas?: { maxTokensPerUser: number };
 }
 
 /** What the routes need, built once by createRestServer. */
@@ -52,9 +55,11 @@ export interface RouteContext {
   logNotifier: LogNotifier;
   logPollInterval: number;
   instancePrice(instanceType: string): number | undefined;
+  maxTokensPerUser: number;
 }
 
 export const DEFAULT_MAX_OUTPUT_SIZE = 10 * 2 ** 30;
+export const DEFAULT_MAX_TOKENS_PER_USER = 100;
 
 /** fastify's own error codes, mapped to ours. */
 const FASTIFY_CODES: Record<string, ErrorCode> = {
@@ -90,6 +95,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     logNotifier: createLogNotifier(opts.db, logger),
     logPollInterval: opts.logPollInterval ?? 5000,
     instancePrice: opts.instancePrice ?? (() => undefined),
+    maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
   };
   const app = Fastify({
     loggerInstance: logger as FastifyBaseLogger,
@@ -103,6 +109,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   });
 
   app.decorateRequest("caller", null);
+  app.decorateRequest("callerToken", null);
   app.decorateRequest("runnerBundle", null);
 
   // JSON only. fastify's default parsers (including text/plain) are removed so anything else is a 415.
@@ -158,6 +165,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   app.get("/_health/ping", async () => ({ health: "OK" }));
   app.get("/api/v1/openapi.json", async () => usersApiDocument());
   registerUserRoutes(app, ctx);
+  registerTokenRoutes(app, ctx);
   registerRunnerRoutes(app, ctx);
   await app.ready();
   return app;

@@ -122,6 +122,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     dataDir: resolve(config.dataDir),
     maxOutputSize: config.restServer.maxOutputSize,
     instancePrice: instancePriceLookup(config),
+    quotas: config.quotas,
   });
   const manager = createBundleManager({
     db,
