@@ -92,6 +92,16 @@ export const ERROR_CODES = {
     description:
       "No token with that id is visible to the caller: none exists, it is revoked, or it is another user's (only admins see those).",
   },
+  "quota.queued_bundles": {
+    status: 429,
+    description:
+      "The user already has quotas.maxQueuedBundlesPerUser non-final bundles; submit again once some have finished.",
+  },
+  "quota.rate_limited": {
+    status: 429,
+    description:
+      "The user submits faster than quotas.submissionsPerSecond allows; the Retry-After header says in how many seconds to try again.",
+  },
   "quota.tokens": {
     status: 429,
     description: "The user already holds quotas.maxTokensPerUser tokens; revoke one to make another.",

@@ -4,7 +4,7 @@
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
-import { createUser, getBundleForOwner, insertBundle, listBundles, listEvents } from "../store/queries.ts";
+import { createUser, getBundleForOwner, listBundles, listEvents } from "../store/queries.ts";
 import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
 import { callerOf, requireAdmin, userAuthHook } from "./auth.ts";
@@ -12,6 +12,7 @@ import { parseBundleRequest } from "./bundle-request.ts";
 import { logReadable, parseLogQuery } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
 import { encodeOutputCursor, parseOutputListQuery } from "./outputs-listing.ts";
+import { insertWithinLimits, sendRefusal } from "./quotas.ts";
 import type { RouteContext } from "./server.ts";
 import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "./tokens.ts";
 import { validate } from "./validate.ts";
@@ -116,8 +117,15 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
   app.post("/api/v1/bundles", { onRequest }, async (request, reply) => {
     const caller = callerOf(request);
     const newBundle = parseBundleRequest(request.body, caller.uuid, ctx.defaultMaxAttempts);
-    const bundle = await insertBundle(db, newBundleUuid(ctx.clusterId), newBundle, "created");
-    return reply.code(201).send(view(bundle));
+    const result = await insertWithinLimits(db, {
+      owner: caller,
+      uuid: newBundleUuid(ctx.clusterId),
+      bundle: newBundle,
+      limits: ctx.submitLimits,
+      nowMs: ctx.nowMs(),
+    });
+    if (!result.ok) return sendRefusal(reply, result.refusal);
+    return reply.code(201).send(view(result.bundle));
   });
 
   app.get("/api/v1/bundles", { onRequest }, async (request) => {

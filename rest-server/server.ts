@@ -17,6 +17,7 @@ import { usersApiDocument } from "../management-api/openapi.ts";
 import type { Db } from "../store/db.ts";
 import { createLogNotifier, type LogNotifier } from "./logs.ts";
 import { createOutputStore, type OutputStore } from "./outputs.ts";
+import { NO_SUBMIT_LIMITS, type SubmitLimits } from "./quotas.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";
 import { registerTokenRoutes } from "./routes-tokens.ts";
 import { registerUserRoutes } from "./routes-users.ts";
@@ -40,8 +41,8 @@ export interface RestServerOptions {
   logPollInterval?: number;
   /** An instance type's price in dollars per hour (config), for the cost stored at finish; none: no cost. */
   instancePrice?: (instanceType: string) => number | undefined;
-  /** Per-user limits (config `quotas`); default: 100 tokens per user. */
-  quotas?: { maxTokensPerUser: number };
+  /** Per-user limits (config `quotas`); default: no submission limits, 100 tokens per user. */
+  quotas?: SubmitLimits & { maxTokensPerUser: number };
 }
 
 /** What the routes need, built once by createRestServer. */
@@ -55,6 +56,7 @@ export interface RouteContext {
   logNotifier: LogNotifier;
   logPollInterval: number;
   instancePrice(instanceType: string): number | undefined;
+  submitLimits: SubmitLimits;
   maxTokensPerUser: number;
 }
 
@@ -95,6 +97,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     logNotifier: createLogNotifier(opts.db, logger),
     logPollInterval: opts.logPollInterval ?? 5000,
     instancePrice: opts.instancePrice ?? (() => undefined),
+    submitLimits: opts.quotas ?? NO_SUBMIT_LIMITS,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
   };
   const app = Fastify({

@@ -306,6 +306,55 @@ export async function revokeToken(
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Per-user submission limits
+
+export interface SubmitBucket {
+  tokens: number;
+  refilledAt: Date;
+}
+
+/**
+ * Locks the user's quota row until the transaction ends (creating it, with a full bucket of `burst` tokens, on
+ * the user's first submission) and returns its token bucket as stored. Parallel submissions of one user wait
+ * here for each other, so what they count afterwards includes what the earlier ones inserted.
+ */
+export async function lockSubmitBucket(
+  tx: Db,
+  args: { userUuid: string; burst: number; now: Date },
+): Promise<SubmitBucket> {
+  const { rows } = await tx.query<{ submit_tokens: number; submit_refilled_at: Date }>(
+    `INSERT INTO user_quotas AS q (user_uuid, submit_tokens, submit_refilled_at) VALUES ($1, $2, $3)
+     ON CONFLICT (user_uuid) DO UPDATE SET user_uuid = q.user_uuid
+     RETURNING submit_tokens, submit_refilled_at`,
+    [args.userUuid, args.burst, args.now],
+  );
+  const r = rows[0]!;
+  return { tokens: Number(r.submit_tokens), refilledAt: r.submit_refilled_at };
+}
+
+export async function saveSubmitBucket(db: Db, userUuid: string, bucket: SubmitBucket): Promise<void> {
+  await db.query("UPDATE user_quotas SET submit_tokens = $2, submit_refilled_at = $3 WHERE user_uuid = $1", [
+    userUuid,
+    bucket.tokens,
+    bucket.refilledAt,
+  ]);
+}
+
+/**
+ * How many non-final bundles the user has, counting at most `upTo` (through the partial index
+ * bundles_owner_active: the user's final bundles are never read).
+ */
+export async function countActiveBundles(db: Db, ownerUuid: string, upTo: number): Promise<number> {
+  const { rows } = await db.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM (
+       SELECT 1 FROM bundles WHERE owner_uuid = $1 AND state IN ('created', 'staged', 'starting', 'running')
+       LIMIT $2) AS active`,
+    [ownerUuid, upTo],
+  );
+  return rows[0]!.n;
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Bundles
 
 /**

@@ -1,5 +1,6 @@
 /**
- * The users' API tokens (create, list, revoke, expiry by the injected clock), through fastify.inject on
+ * The users' API tokens (create, list, revoke, expiry by the injected clock) and the per-user submission limits
+ * (queued bundles, submission rate with Retry-After, both under parallel requests), through fastify.inject on
  * PostgreSQL and PGlite.
  */
 import { mkdtemp, readFile, rm } from "node:fs/promises";
@@ -20,6 +21,7 @@ import { injectClient, type Json, type Res } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
 const HOUR = 3_600_000;
+const minimal = { command: ["echo", "hi"], image: "busybox" };
 
 /** A user made directly in the database; returns its uuid and token. */
 async function makeUser(db: Db, isAdmin = false): Promise<{ uuid: string; token: string }> {
@@ -75,7 +77,12 @@ describeEachDb("REST tokens and quotas", (getDb) => {
     let api: Awaited<ReturnType<typeof server>>;
     let admin: { uuid: string; token: string };
     beforeAll(async () => {
-      api = await server({ maxTokensPerUser: 4 });
+      api = await server({
+        maxQueuedBundlesPerUser: 0,
+        submissionsPerSecond: 0,
+        submissionBurst: 1,
+        maxTokensPerUser: 4,
+      });
       admin = await makeUser(getDb(), true);
     });
     const newToken = async (token: string, body: object = {}): Promise<Json> => {
@@ -305,6 +312,107 @@ describeEachDb("REST tokens and quotas", (getDb) => {
       } finally {
         await fresh.close();
       }
+    });
+  });
+
+  describe("submission limits", () => {
+    it("refuses a submission over the queued cap with 429 quota.queued_bundles; a finished bundle makes room", async () => {
+      const api = await server({
+        maxQueuedBundlesPerUser: 3,
+        submissionsPerSecond: 0,
+        submissionBurst: 1,
+        maxTokensPerUser: 100,
+      });
+      const alice = await makeUser(getDb());
+      const bob = await makeUser(getDb());
+      const uuids: string[] = [];
+      for (let i = 0; i < 3; i++) {
+        const res = await api("POST", "/api/v1/bundles", alice.token, minimal);
+        expect(res.status).toBe(201);
+        uuids.push(res.body.uuid);
+      }
+      const over = await api("POST", "/api/v1/bundles", alice.token, minimal);
+      expectError(over, 429, "quota.queued_bundles");
+      expect(over.headers["retry-after"]).toBeUndefined();
+      // Another user is not affected; a bad body is still a 400 first.
+      expect((await api("POST", "/api/v1/bundles", bob.token, minimal)).status).toBe(201);
+      expectError(
+        await api("POST", "/api/v1/bundles", alice.token, { image: "x" }),
+        400,
+        "request.invalid_body",
+      );
+      expect((await api("POST", `/api/v1/bundles/${uuids[0]}/kill`, alice.token, {})).status).toBe(200);
+      expect((await api("POST", "/api/v1/bundles", alice.token, minimal)).status).toBe(201);
+      expectError(await api("POST", "/api/v1/bundles", alice.token, minimal), 429, "quota.queued_bundles");
+    });
+
+    it("never lets parallel submissions overshoot the queued cap", async () => {
+      const api = await server({
+        maxQueuedBundlesPerUser: 4,
+        submissionsPerSecond: 0,
+        submissionBurst: 1,
+        maxTokensPerUser: 100,
+      });
+      const alice = await makeUser(getDb());
+      const results = await Promise.all(
+        Array.from({ length: 16 }, () => api("POST", "/api/v1/bundles", alice.token, minimal)),
+      );
+      expect(results.filter((r) => r.status === 201)).toHaveLength(4);
+      expect(
+        results.filter((r) => r.status === 429 && r.body.error.code === "quota.queued_bundles"),
+      ).toHaveLength(12);
+      const { rows } = await getDb().query<{ n: number }>(
+        "SELECT count(*)::int AS n FROM bundles WHERE owner_uuid = $1",
+        [alice.uuid],
+      );
+      expect(rows[0]!.n).toBe(4);
+    });
+
+    it("paces submissions with a token bucket: 429 quota.rate_limited with Retry-After in seconds", async () => {
+      const api = await server({
+        maxQueuedBundlesPerUser: 0,
+        submissionsPerSecond: 0.5,
+        submissionBurst: 2,
+        maxTokensPerUser: 100,
+      });
+      const alice = await makeUser(getDb());
+      const submit = () => api("POST", "/api/v1/bundles", alice.token, minimal);
+      expect((await submit()).status).toBe(201);
+      expect((await submit()).status).toBe(201);
+      const limited = await submit();
+      expectError(limited, 429, "quota.rate_limited");
+      expect(limited.headers["retry-after"]).toBe("2");
+      expect(limited.headers["content-type"]).toMatch(/^application\/json/);
+      await clock.advance(1000);
+      expect((await submit()).headers["retry-after"]).toBe("1");
+      await clock.advance(1000);
+      // Refused requests spent nothing: exactly one token has come back.
+      expect((await submit()).status).toBe(201);
+      expectError(await submit(), 429, "quota.rate_limited");
+      // The bucket never holds more than the burst.
+      await clock.advance(3_600_000);
+      const after = await Promise.all([submit(), submit(), submit()]);
+      expect(after.map((r) => r.status).sort()).toEqual([201, 201, 429]);
+      const { rows } = await getDb().query<{ n: number }>(
+        "SELECT count(*)::int AS n FROM bundles WHERE owner_uuid = $1",
+        [alice.uuid],
+      );
+      expect(rows[0]!.n).toBe(5);
+    });
+
+    it("exempts admins from both submission limits", async () => {
+      const api = await server({
+        maxQueuedBundlesPerUser: 1,
+        submissionsPerSecond: 0.001,
+        submissionBurst: 1,
+        maxTokensPerUser: 100,
+      });
+      const admin = await makeUser(getDb(), true);
+      const alice = await makeUser(getDb());
+      for (let i = 0; i < 5; i++)
+        expect((await api("POST", "/api/v1/bundles", admin.token, minimal)).status).toBe(201);
+      expect((await api("POST", "/api/v1/bundles", alice.token, minimal)).status).toBe(201);
+      expect((await api("POST", "/api/v1/bundles", alice.token, minimal)).status).toBe(429);
     });
   });
 });

@@ -1,22 +1,27 @@
 /**
- * The store's API tokens (migration 003, create, find while live, touch, list, revoke), on PostgreSQL and
- * PGlite.
+ * The store's API tokens (migration 003, create, find while live, touch, list, revoke) and the queries behind
+ * the per-user submission limits (the quota row lock and bucket, the active-bundle count and its index), on
+ * PostgreSQL and PGlite.
  */
 import { describe, expect, it } from "vitest";
 import type { Db } from "../store/db.ts";
 import { listMigrations } from "../store/migrate.ts";
 import {
+  countActiveBundles,
   countTokens,
   createToken,
   createUser,
   findLiveToken,
   getUser,
   listTokens,
+  lockSubmitBucket,
   lockUser,
   revokeToken,
+  saveSubmitBucket,
   touchToken,
 } from "../store/queries.ts";
-import { createTestUser, describeEachDb, testUserUuid } from "./db.ts";
+import { killBundle } from "../store/transitions.ts";
+import { createTestBundle, createTestUser, describeEachDb, testUserUuid } from "./db.ts";
 
 const T0 = Date.UTC(2026, 0, 1);
 const at = (ms: number) => new Date(T0 + ms);
@@ -167,6 +172,52 @@ describeEachDb("store: tokens and quotas", (getDb) => {
       // The user of the failed statement was not made either.
       const { rows } = await db().query("SELECT 1 FROM users WHERE name = $1", [`dup-${user.uuid}`]);
       expect(rows).toEqual([]);
+    });
+  });
+
+  describe("submission limits", () => {
+    it("makes a user's quota row with a full bucket, then returns what was saved", async () => {
+      const user = await createTestUser(db());
+      await db().transaction(async (tx) => {
+        expect(await lockSubmitBucket(tx, { userUuid: user.uuid, burst: 5, now: at(0) })).toEqual({
+          tokens: 5,
+          refilledAt: at(0),
+        });
+        await saveSubmitBucket(tx, user.uuid, { tokens: 1.5, refilledAt: at(1000) });
+      });
+      await db().transaction(async (tx) => {
+        expect(await lockSubmitBucket(tx, { userUuid: user.uuid, burst: 5, now: at(9000) })).toEqual({
+          tokens: 1.5,
+          refilledAt: at(1000),
+        });
+      });
+    });
+
+    it("counts a user's non-final bundles, up to a bound", async () => {
+      const user = await createTestUser(db());
+      const other = await createTestUser(db());
+      const bundles = [];
+      for (let i = 0; i < 4; i++) bundles.push(await createTestBundle(db(), user.uuid));
+      await createTestBundle(db(), other.uuid);
+      expect(await countActiveBundles(db(), user.uuid, 100)).toBe(4);
+      expect(await countActiveBundles(db(), user.uuid, 3)).toBe(3);
+      const killed = await killBundle(db(), bundles[0]!.uuid, { actor: "test", reason: "test" });
+      expect(killed.ok).toBe(true);
+      expect(await countActiveBundles(db(), user.uuid, 100)).toBe(3);
+    });
+
+    it("counts through the partial index of active bundles, never reading final ones", async () => {
+      const user = await createTestUser(db());
+      await rolledBack(db(), async (tx) => {
+        // With sequential scans priced out, the plan shows which index can answer the count.
+        await tx.query("SET LOCAL enable_seqscan = off");
+        const { rows } = await tx.query<{ "QUERY PLAN": string }>(
+          `EXPLAIN SELECT count(*)::int AS n FROM (
+             SELECT 1 FROM bundles WHERE owner_uuid = '${user.uuid}'
+               AND state IN ('created', 'staged', 'starting', 'running') LIMIT 10) AS active`,
+        );
+        expect(rows.map((r) => r["QUERY PLAN"]).join("\n")).toContain("bundles_owner_active");
+      });
     });
   });
 });
