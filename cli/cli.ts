@@ -6,6 +6,7 @@ import { instanceCommand } from "./commands/instance.ts";
 import { queueCommand } from "./commands/queue.ts";
 import { migrateCommand, serveCommand } from "./commands/serve.ts";
 import { submitCommand } from "./commands/submit.ts";
+import { tokensCommand } from "./commands/tokens.ts";
 import { usersCommand } from "./commands/users.ts";
 import { type CliIo, type Command, EXIT_OK, reportError, usageError } from "./io.ts";
 
@@ -25,6 +26,7 @@ configuration:
 users and bundles (clients of the REST server: --api-url URL, token from DISPATCH_CLOUD_TOKEN,
 --token-file F, or <data dir>/admin-token):
   users create NAME [--admin]   create a user (admin only); prints its token once
+  tokens create|list|revoke     your API tokens: make another (--ttl, --expires-at), list them, revoke one
   submit [FILE] [flags] -- CMD  submit a bundle; --wait follows it until it is final
   bundles list|show|kill|events
 operators (clients of the management API: --management-url URL, default http://127.0.0.1:8901; token from
@@ -50,6 +52,7 @@ export const COMMANDS: Record<string, Command> = {
   config,
   cloudtest: cloudtestCommand,
   users: usersCommand,
+  tokens: tokensCommand,
   submit: submitCommand,
   bundles: bundlesCommand,
   instance: instanceCommand,

@@ -196,6 +196,33 @@ const RestServer = Section("The users' and runners' REST API.", {
   ),
 });
 
+const Quotas = Section(
+  "Per-user limits the REST server enforces. Admin users are exempt from the two submission limits (an admin can make any number of users, so a per-user cap would not bind one).",
+  {
+    maxQueuedBundlesPerUser: Int(
+      1000,
+      "Non-final bundles (created, staged, starting, running) one user may have at once; a submission beyond it is refused (429 quota.queued_bundles). 0 = unlimited.",
+      0,
+    ),
+    submissionsPerSecond: Num(
+      10,
+      "Bundles one user may submit per second over time (a token bucket refilled at this rate; 429 quota.rate_limited with Retry-After beyond it). 0 = unlimited.",
+      0,
+    ),
+    submissionBurst: Int(
+      100,
+      "Bundles one user may submit at once before submissionsPerSecond paces them (the token bucket's size).",
+      1,
+    ),
+    maxTokensPerUser: Int(
+      100,
+      "API tokens one user may hold (not revoked; expired ones count until revoked); 429 quota.tokens beyond it.",
+      1,
+      10000,
+    ),
+  },
+);
+
 const Management = Section("The operators' management API, /metrics and health checks.", {
   listen: Str("127.0.0.1:8901", "Address to listen on, host:port.", {
     format: "dc-host-port",
@@ -431,6 +458,7 @@ export const ConfigSchema = Type.Object(
     ),
     database: Database,
     restServer: RestServer,
+    quotas: Quotas,
     management: Management,
     logging: Logging,
     dispatcher: Dispatcher,

@@ -112,6 +112,26 @@ export const ERROR_CODES = {
     description: "The bundle's outputs have no file or directory at that path.",
   },
   "user.exists": { status: 409, description: "A user with that name already exists." },
+  "user.not_found": { status: 404, description: "No user with that uuid exists (admins' token requests)." },
+  "token.not_found": {
+    status: 404,
+    description:
+      "No token with that id is visible to the caller: none exists, it is revoked, or it is another user's (only admins see those).",
+  },
+  "quota.queued_bundles": {
+    status: 429,
+    description:
+      "The user already has quotas.maxQueuedBundlesPerUser non-final bundles; submit again once some have finished.",
+  },
+  "quota.rate_limited": {
+    status: 429,
+    description:
+      "The user submits faster than quotas.submissionsPerSecond allows; the Retry-After header says in how many seconds to try again.",
+  },
+  "quota.tokens": {
+    status: 429,
+    description: "The user already holds quotas.maxTokensPerUser tokens; revoke one to make another.",
+  },
   "internal.error": { status: 500, description: "An unexpected server error; the log has the details." },
   // Configuration (dispatch-cloud config check, and every process at start-up).
   "config.invalid_yaml": { status: 400, description: "The config file is not valid YAML." },

@@ -1,19 +1,22 @@
 /**
- * Bearer-token authentication. User tokens (`dcu_...`) identify a user; runner tokens (`dcr_...`)
- * identify one bundle while it is starting or running (every transition out of those states clears the
- * stored hash, so an old runner's token stops working by itself). Only token hashes are looked up.
+ * Bearer-token authentication. User tokens (`dcu_...`) identify a user while they are neither revoked nor
+ * expired (by the injected clock); a user may hold several (api_tokens). Runner tokens (`dcr_...`) identify one
+ * bundle while it is starting or running (every transition out of those states clears the stored hash, so an old
+ * runner's token stops working by itself). Only token hashes are looked up.
  */
 import type { FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "../store/db.ts";
-import { findBundleByRunnerTokenHash, findUserByTokenHash } from "../store/queries.ts";
-import type { Bundle, User } from "../store/types.ts";
+import { findBundleByRunnerTokenHash, findLiveToken, touchToken } from "../store/queries.ts";
+import type { ApiToken, Bundle, User } from "../store/types.ts";
 import { hashToken, isTokenShaped, RUNNER_TOKEN_PREFIX, USER_TOKEN_PREFIX } from "./tokens.ts";
 
 declare module "fastify" {
   interface FastifyRequest {
     /** The authenticated user (users' API routes only). */
     caller: User | null;
+    /** The token that authenticated the caller (users' API routes only). */
+    callerToken: ApiToken | null;
     /** The bundle whose runner token authenticated the request (runner API routes only). */
     runnerBundle: Bundle | null;
   }
@@ -23,6 +26,12 @@ declare module "fastify" {
 export function callerOf(request: FastifyRequest): User {
   if (request.caller === null) throw new Error("route has no user authentication hook");
   return request.caller;
+}
+
+/** The token the caller authenticated with, which the route's onRequest hook has set. */
+export function callerTokenOf(request: FastifyRequest): ApiToken {
+  if (request.callerToken === null) throw new Error("route has no user authentication hook");
+  return request.callerToken;
 }
 
 /** The runner's bundle, which the route's onRequest hook has set. */
@@ -49,12 +58,37 @@ export function bearerToken(request: FastifyRequest): string {
 
 const invalidToken = () => new DispatchCloudError("auth.invalid_token", "the token is not valid");
 
-export async function authenticateUser(db: Db, request: FastifyRequest): Promise<User> {
+/** A token's last use is written at most this often (so authentication is a write only once a minute). */
+export const LAST_USED_RESOLUTION_MS = 60_000;
+
+/**
+ * The user a request's token belongs to, and that token; a revoked or expired (at nowMs) token is
+ * auth.invalid_token like an unknown one.
+ */
+export async function authenticateUser(
+  db: Db,
+  request: FastifyRequest,
+  nowMs: number,
+): Promise<{ user: User; token: ApiToken }> {
   const token = bearerToken(request);
   if (!isTokenShaped(token, USER_TOKEN_PREFIX)) throw invalidToken();
-  const user = await findUserByTokenHash(db, hashToken(token));
-  if (user === null) throw invalidToken();
-  return user;
+  const now = new Date(nowMs);
+  const found = await findLiveToken(db, hashToken(token), now);
+  if (found === null) throw invalidToken();
+  const last = found.token.lastUsedAt;
+  if (last === null || nowMs - last.getTime() >= LAST_USED_RESOLUTION_MS) {
+    await touchToken(db, found.token.id, now, LAST_USED_RESOLUTION_MS);
+  }
+  return found;
+}
+
+/** The onRequest hook of the users' API routes: sets request.caller and request.callerToken. */
+export function userAuthHook(db: Db, nowMs: () => number) {
+  return async (request: FastifyRequest): Promise<void> => {
+    const { user, token } = await authenticateUser(db, request, nowMs());
+    request.caller = user;
+    request.callerToken = token;
+  };
 }
 
 export function requireAdmin(user: User): void {

@@ -7,23 +7,13 @@
  */
 import { randomBytes } from "node:crypto";
 import { createReadStream } from "node:fs";
-import {
-  link,
-  lstat,
-  mkdir,
-  mkdtemp,
-  opendir,
-  readlink,
-  realpath,
-  rename,
-  rm,
-  symlink,
-} from "node:fs/promises";
+import { link, lstat, mkdir, mkdtemp, readlink, realpath, rename, rm, symlink } from "node:fs/promises";
 import path from "node:path";
 import { Readable } from "node:stream";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { extractTar, packTar, type TarSummary } from "../lib/tar.ts";
 import { MAX_PATH_BYTES, pathLengthProblem } from "../lib/text-limits.ts";
+import { listFilesPage, type OutputPage } from "./outputs-listing.ts";
 
 export interface OutputFile {
   /** Path relative to the bundle's output root, `/`-separated. */
@@ -46,8 +36,11 @@ export interface OutputStore {
     input: AsyncIterable<unknown>,
     opts: { maxBytes: number; beforeCommit?: () => Promise<void> },
   ): Promise<TarSummary>;
-  /** The file at `rel` ("" = the root), or the recursive listing of the directory there. */
-  get(uuid: string, rel: string): Promise<OutputEntry>;
+  /**
+   * The file at `rel` ("" = the root), or the recursive listing of the directory there: all of it, or with
+   * `page` the files after `page.after` in path order, at most `page.limit` of them (outputs-listing.ts).
+   */
+  get(uuid: string, rel: string, page?: OutputPage): Promise<OutputEntry>;
   /**
    * A tar archive of the outputs under `rel` (a directory: its contents; a file: that one file under its
    * base name); an empty archive for rel "" when the bundle has no outputs; null when `rel` does not exist.
@@ -86,16 +79,6 @@ const isNotFound = (err: unknown): boolean => {
   // ENAMETOOLONG: a path longer than the filesystem holds (with the data directory before it) exists nowhere.
   return code === "ENOENT" || code === "ENOTDIR" || code === "ENAMETOOLONG";
 };
-
-async function walkFiles(root: string, rel: string, out: OutputFile[]): Promise<void> {
-  const dir = rel === "" ? root : path.join(root, rel);
-  for await (const d of await opendir(dir)) {
-    const childRel = rel === "" ? d.name : `${rel}/${d.name}`;
-    if (d.isDirectory()) await walkFiles(root, childRel, out);
-    else if (d.isFile()) out.push({ path: childRel, size: (await lstat(path.join(root, childRel))).size });
-    // Nothing else can be there (extractTar writes files and directories only).
-  }
-}
 
 export function createOutputStore(outputsDir: string): OutputStore {
   const root = path.resolve(outputsDir);
@@ -174,7 +157,7 @@ export function createOutputStore(outputsDir: string): OutputStore {
       return run;
     },
 
-    async get(uuid, rel) {
+    async get(uuid, rel, page = { after: null, limit: Number.POSITIVE_INFINITY }) {
       const missing = () =>
         new DispatchCloudError("output.not_found", `bundle ${uuid} has no output ${JSON.stringify(rel)}`, {
           path: "path",
@@ -189,15 +172,14 @@ export function createOutputStore(outputsDir: string): OutputStore {
       const st = await lstat(full);
       if (st.isFile()) return { kind: "file", path: rel, size: st.size, open: () => createReadStream(full) };
       if (!st.isDirectory()) throw missing();
-      const files: OutputFile[] = [];
+      let files: OutputFile[];
       try {
-        await walkFiles(base, path.relative(base, full).split(path.sep).join("/"), files);
+        files = await listFilesPage(base, path.relative(base, full).split(path.sep).join("/"), page);
       } catch (err) {
         // Replaced under the walk (the old directory was removed): the caller may simply ask again.
         if (isNotFound(err)) throw missing();
         throw err;
       }
-      files.sort((a, b) => (a.path < b.path ? -1 : a.path > b.path ? 1 : 0));
       return { kind: "dir", files };
     },
 

@@ -5,13 +5,15 @@ import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { NO_CONTROL_PATTERN } from "../lib/text-limits.ts";
-import { createUser, getBundleForOwner, insertBundle, listBundles, listEvents } from "../store/queries.ts";
+import { createUser, getBundleForOwner, listBundles, listEvents } from "../store/queries.ts";
 import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
-import { authenticateUser, callerOf, requireAdmin } from "./auth.ts";
+import { callerOf, requireAdmin, userAuthHook } from "./auth.ts";
 import { parseBundleRequest } from "./bundle-request.ts";
 import { logReadable, parseLogQuery } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
+import { encodeOutputCursor, parseOutputListQuery } from "./outputs-listing.ts";
+import { insertWithinLimits, sendRefusal } from "./quotas.ts";
 import type { RouteContext } from "./server.ts";
 import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "./tokens.ts";
 import { validate } from "./validate.ts";
@@ -113,9 +115,7 @@ const userView = (u: User) => ({
 
 export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): void {
   const { db } = ctx;
-  const onRequest = async (request: FastifyRequest) => {
-    request.caller = await authenticateUser(db, request);
-  };
+  const onRequest = userAuthHook(db, ctx.nowMs);
   const view = (b: Bundle) => bundleView(b, ctx.nowMs());
   const ownBundle = async (request: FastifyRequest): Promise<Bundle> => {
     const uuid = uuidParam(request);
@@ -132,8 +132,15 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
       ctx.defaultMaxAttempts,
       ctx.bundleMinimums,
     );
-    const bundle = await insertBundle(db, newBundleUuid(ctx.clusterId), newBundle, "created");
-    return reply.code(201).send(view(bundle));
+    const result = await insertWithinLimits(db, {
+      owner: caller,
+      uuid: newBundleUuid(ctx.clusterId),
+      bundle: newBundle,
+      limits: ctx.submitLimits,
+      nowMs: ctx.nowMs(),
+    });
+    if (!result.ok) return sendRefusal(reply, result.refusal);
+    return reply.code(201).send(view(result.bundle));
   });
 
   app.get("/api/v1/bundles", { onRequest }, async (request) => {
@@ -211,8 +218,16 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
   const outputs = async (request: FastifyRequest, reply: FastifyReply) => {
     const bundle = await ownBundle(request);
     const raw = (request.params as Record<string, string | undefined>)["*"] ?? "";
-    const entry = await ctx.outputs.get(bundle.uuid, parseOutputPath(raw));
-    if (entry.kind === "dir") return { files: entry.files };
+    const rel = parseOutputPath(raw);
+    const page = parseOutputListQuery(request.query);
+    // One file more than the page tells whether another page follows.
+    const entry = await ctx.outputs.get(bundle.uuid, rel, { after: page.after, limit: page.limit + 1 });
+    if (entry.kind === "dir") {
+      const files = entry.files.slice(0, page.limit);
+      const last = files[files.length - 1];
+      const more = entry.files.length > page.limit && last !== undefined;
+      return { files, nextCursor: more ? encodeOutputCursor(last.path) : null };
+    }
     return reply
       .type("application/octet-stream")
       .header("content-length", String(entry.size))

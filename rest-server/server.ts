@@ -32,7 +32,9 @@ import type { Db } from "../store/db.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import { createLogNotifier, type LogNotifier } from "./logs.ts";
 import { createOutputStore, type OutputStore } from "./outputs.ts";
+import { NO_SUBMIT_LIMITS, type SubmitLimits } from "./quotas.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";
+import { registerTokenRoutes } from "./routes-tokens.ts";
 import { registerUserRoutes } from "./routes-users.ts";
 
 export interface RestServerOptions {
@@ -62,6 +64,8 @@ export interface RestServerOptions {
   minUploadRate?: number;
   /** The smallest RAM and vCPUs a bundle may ask for (restServer.minBundleRam, minBundleVcpus). */
   bundleMinimums?: BundleMinimums;
+  /** Per-user limits (config `quotas`); default: no submission limits, 100 tokens per user. */
+  quotas?: SubmitLimits & { maxTokensPerUser: number };
 }
 
 /** What the routes need, built once by createRestServer. */
@@ -76,9 +80,12 @@ export interface RouteContext {
   logPollInterval: number;
   instancePrice(instanceType: string): number | undefined;
   bundleMinimums: BundleMinimums;
+  submitLimits: SubmitLimits;
+  maxTokensPerUser: number;
 }
 
 export const DEFAULT_MAX_OUTPUT_SIZE = 10 * 2 ** 30;
+export const DEFAULT_MAX_TOKENS_PER_USER = 100;
 
 export async function createRestServer(opts: RestServerOptions): Promise<FastifyInstance> {
   const clock = opts.clock;
@@ -104,6 +111,8 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
       ram: defaults.minBundleRam,
       vcpus: defaults.minBundleVcpus,
     },
+    submitLimits: opts.quotas ?? NO_SUBMIT_LIMITS,
+    maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,
@@ -131,6 +140,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   closeAfterEarlyAnswer(app);
 
   app.decorateRequest("caller", null);
+  app.decorateRequest("callerToken", null);
   app.decorateRequest("runnerBundle", null);
 
   // JSON only. fastify's default parsers (including text/plain) are removed so anything else is a 415.
@@ -179,6 +189,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   app.get("/_health/ping", async () => ({ health: "OK" }));
   app.get("/api/v1/openapi.json", async () => usersApiDocument());
   registerUserRoutes(app, ctx);
+  registerTokenRoutes(app, ctx);
   registerRunnerRoutes(app, ctx);
   await app.ready();
   return app;

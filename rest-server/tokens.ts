@@ -49,6 +49,8 @@ function newUuid(clusterId: string, kind: "bndl" | "user"): string {
 
 export const BUNDLE_UUID_PATTERN = "^[a-z0-9]{5}-bndl-[a-z0-9]{15}$";
 export const USER_UUID_PATTERN = "^[a-z0-9]{5}-user-[a-z0-9]{15}$";
+/** An API token's id (made by the store: store/queries.ts createToken). */
+export const TOKEN_ID_PATTERN = "^[a-z0-9]{5}-tokn-[a-z0-9]{15}$";
 
 /** `<clusterId>-bndl-<15 chars [a-z0-9]>` */
 export const newBundleUuid = (clusterId: string): string => newUuid(clusterId, "bndl");

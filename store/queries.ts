@@ -6,6 +6,7 @@ import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "./db.ts";
 import { sqlState } from "./db.ts";
 import {
+  type ApiToken,
   BUNDLE_CHANNEL,
   type Bundle,
   type BundleEvent,
@@ -135,9 +136,16 @@ export async function createUser(
   db: Db,
   args: { uuid: string; name: string; isAdmin: boolean; tokenHash: string },
 ): Promise<User> {
+  // The user and its first API token (see createToken), in one statement.
   try {
     const { rows } = await db.query<UserRow>(
-      "INSERT INTO users (uuid, name, is_admin, token_hash) VALUES ($1, $2, $3, $4) RETURNING uuid, name, is_admin, created_at",
+      `WITH u AS (
+         INSERT INTO users (uuid, name, is_admin) VALUES ($1, $2, $3) RETURNING uuid, name, is_admin, created_at
+       ), t AS (
+         INSERT INTO api_tokens (id, user_uuid, token_hash, created_at)
+         SELECT ${NEW_TOKEN_ID("u.uuid")}, u.uuid, $4, u.created_at FROM u
+       )
+       SELECT * FROM u`,
       [args.uuid, args.name, args.isAdmin, args.tokenHash],
     );
     return userFromRow(rows[0]!);
@@ -156,16 +164,193 @@ export async function createUser(
   }
 }
 
-export async function findUserByTokenHash(db: Db, hash: string): Promise<User | null> {
+export async function getUser(db: Db, uuid: string): Promise<User | null> {
   const { rows } = await db.query<UserRow>(
-    "SELECT uuid, name, is_admin, created_at FROM users WHERE token_hash = $1",
-    [hash],
+    "SELECT uuid, name, is_admin, created_at FROM users WHERE uuid = $1",
+    [uuid],
+  );
+  return rows[0] ? userFromRow(rows[0]) : null;
+}
+
+/**
+ * Locks a user's row until the transaction ends (FOR NO KEY UPDATE: bundle inserts referencing the user are not
+ * blocked), so checks of that user's counts and the writes after them are not interleaved with another request's.
+ * Returns the user, or null when there is none. Only inside a transaction.
+ */
+export async function lockUser(tx: Db, uuid: string): Promise<User | null> {
+  const { rows } = await tx.query<UserRow>(
+    "SELECT uuid, name, is_admin, created_at FROM users WHERE uuid = $1 FOR NO KEY UPDATE",
+    [uuid],
   );
   return rows[0] ? userFromRow(rows[0]) : null;
 }
 
 export async function countUsers(db: Db): Promise<number> {
   const { rows } = await db.query<{ n: number }>("SELECT count(*)::int AS n FROM users");
+  return rows[0]!.n;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// API tokens
+
+/** SQL for a new token id of the user whose uuid is the expression `userUuid`: `<cluster>-tokn-<15 hex>`. */
+const NEW_TOKEN_ID = (userUuid: string) =>
+  `split_part(${userUuid}, '-', 1) || '-tokn-' || substr(md5(gen_random_uuid()::text), 1, 15)`;
+
+interface TokenRow {
+  id: string;
+  user_uuid: string;
+  label: string;
+  created_at: Date;
+  expires_at: Date | null;
+  last_used_at: Date | null;
+  revoked_at: Date | null;
+}
+
+const TOKEN_COLUMNS = "id, user_uuid, label, created_at, expires_at, last_used_at, revoked_at";
+
+const tokenFromRow = (r: TokenRow): ApiToken => ({
+  id: r.id,
+  userUuid: r.user_uuid,
+  label: r.label,
+  createdAt: r.created_at,
+  expiresAt: r.expires_at,
+  lastUsedAt: r.last_used_at,
+  revokedAt: r.revoked_at,
+});
+
+/** A further API token of a user (its id made here); expiresAt null: never expires. */
+export async function createToken(
+  db: Db,
+  args: { userUuid: string; tokenHash: string; label: string; expiresAt: Date | null; now: Date },
+): Promise<ApiToken> {
+  const { rows } = await db.query<TokenRow>(
+    `INSERT INTO api_tokens (id, user_uuid, token_hash, label, expires_at, created_at)
+     VALUES (${NEW_TOKEN_ID("$1::text")}, $1, $2, $3, $4, date_trunc('milliseconds', $5::timestamptz))
+     RETURNING ${TOKEN_COLUMNS}`,
+    [args.userUuid, args.tokenHash, args.label, args.expiresAt, args.now],
+  );
+  return tokenFromRow(rows[0]!);
+}
+
+/** The user and token a token hash belongs to, while the token is neither revoked nor expired at `now`. */
+export async function findLiveToken(
+  db: Db,
+  hash: string,
+  now: Date,
+): Promise<{ user: User; token: ApiToken } | null> {
+  const { rows } = await db.query<TokenRow & { name: string; is_admin: boolean; user_created_at: Date }>(
+    `SELECT t.id, t.user_uuid, t.label, t.created_at, t.expires_at, t.last_used_at, t.revoked_at,
+       u.name, u.is_admin, u.created_at AS user_created_at
+     FROM api_tokens t JOIN users u ON u.uuid = t.user_uuid
+     WHERE t.token_hash = $1 AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > $2)`,
+    [hash, now],
+  );
+  const r = rows[0];
+  if (r === undefined) return null;
+  return {
+    user: userFromRow({
+      uuid: r.user_uuid,
+      name: r.name,
+      is_admin: r.is_admin,
+      created_at: r.user_created_at,
+    }),
+    token: tokenFromRow(r),
+  };
+}
+
+/** Records that a token was used at `now`, unless it was already recorded less than minIntervalMs before. */
+export async function touchToken(db: Db, id: string, now: Date, minIntervalMs: number): Promise<boolean> {
+  const { rowCount } = await db.query(
+    `UPDATE api_tokens SET last_used_at = date_trunc('milliseconds', $2::timestamptz)
+     WHERE id = $1 AND (last_used_at IS NULL
+       OR last_used_at < $2::timestamptz - $3::double precision * interval '1 millisecond')`,
+    [id, now, minIntervalMs],
+  );
+  return rowCount > 0;
+}
+
+/** A user's tokens that are not revoked (expired ones included), oldest first. */
+export async function listTokens(db: Db, userUuid: string): Promise<ApiToken[]> {
+  const { rows } = await db.query<TokenRow>(
+    `SELECT ${TOKEN_COLUMNS} FROM api_tokens WHERE user_uuid = $1 AND revoked_at IS NULL ORDER BY created_at, id`,
+    [userUuid],
+  );
+  return rows.map(tokenFromRow);
+}
+
+/** How many tokens of a user are not revoked (expired ones included). */
+export async function countTokens(db: Db, userUuid: string): Promise<number> {
+  const { rows } = await db.query<{ n: number }>(
+    "SELECT count(*)::int AS n FROM api_tokens WHERE user_uuid = $1 AND revoked_at IS NULL",
+    [userUuid],
+  );
+  return rows[0]!.n;
+}
+
+/**
+ * Revokes token `id` at `now` if it is not revoked yet and, when ownerUuid is given, belongs to that user. Returns
+ * the revoked token, or null (no such token, another user's, or already revoked).
+ */
+export async function revokeToken(
+  db: Db,
+  args: { id: string; ownerUuid: string | null; now: Date },
+): Promise<ApiToken | null> {
+  const { rows } = await db.query<TokenRow>(
+    `UPDATE api_tokens SET revoked_at = date_trunc('milliseconds', $3::timestamptz)
+     WHERE id = $1 AND revoked_at IS NULL AND ($2::text IS NULL OR user_uuid = $2::text)
+     RETURNING ${TOKEN_COLUMNS}`,
+    [args.id, args.ownerUuid, args.now],
+  );
+  return rows[0] ? tokenFromRow(rows[0]) : null;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Per-user submission limits
+
+export interface SubmitBucket {
+  tokens: number;
+  refilledAt: Date;
+}
+
+/**
+ * Locks the user's quota row until the transaction ends (creating it, with a full bucket of `burst` tokens, on
+ * the user's first submission) and returns its token bucket as stored. Parallel submissions of one user wait
+ * here for each other, so what they count afterwards includes what the earlier ones inserted.
+ */
+export async function lockSubmitBucket(
+  tx: Db,
+  args: { userUuid: string; burst: number; now: Date },
+): Promise<SubmitBucket> {
+  const { rows } = await tx.query<{ submit_tokens: number; submit_refilled_at: Date }>(
+    `INSERT INTO user_quotas AS q (user_uuid, submit_tokens, submit_refilled_at) VALUES ($1, $2, $3)
+     ON CONFLICT (user_uuid) DO UPDATE SET user_uuid = q.user_uuid
+     RETURNING submit_tokens, submit_refilled_at`,
+    [args.userUuid, args.burst, args.now],
+  );
+  const r = rows[0]!;
+  return { tokens: Number(r.submit_tokens), refilledAt: r.submit_refilled_at };
+}
+
+export async function saveSubmitBucket(db: Db, userUuid: string, bucket: SubmitBucket): Promise<void> {
+  await db.query("UPDATE user_quotas SET submit_tokens = $2, submit_refilled_at = $3 WHERE user_uuid = $1", [
+    userUuid,
+    bucket.tokens,
+    bucket.refilledAt,
+  ]);
+}
+
+/**
+ * How many non-final bundles the user has, counting at most `upTo` (through the partial index
+ * bundles_owner_active: the user's final bundles are never read).
+ */
+export async function countActiveBundles(db: Db, ownerUuid: string, upTo: number): Promise<number> {
+  const { rows } = await db.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM (
+       SELECT 1 FROM bundles WHERE owner_uuid = $1 AND state IN ('created', 'staged', 'starting', 'running')
+       LIMIT $2) AS active`,
+    [ownerUuid, upTo],
+  );
   return rows[0]!.n;
 }
 

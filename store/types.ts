@@ -114,6 +114,21 @@ export interface User {
   createdAt: Date;
 }
 
+/** A user's API token as stored: everything but the secret (only its sha256 is kept, and never leaves the store). */
+export interface ApiToken {
+  /** `<cluster id>-tokn-<15 characters>`; not a secret. */
+  id: string;
+  userUuid: string;
+  label: string;
+  createdAt: Date;
+  /** null: never expires. */
+  expiresAt: Date | null;
+  /** Last time it authenticated a request, to the minute (null: never used). */
+  lastUsedAt: Date | null;
+  /** null: not revoked. */
+  revokedAt: Date | null;
+}
+
 /**
  * The result of a guarded transition. A lost race is a value, never an exception: `ok: false` says why and
  * carries the row as it is now (null if the bundle does not exist).

@@ -1,5 +1,5 @@
 /**
- * The CLI's log and output commands (`bundles logs`, `bundles outputs`, `submit --wait`) against a real REST
+ * The CLI's log and output commands (`bundles logs`, `bundles outputs` and its pages, `submit --wait`) against a real REST
  * server on a port, with a runner's calls made through the runner API.
  */
 import { mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
@@ -145,6 +145,21 @@ describe("CLI: bundles logs, bundles outputs, submit --wait", () => {
     const missing = await cli(["bundles", "outputs", b.uuid, "nope"]);
     expect(missing.code).toBe(1);
     expect(missing.err.join("\n")).toContain("[output.not_found]");
+  });
+
+  it("bundles outputs follows the listing's pages", async () => {
+    const b = await inject("POST", "/api/v1/bundles", token, { command: ["true"], image: "busybox" });
+    const files = Object.fromEntries(Array.from({ length: 7 }, (_, i) => [`f/${i}.txt`, "x".repeat(i)]));
+    await runAs(b.uuid, { stdout: "x\n", stderr: "x\n", exitCode: 0, files });
+    const json = await cli(["bundles", "outputs", b.uuid, "--page-size", "2", "--json"]);
+    expect(json.code, json.err.join("\n")).toBe(0);
+    expect(JSON.parse(json.out.join("\n"))).toEqual(
+      Array.from({ length: 7 }, (_, i) => ({ path: `f/${i}.txt`, size: i })),
+    );
+    const table = await cli(["bundles", "outputs", b.uuid, "f", "--page-size", "3"]);
+    expect(table.out).toEqual(["SIZE  PATH", ...Array.from({ length: 7 }, (_, i) => `${i}     f/${i}.txt`)]);
+    const bad = await cli(["bundles", "outputs", b.uuid, "--page-size", "0"]);
+    expect(bad.code).toBe(2);
   });
 
   it("submit --wait prints the stdout log and the output listing of a ready bundle", async () => {

@@ -440,8 +440,12 @@ describeEachDb("REST runner data", (getDb) => {
           { path: "sub/a.txt", size: 1 },
           { path: "sub/deeper/b.bin", size: 8 },
         ],
+        nextCursor: null,
       });
-      expect((await api("GET", `/api/v1/bundles/${uuid}/outputs/empty`, alice)).body).toEqual({ files: [] });
+      expect((await api("GET", `/api/v1/bundles/${uuid}/outputs/empty`, alice)).body).toEqual({
+        files: [],
+        nextCursor: null,
+      });
       expect(await api("GET", `/api/v1/bundles/${uuid}/outputs/result.txt`, bob)).toMatchObject({
         status: 404,
         body: { error: { code: "bundle.not_found" } },
@@ -455,6 +459,7 @@ describeEachDb("REST runner data", (getDb) => {
       expect((await upload(token, await archive({ "new.txt": "new" }))).body).toEqual({ files: 1, bytes: 3 });
       expect((await api("GET", `/api/v1/bundles/${uuid}/outputs`, alice)).body).toEqual({
         files: [{ path: "new.txt", size: 3 }],
+        nextCursor: null,
       });
       const onDisk = (await readdir(join(dataDir, "outputs"))).filter((n) => n.includes(uuid));
       expect(onDisk).toHaveLength(2); // the symlink and the one directory it names
@@ -526,6 +531,7 @@ describeEachDb("REST runner data", (getDb) => {
       });
       expect((await api("GET", `/api/v1/bundles/${uuid}/outputs`, alice)).body).toEqual({
         files: [{ path: "keep.txt", size: 4 }],
+        nextCursor: null,
       });
       // Nothing is left behind by the refused uploads.
       const leftovers = (await readdir(join(dataDir, "outputs"))).filter((n) => n.includes(uuid));

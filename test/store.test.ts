@@ -9,7 +9,7 @@ import {
   createUser,
   dependentsOf,
   findBundleByRunnerTokenHash,
-  findUserByTokenHash,
+  findLiveToken,
   getBundle,
   getBundleForOwner,
   insertBundle,
@@ -118,8 +118,12 @@ describeEachDb("store", (getDb) => {
       });
       expect(u).toMatchObject({ uuid, name: `alice-${uuid}`, isAdmin: true });
       expect(u.createdAt).toBeInstanceOf(Date);
-      expect(await findUserByTokenHash(db(), `th-${uuid}`)).toEqual(u);
-      expect(await findUserByTokenHash(db(), "nope")).toBeNull();
+      // The user's first token is made with it.
+      const found = await findLiveToken(db(), `th-${uuid}`, new Date());
+      expect(found?.user).toEqual(u);
+      expect(found?.token).toMatchObject({ userUuid: uuid, expiresAt: null, revokedAt: null });
+      expect(found?.token.id).toMatch(/^zzzzz-tokn-[a-z0-9]{15}$/);
+      expect(await findLiveToken(db(), "nope", new Date())).toBeNull();
       expect(await countUsers(db())).toBe(before + 1);
       const err = await createUser(db(), {
         uuid: testUserUuid(),

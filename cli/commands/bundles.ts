@@ -8,7 +8,7 @@ const USAGE = `usage: dispatch-cloud bundles list [--state S[,S]] [--limit N] [-
        dispatch-cloud bundles kill UUID... [--reason TEXT]
        dispatch-cloud bundles events UUID [--json]
        dispatch-cloud bundles logs UUID [--stream stdout|stderr] [--attempt N] [--follow]
-       dispatch-cloud bundles outputs UUID [PATH] [--json]   (lists; a file's bytes go to stdout)`;
+       dispatch-cloud bundles outputs UUID [PATH] [--json] [--page-size N]   (lists; a file's bytes go to stdout)`;
 
 export async function bundlesCommand(io: CliIo): Promise<number> {
   const [sub, ...rest] = io.argv;
@@ -171,6 +171,36 @@ export interface OutputListing {
   files: { path: string; size: number }[];
 }
 
+/** One page of an outputs listing as the API answers it. */
+interface OutputListingPage extends OutputListing {
+  nextCursor?: string | null;
+}
+
+/** The rest of a listing whose first page is `first`, page after page (pageSize: files per page; none = the server's). */
+async function followListing(
+  api: ApiClient,
+  url: string,
+  first: OutputListingPage,
+  pageSize?: number,
+): Promise<OutputListing> {
+  const files = [...first.files];
+  let cursor = first.nextCursor ?? null;
+  while (cursor !== null) {
+    const q = new URLSearchParams({ cursor });
+    if (pageSize !== undefined) q.set("limit", String(pageSize));
+    const page = await api.request<OutputListingPage>("GET", `${url}?${q}`);
+    files.push(...page.files);
+    cursor = page.nextCursor ?? null;
+  }
+  return { files };
+}
+
+/** The whole listing of a directory of a bundle's outputs ("" = all of them), following the pages. */
+export async function fetchListing(api: ApiClient, uuid: string, path = ""): Promise<OutputListing> {
+  const url = outputsUrl(uuid, path);
+  return followListing(api, url, await api.request<OutputListingPage>("GET", url));
+}
+
 /** The output path as URL path segments (each encoded; the server checks the path itself). */
 export const outputsUrl = (uuid: string, path = ""): string =>
   `api/v1/bundles/${encodeURIComponent(uuid)}/outputs${path === "" ? "" : `/${path.split("/").map(encodeURIComponent).join("/")}`}`;
@@ -182,15 +212,19 @@ export function printListing(io: CliIo, listing: OutputListing): void {
 }
 
 async function outputs(io: CliIo, argv: string[]): Promise<number> {
-  const { values, positionals } = parse(argv, CLIENT_OPTIONS);
+  const { values, positionals } = parse(argv, { ...CLIENT_OPTIONS, "page-size": { type: "string" } });
   if (positionals.length < 1 || positionals.length > 2) throw usageError("bundles outputs takes UUID [PATH]");
+  const pageSize = values["page-size"] === undefined ? undefined : Number(values["page-size"]);
+  if (pageSize !== undefined && (!Number.isInteger(pageSize) || pageSize < 1 || pageSize > 10_000))
+    throw usageError("--page-size takes an integer 1..10000");
   const api = await connect(io, values);
-  const res = await api.raw("GET", outputsUrl(positionals[0]!, positionals[1] ?? ""));
+  const url = outputsUrl(positionals[0]!, positionals[1] ?? "");
+  const res = await api.raw("GET", pageSize === undefined ? url : `${url}?limit=${pageSize}`);
   if (!(res.headers.get("content-type") ?? "").startsWith("application/json")) {
     await copyToStdout(io, res);
     return EXIT_OK;
   }
-  const listing = (await res.json()) as OutputListing;
+  const listing = await followListing(api, url, (await res.json()) as OutputListingPage, pageSize);
   if (values.json === true) io.out(JSON.stringify(listing.files, null, 2));
   else printListing(io, listing);
   return EXIT_OK;

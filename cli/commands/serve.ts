@@ -193,6 +193,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       requestTimeout: config.restServer.requestTimeout,
       minUploadRate: config.restServer.minUploadRate,
       bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
+      quotas: config.quotas,
     });
     opened.push({ what: "the REST server", close: () => app.close() });
     const manager = createBundleManager({

@@ -5,7 +5,7 @@ import { parse as parseYaml } from "yaml";
 import { CLIENT_OPTIONS, parse } from "../args.ts";
 import type { ApiClient } from "../client.ts";
 import { type CliIo, EXIT_FAILED, EXIT_OK, usageError } from "../io.ts";
-import { type OutputListing, outputsUrl, printListing, printLog } from "./bundles.ts";
+import { fetchListing, printListing, printLog } from "./bundles.ts";
 import { type ApiBundle, connect, FINAL } from "./client-common.ts";
 
 const USAGE = `usage: dispatch-cloud submit [FILE.json|FILE.yml] [flags] [--] COMMAND [ARG...]
@@ -132,7 +132,7 @@ export async function showResult(io: CliIo, api: ApiClient, b: ApiBundle): Promi
   if (b.attempt === 0) return; // never ran: no logs, no outputs
   if (b.state === "ready") {
     await printLog(io, api, b.uuid, { stream: "stdout" });
-    const listing = await api.request<OutputListing>("GET", outputsUrl(b.uuid));
+    const listing = await fetchListing(api, b.uuid);
     if (listing.files.length > 0) {
       io.progress(`outputs of ${b.uuid}:`);
       printListing({ ...io, out: io.progress }, listing);
