@@ -9,6 +9,7 @@ import type { TSchema } from "@sinclair/typebox";
 import { VERSION } from "../crunch-run/version.ts";
 import { ERROR_CODES } from "../lib/errors.ts";
 import { BundleRequest } from "../rest-server/bundle-request.ts";
+import { TokenRequest } from "../rest-server/routes-tokens.ts";
 import { KillRequest, UserRequest } from "../rest-server/routes-users.ts";
 import {
   BundleItem,
@@ -22,6 +23,34 @@ import {
 } from "./schemas.ts";
 
 type Json = Record<string, unknown>;
+
+const nullable = (type: string, extra: Json = {}): Json => ({ type: [type, "null"], ...extra });
+/** An API token as the users' API shows it (rest-server/routes-tokens.ts; never the token itself). */
+const TOKEN_VIEW: Json = {
+  type: "object",
+  properties: {
+    id: { type: "string" },
+    userUuid: { type: "string" },
+    label: { type: "string" },
+    createdAt: { type: "string", format: "date-time" },
+    expiresAt: nullable("string", { format: "date-time" }),
+    lastUsedAt: nullable("string", { format: "date-time" }),
+    revokedAt: nullable("string", { format: "date-time" }),
+    expired: { type: "boolean" },
+    current: { type: "boolean", description: "The token this request was made with." },
+  },
+  required: [
+    "id",
+    "userUuid",
+    "label",
+    "createdAt",
+    "expiresAt",
+    "lastUsedAt",
+    "revokedAt",
+    "expired",
+    "current",
+  ],
+};
 
 const plain = (schema: TSchema): Json => JSON.parse(JSON.stringify(schema)) as Json;
 const ref = (name: string): Json => ({ $ref: `#/components/schemas/${name}` });
@@ -206,7 +235,14 @@ export function usersApiDocument(): Json {
           requestBody: body("BundleRequest"),
           responses: {
             "201": bundle,
-            ...errors([...common, "request.invalid_json", "request.invalid_body", "request.unknown_field"]),
+            ...errors([
+              ...common,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "quota.queued_bundles",
+              "quota.rate_limited",
+            ]),
           },
         },
         get: {
@@ -274,7 +310,12 @@ export function usersApiDocument(): Json {
       "/api/v1/bundles/{uuid}/outputs/{path}": {
         get: {
           operationId: "getBundleOutput",
-          parameters: [uuid, { name: "path", in: "path", required: true, schema: { type: "string" } }],
+          parameters: [
+            uuid,
+            { name: "path", in: "path", required: true, schema: { type: "string" } },
+            query("limit", "A directory listing: files per page, 1-10000 (default 1000).", false),
+            query("cursor", "A directory listing: nextCursor of the previous page.", false),
+          ],
           responses: {
             "200": {
               description: "A directory listing (JSON) or a file's bytes.",
@@ -284,6 +325,45 @@ export function usersApiDocument(): Json {
               },
             },
             ...errors(ownBundle),
+          },
+        },
+      },
+      "/api/v1/tokens": {
+        post: {
+          operationId: "createToken",
+          requestBody: body("TokenRequest"),
+          responses: {
+            "201": json(ref("TokenWithSecret"), "The token's view and the token, shown only this once."),
+            ...errors([
+              ...common,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "auth.forbidden",
+              "user.not_found",
+              "quota.tokens",
+            ]),
+          },
+        },
+        get: {
+          operationId: "listTokens",
+          parameters: [query("user", "A user uuid (admins); default the caller.", false)],
+          responses: {
+            "200": json(
+              { type: "object", properties: { items: { type: "array", items: ref("Token") } } },
+              "The user's tokens that are not revoked.",
+            ),
+            ...errors([...common, "request.invalid_query", "auth.forbidden", "user.not_found"]),
+          },
+        },
+      },
+      "/api/v1/tokens/{id}": {
+        delete: {
+          operationId: "revokeToken",
+          parameters: [{ name: "id", in: "path", required: true, schema: { type: "string" } }],
+          responses: {
+            "200": json(ref("Token"), "The revoked token's view."),
+            ...errors([...common, "request.invalid_param", "token.not_found"]),
           },
         },
       },
@@ -310,6 +390,14 @@ export function usersApiDocument(): Json {
         BundleRequest: plain(BundleRequest),
         KillRequest: plain(KillRequest),
         UserRequest: plain(UserRequest),
+        TokenRequest: plain(TokenRequest),
+        Token: TOKEN_VIEW,
+        TokenWithSecret: {
+          allOf: [
+            ref("Token"),
+            { type: "object", properties: { token: { type: "string" } }, required: ["token"] },
+          ],
+        },
         Error: plain(ErrorResponse),
       },
     },
