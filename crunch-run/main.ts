@@ -23,6 +23,7 @@ import { constants as osConstants } from "node:os";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Logger } from "../lib/logger.ts";
 import { selfCommand } from "../lib/self.ts";
+import { VERSION } from "../lib/version.ts";
 import {
   holderAlive,
   type LockInfo,
@@ -39,7 +40,6 @@ import { BUNDLE_UUID_RE, lockFile, logFile, type RunnerPaths, runnerPaths } from
 import { handToSpare, spareSocketPath, startSpare, waitForWork } from "./spare.ts";
 import { parseStartDocument, type StartDocument } from "./start-doc.ts";
 import type { RetryHook } from "./supervisor.ts";
-import { VERSION } from "./version.ts";
 
 export interface CrunchRunIo {
   stdin: NodeJS.ReadableStream;

@@ -2,8 +2,8 @@ import { readFileSync } from "node:fs";
 import { describe, expect, it } from "vitest";
 import { defaultConfig } from "../config/load.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { VERSION } from "../lib/version.ts";
 import { DEFAULT_PROCESS_UIDS, parseStartDocument } from "./start-doc.ts";
-import { VERSION } from "./version.ts";
 
 const UUID = "zzzzz-bndl-aaaaaaaaaaaaaaa";
 const TOKEN = `dcr_${"A".repeat(43)}`;

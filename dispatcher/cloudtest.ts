@@ -8,10 +8,10 @@ import type { Instance, InstanceSet } from "../cloud-drivers/types.ts";
 import type { Config } from "../config/schema.ts";
 import type { Clock } from "../lib/clock.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
+import type { Executor } from "../lib/executor.ts";
 import { formatDuration } from "../lib/units.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
 import { type DispatcherKey, initScript, instanceTags, newInstanceSecret } from "./pool/bootstrap.ts";
-import type { Executor } from "./sshexec/types.ts";
 
 export interface CloudtestOptions {
   instanceType?: string | undefined;

@@ -19,6 +19,7 @@ import {
 import type { Instance, InstanceSet } from "../cloud-drivers/types.ts";
 import type { Config } from "../config/schema.ts";
 import type { Clock } from "../lib/clock.ts";
+import type { Executor } from "../lib/executor.ts";
 import type { Logger } from "../lib/logger.ts";
 import type { AdvisoryLock, Db } from "../store/db.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
@@ -30,7 +31,6 @@ import { createBundleTransitions } from "./queue/transitions.ts";
 import { loadRunnerArtifact } from "./runner-artifact.ts";
 import { createScheduler, type Scheduler } from "./scheduler/scheduler.ts";
 import { sshConnector } from "./sshexec/executor.ts";
-import type { Executor } from "./sshexec/types.ts";
 import { createSync, type Sync } from "./sync.ts";
 
 /** How often a standby tries to take the lock. */

@@ -4,7 +4,10 @@
  */
 import type { InstanceType } from "../cloud-drivers/types.ts";
 import type { Bundle } from "../store/types.ts";
-import type { IdleBehavior } from "./pool/bootstrap.ts";
+
+/** Idle behaviours (DESIGN.md §4): kept in the instance's IdleBehavior tag. */
+export const IDLE_BEHAVIORS = ["run", "hold", "drain"] as const;
+export type IdleBehavior = (typeof IDLE_BEHAVIORS)[number];
 
 export const WORKER_STATES = ["unknown", "booting", "idle", "running", "shutdown"] as const;
 export type WorkerState = (typeof WORKER_STATES)[number];
@@ -102,6 +105,12 @@ export interface QueueView {
   /** Applies a row this process just wrote (newer changeSeq wins), so a pass need not wait for NOTIFY. */
   apply(bundle: Bundle): void;
 }
+
+/** The scheduler's order of staged bundles (as byOrder): priority (desc), then age, then uuid. */
+export const queueOrder = (a: Bundle, b: Bundle): number =>
+  b.priority - a.priority ||
+  a.createdAt.getTime() - b.createdAt.getTime() ||
+  (a.uuid < b.uuid ? -1 : a.uuid > b.uuid ? 1 : 0);
 
 /** A bundle's resource demand on an instance, after reserveExtraRam and the 95 % rule. */
 export interface Demand {

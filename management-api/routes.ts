@@ -5,10 +5,10 @@
  */
 import type { FastifyInstance } from "fastify";
 import type { Registry } from "prom-client";
-import type { IdleBehavior } from "../dispatcher/pool/bootstrap.ts";
+import type { IdleBehavior } from "../dispatcher/types.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { hasControlCharacter, hasLoneSurrogate } from "../lib/text-limits.ts";
-import { BUNDLE_UUID_PATTERN } from "../rest-server/tokens.ts";
+import { BUNDLE_UUID_PATTERN } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { killBundle } from "../store/transitions.ts";
 import { type Bundle, isFinalState } from "../store/types.ts";
@@ -26,7 +26,6 @@ export interface ManagementContext {
   db: Db;
   registry: Registry;
   nowMs(): number;
-  eligible(bundle: Bundle): string[];
 }
 
 const MAX_REASON = 1000;
@@ -152,7 +151,7 @@ export function registerManagementRoutes(app: FastifyInstance, ctx: ManagementCo
 
   app.get("/management/v1/bundles", async (request) => {
     queryOf(request.query, []);
-    return { items: bundleItems(partsOf(), ctx.eligible) };
+    return { items: bundleItems(partsOf()) };
   });
 
   app.get("/management/v1/bundles/:uuid", async (request) => {
@@ -169,7 +168,7 @@ export function registerManagementRoutes(app: FastifyInstance, ctx: ManagementCo
         path: "uuid",
       });
     }
-    return bundleItem(b, parts, ctx.eligible);
+    return bundleItem(b, parts);
   });
 
   app.post("/management/v1/bundles/kill", async (request) => {

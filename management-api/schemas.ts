@@ -3,8 +3,7 @@
  * document (openapi.ts) is built from them, so the document cannot drift from what the routes return.
  */
 import { type Static, Type } from "@sinclair/typebox";
-import { IDLE_BEHAVIORS } from "../dispatcher/pool/bootstrap.ts";
-import { WORKER_STATES } from "../dispatcher/types.ts";
+import { IDLE_BEHAVIORS, WORKER_STATES } from "../dispatcher/types.ts";
 import { BUNDLE_STATES, GPU_STACKS } from "../store/types.ts";
 
 const IsoTime = Type.String({ format: "date-time" });
@@ -100,13 +99,4 @@ export const BundleKillResult = Type.Object(
 
 export const Health = Type.Object({ health: Type.Literal("OK") }, { additionalProperties: false });
 
-export const ErrorResponse = Type.Object(
-  {
-    error: Type.Object({
-      code: Type.String({ description: "A stable code (docs/errors.md)." }),
-      message: Type.String(),
-      path: Type.Optional(Type.String({ description: "The bad parameter, when one is to blame." })),
-    }),
-  },
-  { additionalProperties: false },
-);
+export { ErrorResponse } from "../lib/openapi.ts";

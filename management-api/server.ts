@@ -12,8 +12,6 @@ import { pino } from "pino";
 import type { Registry } from "prom-client";
 import type { Config } from "../config/schema.ts";
 import { resolveSecret } from "../config/secrets.ts";
-import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
-import { createEligibleNames } from "../dispatcher/scheduler/eligible.ts";
 import type { Clock } from "../lib/clock.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import {
@@ -27,8 +25,7 @@ import { logRequestsAtDebug } from "../lib/http-log.ts";
 import { recordRoutes } from "../lib/http-routes.ts";
 import { closeAfterEarlyAnswer, enforceBodyTimeout, httpServerOptions } from "../lib/http-timeouts.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
-import { bearerToken } from "../rest-server/auth.ts";
-import { constantTimeEqual } from "../rest-server/tokens.ts";
+import { bearerTokenOf, constantTimeEqual } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { registerManagementRoutes } from "./routes.ts";
 import type { ManagementSource } from "./views.ts";
@@ -89,7 +86,7 @@ export async function createManagementServer(opts: ManagementServerOptions): Pro
         "the management API is disabled: management.token is not configured",
       );
     }
-    const given = bearerToken(request);
+    const given = bearerTokenOf(request.headers.authorization);
     if (!constantTimeEqual(given, token)) {
       throw new DispatchCloudError("auth.forbidden", "the token is not the management token");
     }
@@ -106,7 +103,6 @@ export async function createManagementServer(opts: ManagementServerOptions): Pro
     db: opts.db,
     registry: opts.registry,
     nowMs: clock === undefined ? () => Date.now() : () => clock.now(),
-    eligible: createEligibleNames(opts.config, instanceTypesFromConfig(opts.config)),
   });
   await app.ready();
   return app;

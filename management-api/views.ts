@@ -1,6 +1,4 @@
-import type { IdleBehavior } from "../dispatcher/pool/bootstrap.ts";
-import { queueOrder } from "../dispatcher/scheduler/scheduler.ts";
-import type { WorkerView } from "../dispatcher/types.ts";
+import { type IdleBehavior, queueOrder, type WorkerView } from "../dispatcher/types.ts";
 import type { Bundle } from "../store/types.ts";
 import type { BundleItem, InstanceItem } from "./schemas.ts";
 
@@ -13,7 +11,11 @@ export interface ManagementParts {
     shutdown(workerId: string, reason: string): void;
   };
   queue: { all(): Iterable<Bundle>; get(uuid: string): Bundle | undefined; apply(bundle: Bundle): void };
-  scheduler: { statusOf(uuid: string): string | undefined };
+  scheduler: {
+    statusOf(uuid: string): string | undefined;
+    /** The instance types that could run the bundle, cheapest first. */
+    eligibleTypes(bundle: Bundle): readonly string[];
+  };
 }
 
 /** The dispatcher as the management API sees it: its parts while active, null as a standby. */
@@ -49,14 +51,14 @@ export function instanceItems(parts: ManagementParts, nowMs: number): InstanceIt
     .map((w) => instanceItem(w, nowMs));
 }
 
-export function bundleItem(b: Bundle, parts: ManagementParts, eligible: (b: Bundle) => string[]): BundleItem {
+export function bundleItem(b: Bundle, parts: ManagementParts): BundleItem {
   const status = b.state === "staged" ? parts.scheduler.statusOf(b.uuid) : undefined;
   return {
     uuid: b.uuid,
     state: b.state,
     priority: b.priority,
     resources: b.resources,
-    eligibleTypes: eligible(b),
+    eligibleTypes: [...parts.scheduler.eligibleTypes(b)],
     firstSeenAt: (b.stagedAt ?? b.createdAt).toISOString(),
     schedulingStatus: status ?? b.schedulingStatus,
     instanceId: b.state === "staged" ? null : b.instanceId,
@@ -67,11 +69,11 @@ export function bundleItem(b: Bundle, parts: ManagementParts, eligible: (b: Bund
  * The queue: staged bundles in the scheduler's order (priority, then age), then the starting and running
  * ones in the same order.
  */
-export function bundleItems(parts: ManagementParts, eligible: (b: Bundle) => string[]): BundleItem[] {
+export function bundleItems(parts: ManagementParts): BundleItem[] {
   const staged: Bundle[] = [];
   const active: Bundle[] = [];
   for (const b of parts.queue.all()) (b.state === "staged" ? staged : active).push(b);
   staged.sort(queueOrder);
   active.sort(queueOrder);
-  return [...staged, ...active].map((b) => bundleItem(b, parts, eligible));
+  return [...staged, ...active].map((b) => bundleItem(b, parts));
 }

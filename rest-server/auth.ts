@@ -6,10 +6,16 @@
  */
 import type { FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
+import {
+  bearerTokenOf,
+  hashToken,
+  isTokenShaped,
+  RUNNER_TOKEN_PREFIX,
+  USER_TOKEN_PREFIX,
+} from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { findBundleByRunnerTokenHash, findLiveToken, touchToken } from "../store/queries.ts";
 import type { ApiToken, Bundle, User } from "../store/types.ts";
-import { hashToken, isTokenShaped, RUNNER_TOKEN_PREFIX, USER_TOKEN_PREFIX } from "./tokens.ts";
 
 declare module "fastify" {
   interface FastifyRequest {
@@ -42,18 +48,7 @@ export function runnerBundleOf(request: FastifyRequest): Bundle {
 
 /** The bearer token of a request; throws auth.missing_token if there is none. */
 export function bearerToken(request: FastifyRequest): string {
-  const header = request.headers.authorization;
-  if (header === undefined || header.trim() === "") {
-    throw new DispatchCloudError(
-      "auth.missing_token",
-      "this API needs an Authorization: Bearer <token> header",
-    );
-  }
-  const m = /^Bearer[ \t]+(\S+)[ \t]*$/i.exec(header);
-  if (m === null) {
-    throw new DispatchCloudError("auth.missing_token", "the Authorization header must be 'Bearer <token>'");
-  }
-  return m[1]!;
+  return bearerTokenOf(request.headers.authorization);
 }
 
 const invalidToken = () => new DispatchCloudError("auth.invalid_token", "the token is not valid");

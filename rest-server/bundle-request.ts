@@ -7,9 +7,9 @@
 import { type Static, Type } from "@sinclair/typebox";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { CONTROL_CHARACTERS, NO_CONTROL_PATTERN, pathLengthProblem } from "../lib/text-limits.ts";
+import { BUNDLE_UUID_PATTERN } from "../lib/tokens.ts";
 import { formatSize, parseDuration, parseSize, SIZE_FORMAT } from "../lib/units.ts";
 import { GPU_STACKS, type NewBundle } from "../store/types.ts";
-import { BUNDLE_UUID_PATTERN } from "./tokens.ts";
 import { childPath, invalidBody, validate } from "./validate.ts";
 
 export const MAX_SIZE = 64 * 2 ** 40; // 64TiB

@@ -6,12 +6,12 @@
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { hashToken, newUserToken, TOKEN_ID_PATTERN, USER_UUID_PATTERN } from "../lib/tokens.ts";
 import { parseDuration } from "../lib/units.ts";
 import { countTokens, createToken, getUser, listTokens, lockUser, revokeToken } from "../store/queries.ts";
 import type { ApiToken, User } from "../store/types.ts";
 import { callerOf, callerTokenOf, requireAdmin, userAuthHook } from "./auth.ts";
 import type { RouteContext } from "./server.ts";
-import { hashToken, newUserToken, TOKEN_ID_PATTERN, USER_UUID_PATTERN } from "./tokens.ts";
 import { invalidBody, validate } from "./validate.ts";
 
 /** An instant with a time zone, as JSON dates are written: `2026-05-01T12:00:00Z`, `...T12:00:00.000+02:00`. */

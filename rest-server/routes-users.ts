@@ -5,6 +5,7 @@ import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { NO_CONTROL_PATTERN } from "../lib/text-limits.ts";
+import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createUser, getBundleForOwner, listBundles, listEvents } from "../store/queries.ts";
 import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
@@ -15,7 +16,6 @@ import { parseOutputPath } from "./outputs.ts";
 import { encodeOutputCursor, parseOutputListQuery } from "./outputs-listing.ts";
 import { insertWithinLimits, sendRefusal } from "./quotas.ts";
 import type { RouteContext } from "./server.ts";
-import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "./tokens.ts";
 import { validate } from "./validate.ts";
 import { bundleView, decodeCursor, encodeCursor, eventView, type ListCursor } from "./views.ts";
 

@@ -27,10 +27,10 @@ import {
   httpServerOptions,
 } from "../lib/http-timeouts.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
-import { usersApiDocument } from "../management-api/openapi.ts";
 import type { Db } from "../store/db.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import { createLogNotifier, type LogNotifier } from "./logs.ts";
+import { usersApiDocument } from "./openapi.ts";
 import { createOutputStore, type OutputStore } from "./outputs.ts";
 import { NO_SUBMIT_LIMITS, type SubmitLimits } from "./quotas.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";

@@ -1,7 +1,7 @@
 /** What the APIs return: bundles and events as JSON with ISO timestamps, and the list cursor. */
 import { DispatchCloudError } from "../lib/errors.ts";
+import { BUNDLE_UUID_PATTERN } from "../lib/tokens.ts";
 import { type Bundle, type BundleEvent, isFinalState } from "../store/types.ts";
-import { BUNDLE_UUID_PATTERN } from "./tokens.ts";
 
 const iso = (d: Date | null): string | null => (d === null ? null : d.toISOString());
 

@@ -9,8 +9,8 @@ import type { FastifyInstance } from "fastify";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { runCli } from "../cli/cli.ts";
 import type { CliIo } from "../cli/io.ts";
+import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createRestServer } from "../rest-server/server.ts";
-import { hashToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
 import { createUser } from "../store/queries.ts";
 import { openTestDb, type TestDb } from "./db.ts";
 

@@ -6,7 +6,7 @@
 import { createHash, randomBytes } from "node:crypto";
 import pg from "pg";
 import { afterAll, beforeAll, describe } from "vitest";
-import { hashToken, newRunnerToken } from "../rest-server/tokens.ts";
+import { hashToken, newRunnerToken } from "../lib/tokens.ts";
 import { type Db, openDb, redactDbUrl } from "../store/db.ts";
 import { listMigrations, migrate } from "../store/migrate.ts";
 import { createUser, insertBundle } from "../store/queries.ts";

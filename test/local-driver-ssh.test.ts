@@ -6,12 +6,12 @@ import path from "node:path";
 import type ssh2 from "ssh2";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { isAlive, lookupUser } from "../cloud-drivers/local/procs.ts";
+import { type OpenSshServer, startOpenSshServer } from "../cloud-drivers/local/ssh-openssh.ts";
 import {
   type EmbeddedSshServer,
   generateKeyPair,
   startEmbeddedSshServer,
-} from "../cloud-drivers/local/ssh-embedded.ts";
-import { type OpenSshServer, startOpenSshServer } from "../cloud-drivers/local/ssh-openssh.ts";
+} from "../cloud-drivers/ssh-server.ts";
 import { connect, processesUnder, requireOpenSsh, run, waitFor } from "./local-driver-helpers.ts";
 
 const clientKey = generateKeyPair();

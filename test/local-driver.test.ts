@@ -14,7 +14,7 @@ import { CloudQuotaError } from "../cloud-drivers/errors.ts";
 import { localDriver } from "../cloud-drivers/local/driver.ts";
 import { readIfExists } from "../cloud-drivers/local/layout.ts";
 import { findPids, isAlive } from "../cloud-drivers/local/procs.ts";
-import { generateKeyPair } from "../cloud-drivers/local/ssh-embedded.ts";
+import { generateKeyPair } from "../cloud-drivers/ssh-server.ts";
 import type { Instance, InstanceSet, InstanceType } from "../cloud-drivers/types.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createLogger } from "../lib/logger.ts";

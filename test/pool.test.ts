@@ -14,7 +14,7 @@ import type { Config } from "../config/schema.ts";
 import { createWorkerPool, LIST_GRACE_MS, type PoolEvent, type WorkerPool } from "../dispatcher/pool/pool.ts";
 import type { QueueView } from "../dispatcher/types.ts";
 import { createLogger } from "../lib/logger.ts";
-import { hashToken } from "../rest-server/tokens.ts";
+import { hashToken } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { findBundleByRunnerTokenHash, getBundle, listEvents } from "../store/queries.ts";
 import { requeueStarting, stageBundle } from "../store/transitions.ts";

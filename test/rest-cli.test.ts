@@ -11,9 +11,9 @@ import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { runCli } from "../cli/cli.ts";
 import type { ByteIo } from "../cli/client.ts";
 import { packTar } from "../lib/tar.ts";
+import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { type BundleManager, createBundleManager } from "../rest-server/bundle-manager.ts";
 import { createRestServer } from "../rest-server/server.ts";
-import { hashToken, newUserToken, newUserUuid } from "../rest-server/tokens.ts";
 import { createUser, getBundle } from "../store/queries.ts";
 import { openTestDb, startWithRunnerToken, type TestDb } from "./db.ts";
 

@@ -12,12 +12,12 @@ import { Readable } from "node:stream";
 import ssh2 from "ssh2";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { lookupUser } from "../cloud-drivers/local/procs.ts";
-import { startEmbeddedSshServer } from "../cloud-drivers/local/ssh-embedded.ts";
 import {
   generateKeyPair,
   openSshUnavailable,
   startOpenSshServer,
 } from "../cloud-drivers/local/ssh-openssh.ts";
+import { startEmbeddedSshServer } from "../cloud-drivers/ssh-server.ts";
 import {
   createSshExecutor,
   type SshExecutor,

@@ -6,11 +6,11 @@
  */
 import { randomBytes } from "node:crypto";
 import type { InstanceType } from "../cloud-drivers/types.ts";
-import type { IdleBehavior } from "../dispatcher/pool/bootstrap.ts";
 import type { SchedulerPool } from "../dispatcher/scheduler/scheduler.ts";
 import type {
   CreateRefusal,
   CreateResult,
+  IdleBehavior,
   QueueView,
   RunnerView,
   WorkerState,

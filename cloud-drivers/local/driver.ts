@@ -25,13 +25,13 @@ import { systemClock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { CloudError, CloudQuotaError } from "../errors.ts";
+import { generateKeyPair, parseAuthorizedKeys } from "../ssh-server.ts";
 import type { CloudDriver, Instance, InstanceSet, InstanceType, Tags } from "../types.ts";
 import { removeVmContainers } from "./containers.ts";
 import { VM_MAIN_PATTERN, vmMainArgs } from "./launch.ts";
 import { readIfExists, type VmFiles, type VmRecord, vmFiles, writeFileAtomic } from "./layout.ts";
 import { type LocalParameters, parseLocalParameters } from "./params.ts";
 import { findPids, isAlive, lookupUser, readCmdline, terminate } from "./procs.ts";
-import { generateKeyPair, parseAuthorizedKeys } from "./ssh-embedded.ts";
 import { openSshUnavailable } from "./ssh-openssh.ts";
 
 const ID_PREFIX = "local-";

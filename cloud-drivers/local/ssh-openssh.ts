@@ -19,10 +19,10 @@ import {
 import net from "node:net";
 import path from "node:path";
 import type { Logger } from "../../lib/logger.ts";
+import { generateKeyPair, parseAuthorizedKeys } from "../ssh-server.ts";
 import { findPids, mountNamespace, terminate } from "./procs.ts";
-import { generateKeyPair, parseAuthorizedKeys } from "./ssh-embedded.ts";
 
-export { generateKeyPair } from "./ssh-embedded.ts";
+export { generateKeyPair } from "../ssh-server.ts";
 
 export const SSHD_PATH = "/usr/sbin/sshd";
 export const SERVICES_HINT = 'run `eval "$(bash scripts/test-services.sh)"` as root to install and set it up';

@@ -10,9 +10,9 @@ import { type ChildProcess, spawn } from "node:child_process";
 import { appendFileSync, closeSync, createWriteStream, openSync, readFileSync, unlinkSync } from "node:fs";
 import path from "node:path";
 import { createLogger, type Logger } from "../../lib/logger.ts";
+import { startEmbeddedSshServer } from "../ssh-server.ts";
 import { readIfExists, type VmFiles, type VmRecord, vmFiles, writeFileAtomic } from "./layout.ts";
 import { findPids, lookupUser, terminate } from "./procs.ts";
-import { startEmbeddedSshServer } from "./ssh-embedded.ts";
 import { type OpenSshServer, startOpenSshServer } from "./ssh-openssh.ts";
 
 const SSHD_RESTART_DELAY_MS = 1000;

@@ -10,7 +10,7 @@ import type { Clock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { CapacityError, CloudError, CloudQuotaError, CloudRateLimitError } from "../errors.ts";
-import { type EmbeddedSshServer, generateKeyPair, startEmbeddedSshServer } from "../local/ssh-embedded.ts";
+import { type EmbeddedSshServer, generateKeyPair, startEmbeddedSshServer } from "../ssh-server.ts";
 import type { CloudDriver, Instance, InstanceSet, InstanceType, PricePoint, Tags } from "../types.ts";
 import { type StubExecHost, StubExecutor } from "./executor.ts";
 import { parseStubParameters } from "./params.ts";

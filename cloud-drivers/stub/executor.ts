@@ -1,7 +1,8 @@
 import { posix } from "node:path";
-import type { ExecOptions, ExecResult, Executor } from "../../dispatcher/sshexec/types.ts";
-import { SshError, secretsEqual } from "../../dispatcher/sshexec/util.ts";
 import type { Clock } from "../../lib/clock.ts";
+import type { ExecOptions, ExecResult, Executor } from "../../lib/executor.ts";
+import { SshError } from "../../lib/executor.ts";
+import { constantTimeEqual } from "../../lib/tokens.ts";
 import { type CommandList, type Pipeline, parseShell, type Redirect, ShellSyntaxError } from "./shell.ts";
 import type { StubVm } from "./vm.ts";
 
@@ -83,7 +84,7 @@ export class StubExecutor implements Executor {
     if (found === undefined || found === "") {
       throw new SshError("ssh.not_ready", `stub VM ${this.vmId} has no secret file yet (still booting?)`);
     }
-    if (!secretsEqual(found, this.expectedSecret ?? "")) {
+    if (!constantTimeEqual(found, this.expectedSecret ?? "")) {
       this.refused = new SshError(
         "ssh.host_mismatch",
         `the host at ${vm.address} is not instance ${this.vmId}: its secret file does not match its tag; ` +

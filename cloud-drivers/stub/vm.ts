@@ -1,6 +1,6 @@
 import { EventEmitter } from "node:events";
-import type { ExecResult } from "../../dispatcher/sshexec/types.ts";
 import type { Clock } from "../../lib/clock.ts";
+import type { ExecResult } from "../../lib/executor.ts";
 import type { Tags } from "../types.ts";
 
 /** Where the init script leaves the instance secret (with `${DISPATCH_VM_ROOT:-}` expanded to nothing). */

@@ -10,8 +10,9 @@ import type { Config } from "../../config/schema.ts";
 import { resolveSecret } from "../../config/secrets.ts";
 import { generateKeyPair, publicKeyOf } from "../../lib/ssh-keys.ts";
 
-export const IDLE_BEHAVIORS = ["run", "hold", "drain"] as const;
-export type IdleBehavior = (typeof IDLE_BEHAVIORS)[number];
+import type { IdleBehavior } from "../types.ts";
+
+export { IDLE_BEHAVIORS, type IdleBehavior } from "../types.ts";
 
 /** Where the init script leaves the secret; always relative to the instance root convention. */
 // biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, run by the instance's shell.

@@ -12,12 +12,12 @@ import { cloudErrorCode } from "../../cloud-drivers/errors.ts";
 import { type Instance, type InstanceSet, type InstanceType, TAG } from "../../cloud-drivers/types.ts";
 import type { Config } from "../../config/schema.ts";
 import type { Clock } from "../../lib/clock.ts";
+import type { Executor } from "../../lib/executor.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { formatDuration } from "../../lib/units.ts";
 import type { Db } from "../../store/db.ts";
 import type { Bundle } from "../../store/types.ts";
 import { type BundleTransitions, createBundleTransitions } from "../queue/transitions.ts";
-import type { Executor } from "../sshexec/types.ts";
 import type { CreateRefusal, CreateResult, PoolEvent, QueueView, WorkerView } from "../types.ts";
 import {
   IDLE_BEHAVIORS,

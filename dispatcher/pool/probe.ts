@@ -4,7 +4,7 @@
  * The executor proves the instance's identity on connect, so the first command may fail with
  * ssh.not_ready (still booting) or ssh.host_mismatch (not our instance). Probes only report; the pool decides.
  */
-import type { Executor } from "../sshexec/types.ts";
+import type { Executor } from "../../lib/executor.ts";
 import {
   checksumMatches,
   type ListedRunners,

@@ -7,13 +7,13 @@
 import type { Instance, InstanceType } from "../../cloud-drivers/types.ts";
 import type { Config } from "../../config/schema.ts";
 import type { Clock } from "../../lib/clock.ts";
+import type { Executor } from "../../lib/executor.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { formatDuration } from "../../lib/units.ts";
 import type { Bundle } from "../../store/types.ts";
 import type { BundleTransitions } from "../queue/transitions.ts";
-import type { Executor } from "../sshexec/types.ts";
-import type { PoolEvent, QueueView, WorkerState, WorkerView } from "../types.ts";
-import { type IdleBehavior, instanceTags } from "./bootstrap.ts";
+import type { IdleBehavior, PoolEvent, QueueView, WorkerState, WorkerView } from "../types.ts";
+import { instanceTags } from "./bootstrap.ts";
 import type { BootOutcome, PoolMetrics } from "./metrics.ts";
 import { type ProbeResult, probeBooting, probeList } from "./probe.ts";
 import { RemoteRunner, reconcileRunners, sendKill } from "./remote-runner.ts";

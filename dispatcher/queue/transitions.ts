@@ -7,7 +7,7 @@
  * transition itself. Database errors are thrown (each caller has its own retry rule).
  */
 import type { Logger } from "../../lib/logger.ts";
-import { hashToken, newRunnerToken } from "../../rest-server/tokens.ts";
+import { hashToken, newRunnerToken } from "../../lib/tokens.ts";
 import type { Db } from "../../store/db.ts";
 import { failStaged, loseBundle, requeueStarting, startBundle } from "../../store/transitions.ts";
 import type { Bundle, TransitionResult } from "../../store/types.ts";

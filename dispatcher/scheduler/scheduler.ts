@@ -59,6 +59,8 @@ export interface Scheduler {
   runOnce(): Promise<PassResult>;
   /** The current schedulingStatus sentence of a staged bundle. */
   statusOf(uuid: string): string | undefined;
+  /** The instance types that could run the bundle, cheapest first (cached per resource shape). */
+  eligibleTypes(bundle: Bundle): readonly string[];
   /** Writes changed statuses to the store now (else throttled by dispatcher.schedulingStatusInterval). */
   flushStatuses(): Promise<void>;
 }
@@ -181,11 +183,7 @@ interface Entry {
 const byOrder = (a: Entry, b: Entry): number =>
   b.priority - a.priority || a.created - b.created || (a.uuid < b.uuid ? -1 : a.uuid > b.uuid ? 1 : 0);
 
-/** The scheduler's order of staged bundles (as byOrder): priority (desc), then age, then uuid. */
-export const queueOrder = (a: Bundle, b: Bundle): number =>
-  b.priority - a.priority ||
-  a.createdAt.getTime() - b.createdAt.getTime() ||
-  (a.uuid < b.uuid ? -1 : a.uuid > b.uuid ? 1 : 0);
+export { queueOrder } from "../types.ts";
 
 /** Packing first (most runners + planned), then booted over booting, then cheaper, then id. */
 const bySlot = (a: Slot, b: Slot): number =>
@@ -841,6 +839,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       const e = entries.get(uuid);
       return e === undefined ? undefined : statusText(e);
     },
+    eligibleTypes: (bundle) => [...shapeOf(bundle).typeNames],
     flushStatuses: () => exclusive(() => flush(Number.POSITIVE_INFINITY)),
   };
 }

@@ -1,8 +1,9 @@
 import type { Readable } from "node:stream";
 import ssh2, { type ClientChannel, type Client as SshClient } from "ssh2";
 import type { Clock } from "../../lib/clock.ts";
+import { type ExecOptions, type ExecResult, type Executor, SshError } from "../../lib/executor.ts";
 import type { Logger } from "../../lib/logger.ts";
-import type { ExecOptions, ExecResult, Executor } from "./types.ts";
+import { constantTimeEqual } from "../../lib/tokens.ts";
 import {
   type BackoffOptions,
   backoffDelay,
@@ -10,11 +11,9 @@ import {
   DEFAULT_BACKOFF,
   firstWord,
   parseAddress,
-  SshError,
-  secretsEqual,
 } from "./util.ts";
 
-export { SshError } from "./util.ts";
+export { SshError } from "../../lib/executor.ts";
 
 // ssh2 is CommonJS: Node's ESM loader only gives its default export.
 const { Client, utils } = ssh2;
@@ -471,7 +470,7 @@ class SshExecutorImpl implements SshExecutor {
       deadline.abort(new Error("done"));
     }
     const found = result.stdout.toString("utf8").replace(/\n$/, "");
-    if (result.exitCode === 0 && secretsEqual(found, this.opts.expectedSecret)) return;
+    if (result.exitCode === 0 && constantTimeEqual(found, this.opts.expectedSecret)) return;
     if (result.exitCode !== 0 || found === "") {
       // SSH comes up before the init script has written the secret: not proven yet, but not refused either.
       throw new SshError("ssh.not_ready", `${this.name} has no secret file yet (still booting?)`);

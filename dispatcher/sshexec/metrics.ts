@@ -5,7 +5,7 @@
 import { Histogram, type Registry } from "prom-client";
 import type { Instance } from "../../cloud-drivers/types.ts";
 import type { Clock } from "../../lib/clock.ts";
-import type { Executor } from "./types.ts";
+import type { Executor } from "../../lib/executor.ts";
 
 export const SSH_METRIC = "dispatchcloud_ssh_command_duration_seconds";
 export const SSH_OPERATIONS = ["execute", "exchange"] as const;

@@ -1,14 +1,8 @@
 import { describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../../lib/errors.ts";
-import {
-  backoffDelay,
-  CappedBuffer,
-  DEFAULT_BACKOFF,
-  firstWord,
-  parseAddress,
-  SshError,
-  secretsEqual,
-} from "./util.ts";
+import { SshError } from "../../lib/executor.ts";
+import { constantTimeEqual as secretsEqual } from "../../lib/tokens.ts";
+import { backoffDelay, CappedBuffer, DEFAULT_BACKOFF, firstWord, parseAddress } from "./util.ts";
 
 describe("parseAddress", () => {
   it("takes the default port when the address has none", () => {
@@ -38,7 +32,7 @@ describe("backoffDelay", () => {
   });
 });
 
-describe("secretsEqual", () => {
+describe("constantTimeEqual (the secret check on connect)", () => {
   it("is true only for identical strings", () => {
     expect(secretsEqual("abc123", "abc123")).toBe(true);
     expect(secretsEqual("abc123", "abc124")).toBe(false);

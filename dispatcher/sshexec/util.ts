@@ -1,23 +1,4 @@
-import { createHash, timingSafeEqual } from "node:crypto";
-import { DispatchCloudError } from "../../lib/errors.ts";
-
-export type SshErrorCode =
-  | "ssh.connect_failed"
-  | "ssh.timeout"
-  | "ssh.host_mismatch"
-  | "ssh.closed"
-  | "ssh.not_ready"
-  | "ssh.invalid_key";
-
-/** A failure to run a command on an instance (never a non-zero exit: that is in ExecResult.exitCode). */
-export class SshError extends DispatchCloudError {
-  declare readonly code: SshErrorCode;
-
-  constructor(code: SshErrorCode, message: string, options: { cause?: unknown } = {}) {
-    super(code, message, options);
-    this.name = "SshError";
-  }
-}
+import { SshError } from "../../lib/executor.ts";
 
 export interface BackoffOptions {
   /** Delay before the second attempt, after the first failure. */
@@ -52,13 +33,6 @@ export function parseAddress(address: string, defaultPort: number): { host: stri
   const port = Number(portText);
   if (port < 1 || port > 65535) throw bad();
   return { host, port };
-}
-
-/** Compares two secrets in time independent of where they differ (and of their lengths). */
-export function secretsEqual(a: string, b: string): boolean {
-  const ha = createHash("sha256").update(a).digest();
-  const hb = createHash("sha256").update(b).digest();
-  return timingSafeEqual(ha, hb) && a.length === b.length;
 }
 
 /** The first word of a command, for error messages that must stay short and free of arguments. */

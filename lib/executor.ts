@@ -1,8 +1,10 @@
 /**
  * The contract between the dispatcher and an instance: run a command, get its output and exit status.
- * `createSshExecutor` (executor.ts) implements it over SSH; the stub driver's stub executor implements it in
- * process.
+ * `createSshExecutor` (dispatcher/sshexec/executor.ts) implements it over SSH; the stub driver's stub executor
+ * implements it in process. Here, below both, so that a driver never imports the dispatcher.
  */
+import { DispatchCloudError } from "./errors.ts";
+
 export interface ExecOptions {
   stdin?: Buffer | string | NodeJS.ReadableStream;
   timeoutMs?: number;
@@ -27,4 +29,22 @@ export interface Executor {
    */
   exchange?(socketPath: string, payload: string, opts?: { timeoutMs?: number }): Promise<Buffer>;
   close(): Promise<void>;
+}
+
+export type SshErrorCode =
+  | "ssh.connect_failed"
+  | "ssh.timeout"
+  | "ssh.host_mismatch"
+  | "ssh.closed"
+  | "ssh.not_ready"
+  | "ssh.invalid_key";
+
+/** A failure to run a command on an instance (never a non-zero exit: that is in ExecResult.exitCode). */
+export class SshError extends DispatchCloudError {
+  declare readonly code: SshErrorCode;
+
+  constructor(code: SshErrorCode, message: string, options: { cause?: unknown } = {}) {
+    super(code, message, options);
+    this.name = "SshError";
+  }
 }

@@ -12,7 +12,7 @@ import path from "node:path";
 import { Writable } from "node:stream";
 import type { Connection, ParsedKey, ServerChannel } from "ssh2";
 import ssh2 from "ssh2";
-import type { Logger } from "../../lib/logger.ts";
+import type { Logger } from "../lib/logger.ts";
 
 const { Server, utils } = ssh2;
 
@@ -55,7 +55,7 @@ export interface EmbeddedSshServerOptions {
   logger?: Logger;
 }
 
-export { generateKeyPair } from "../../lib/ssh-keys.ts";
+export { generateKeyPair } from "../lib/ssh-keys.ts";
 
 /** Parses OpenSSH public key lines; throws naming the bad line's index. */
 export function parseAuthorizedKeys(lines: string[]): ParsedKey[] {

@@ -5,7 +5,8 @@
  */
 import SwaggerParser from "@apidevtools/swagger-parser";
 import { describe, expect, it } from "vitest";
-import { managementApiDocument, usersApiDocument } from "./openapi.ts";
+import { managementApiDocument } from "../management-api/openapi.ts";
+import { usersApiDocument } from "../rest-server/openapi.ts";
 
 describe.each([
   ["the management API", managementApiDocument],

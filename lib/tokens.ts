@@ -3,6 +3,7 @@
  * ever stored, so a database dump reveals no token.
  */
 import { createHash, randomBytes, randomInt, timingSafeEqual } from "node:crypto";
+import { DispatchCloudError } from "./errors.ts";
 
 export const USER_TOKEN_PREFIX = "dcu_";
 export const RUNNER_TOKEN_PREFIX = "dcr_";
@@ -17,6 +18,21 @@ export const newUserToken = (): string => newToken(USER_TOKEN_PREFIX);
 
 /** A fresh per-bundle runner token (`dcr_` + 43 base64url characters). */
 export const newRunnerToken = (): string => newToken(RUNNER_TOKEN_PREFIX);
+
+/** The token of an `Authorization: Bearer <token>` header; throws auth.missing_token if there is none. */
+export function bearerTokenOf(header: string | undefined): string {
+  if (header === undefined || header.trim() === "") {
+    throw new DispatchCloudError(
+      "auth.missing_token",
+      "this API needs an Authorization: Bearer <token> header",
+    );
+  }
+  const m = /^Bearer[ \t]+(\S+)[ \t]*$/i.exec(header);
+  if (m === null) {
+    throw new DispatchCloudError("auth.missing_token", "the Authorization header must be 'Bearer <token>'");
+  }
+  return m[1]!;
+}
 
 /** True when `token` has the shape of a token with that prefix (no database lookup). */
 export function isTokenShaped(token: string, prefix: string): boolean {

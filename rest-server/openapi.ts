@@ -1,0 +1,231 @@
+/**
+ * The users' API's OpenAPI 3.1 document (`GET /api/v1/openapi.json`): request bodies are the schemas the routes
+ * validate with, built with lib/openapi.ts's building blocks.
+ */
+import { ErrorResponse, errors, type Json, json, plain, query, ref } from "../lib/openapi.ts";
+import { VERSION } from "../lib/version.ts";
+import { BundleRequest } from "./bundle-request.ts";
+import { TokenRequest } from "./routes-tokens.ts";
+import { KillRequest, UserRequest } from "./routes-users.ts";
+
+const nullable = (type: string, extra: Json = {}): Json => ({ type: [type, "null"], ...extra });
+/** An API token as the users' API shows it (rest-server/routes-tokens.ts; never the token itself). */
+const TOKEN_VIEW: Json = {
+  type: "object",
+  properties: {
+    id: { type: "string" },
+    userUuid: { type: "string" },
+    label: { type: "string" },
+    createdAt: { type: "string", format: "date-time" },
+    expiresAt: nullable("string", { format: "date-time" }),
+    lastUsedAt: nullable("string", { format: "date-time" }),
+    revokedAt: nullable("string", { format: "date-time" }),
+    expired: { type: "boolean" },
+    current: { type: "boolean", description: "The token this request was made with." },
+  },
+  required: [
+    "id",
+    "userUuid",
+    "label",
+    "createdAt",
+    "expiresAt",
+    "lastUsedAt",
+    "revokedAt",
+    "expired",
+    "current",
+  ],
+};
+
+/** The users' API (rest-server/routes-users.ts); request bodies are the schemas the routes validate with. */
+export function usersApiDocument(): Json {
+  const uuid: Json = { name: "uuid", in: "path", required: true, schema: { type: "string" } };
+  const bundle = json({ type: "object", description: "A bundle (docs/api.md)." }, "The bundle.");
+  const body = (name: string): Json => ({
+    required: true,
+    content: { "application/json": { schema: ref(name) } },
+  });
+  const common = ["auth.missing_token", "auth.invalid_token"] as const;
+  const ownBundle = [...common, "request.invalid_param", "bundle.not_found"] as const;
+  return {
+    openapi: "3.1.0",
+    info: {
+      title: "dispatch-cloud users' API",
+      version: VERSION,
+      description: "Submit and follow bundles (docs/api.md). Authorization: Bearer <user token>.",
+    },
+    security: [{ bearer: [] }],
+    paths: {
+      "/api/v1/bundles": {
+        post: {
+          operationId: "createBundle",
+          requestBody: body("BundleRequest"),
+          responses: {
+            "201": bundle,
+            ...errors([
+              ...common,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "quota.queued_bundles",
+              "quota.rate_limited",
+            ]),
+          },
+        },
+        get: {
+          operationId: "listBundles",
+          parameters: [
+            query("state", "Comma-separated states.", false),
+            query("limit", "1-500, default 50.", false),
+            query("cursor", "nextCursor of the previous page.", false),
+          ],
+          responses: {
+            "200": json(
+              {
+                type: "object",
+                properties: {
+                  items: { type: "array", items: { type: "object" } },
+                  nextCursor: { type: ["string", "null"] },
+                },
+              },
+              "A page of the caller's bundles.",
+            ),
+            ...errors([...common, "request.invalid_query"]),
+          },
+        },
+      },
+      "/api/v1/bundles/{uuid}": {
+        get: {
+          operationId: "getBundle",
+          parameters: [uuid],
+          responses: { "200": bundle, ...errors(ownBundle) },
+        },
+      },
+      "/api/v1/bundles/{uuid}/kill": {
+        post: {
+          operationId: "killBundle",
+          parameters: [uuid],
+          requestBody: { required: false, content: { "application/json": { schema: ref("KillRequest") } } },
+          responses: { "200": bundle, ...errors([...ownBundle, "request.invalid_body", "bundle.conflict"]) },
+        },
+      },
+      "/api/v1/bundles/{uuid}/events": {
+        get: {
+          operationId: "listBundleEvents",
+          parameters: [uuid],
+          responses: { "200": json({ type: "object" }, "The bundle's state changes."), ...errors(ownBundle) },
+        },
+      },
+      "/api/v1/bundles/{uuid}/logs": {
+        get: {
+          operationId: "getBundleLogs",
+          parameters: [
+            uuid,
+            query("stream", "stdout or stderr.", false),
+            query("follow", "true: keep the response open until the attempt ends.", false),
+            query("attempt", "Attempt number; default the current one.", false),
+          ],
+          responses: {
+            "200": {
+              description: "The log text.",
+              content: { "text/plain": { schema: { type: "string" } } },
+            },
+            ...errors([...ownBundle, "request.invalid_query"]),
+          },
+        },
+      },
+      "/api/v1/bundles/{uuid}/outputs/{path}": {
+        get: {
+          operationId: "getBundleOutput",
+          parameters: [
+            uuid,
+            { name: "path", in: "path", required: true, schema: { type: "string" } },
+            query("limit", "A directory listing: files per page, 1-10000 (default 1000).", false),
+            query("cursor", "A directory listing: nextCursor of the previous page.", false),
+          ],
+          responses: {
+            "200": {
+              description: "A directory listing (JSON) or a file's bytes.",
+              content: {
+                "application/json": { schema: { type: "object" } },
+                "application/octet-stream": { schema: { type: "string", format: "binary" } },
+              },
+            },
+            ...errors(ownBundle),
+          },
+        },
+      },
+      "/api/v1/tokens": {
+        post: {
+          operationId: "createToken",
+          requestBody: body("TokenRequest"),
+          responses: {
+            "201": json(ref("TokenWithSecret"), "The token's view and the token, shown only this once."),
+            ...errors([
+              ...common,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "auth.forbidden",
+              "user.not_found",
+              "quota.tokens",
+            ]),
+          },
+        },
+        get: {
+          operationId: "listTokens",
+          parameters: [query("user", "A user uuid (admins); default the caller.", false)],
+          responses: {
+            "200": json(
+              { type: "object", properties: { items: { type: "array", items: ref("Token") } } },
+              "The user's tokens that are not revoked.",
+            ),
+            ...errors([...common, "request.invalid_query", "auth.forbidden", "user.not_found"]),
+          },
+        },
+      },
+      "/api/v1/tokens/{id}": {
+        delete: {
+          operationId: "revokeToken",
+          parameters: [{ name: "id", in: "path", required: true, schema: { type: "string" } }],
+          responses: {
+            "200": json(ref("Token"), "The revoked token's view."),
+            ...errors([...common, "request.invalid_param", "token.not_found"]),
+          },
+        },
+      },
+      "/api/v1/users/current": {
+        get: {
+          operationId: "currentUser",
+          responses: { "200": json({ type: "object" }, "The caller."), ...errors(common) },
+        },
+      },
+      "/api/v1/users": {
+        post: {
+          operationId: "createUser",
+          requestBody: body("UserRequest"),
+          responses: {
+            "201": json({ type: "object" }, "The new user and its token (shown only this once)."),
+            ...errors([...common, "auth.forbidden", "request.invalid_body"]),
+          },
+        },
+      },
+    },
+    components: {
+      securitySchemes: { bearer: { type: "http", scheme: "bearer" } },
+      schemas: {
+        BundleRequest: plain(BundleRequest),
+        KillRequest: plain(KillRequest),
+        UserRequest: plain(UserRequest),
+        TokenRequest: plain(TokenRequest),
+        Token: TOKEN_VIEW,
+        TokenWithSecret: {
+          allOf: [
+            ref("Token"),
+            { type: "object", properties: { token: { type: "string" } }, required: ["token"] },
+          ],
+        },
+        Error: plain(ErrorResponse),
+      },
+    },
+  };
+}
