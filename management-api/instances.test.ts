@@ -192,7 +192,10 @@ describe("management API: instances and kills on the stub cloud", () => {
     const kills: Array<{ uuid: string; signal: string }> = [];
     h.cloud.on("runner:kill", (_vm, r, signal) => kills.push({ uuid: r.uuid, signal }));
     const [uuid] = await h.submit(1, () => ({ command: ["sleep", "600"] }));
-    await h.drive(async () => (await h.states([uuid!])).get(uuid!) === "running");
+    // Running is stored at /start; wait until the runner has its spec too, or the kill may reach its /spec
+    // call first (it then exits by itself, and there is nothing left to signal).
+    await h.drive(async () => h.runners.working.has(uuid!));
+    expect((await h.states([uuid!])).get(uuid!)).toBe("running");
     const res = await app.inject({
       method: "POST",
       url: `/management/v1/bundles/kill?uuid=${uuid}`,

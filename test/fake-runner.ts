@@ -58,6 +58,8 @@ export interface FakeRunners {
   readonly errors: readonly unknown[];
   /** Fake runners between their start and their end. */
   readonly active: number;
+  /** Uuids whose runner has its spec and is doing its work (a kill from now on reaches it, not its /spec call). */
+  readonly working: ReadonlySet<string>;
   /** Called after every log entry. */
   onEvent(fn: (entry: FakeRunnerLogEntry) => void): () => void;
   /** Stops driving new runners (running ones carry on). */
@@ -86,6 +88,7 @@ export function attachFakeRunners(opts: FakeRunnerOptions): FakeRunners {
   const listeners = new Set<(e: FakeRunnerLogEntry) => void>();
   const stops = new Map<StubRunner, AbortController>();
   let active = 0;
+  const working = new Set<string>();
 
   const record = (event: FakeRunnerEvent, uuid: string, attempt: number, vm: StubVm) => {
     const entry = { event, uuid, attempt, vmId: vm.id, at: clock.now() };
@@ -142,6 +145,7 @@ export function attachFakeRunners(opts: FakeRunnerOptions): FakeRunners {
         record("died", runner.uuid, attempt, vm);
         return end(null);
       }
+      working.add(runner.uuid);
       await clock.sleep(duration(s), stop.signal);
       const code = exitCode(s);
       const finished = await call("finish", token, { exitCode: code });
@@ -154,6 +158,7 @@ export function attachFakeRunners(opts: FakeRunnerOptions): FakeRunners {
         end(1);
       }
     } finally {
+      working.delete(runner.uuid);
       active--;
       stops.delete(runner);
     }
@@ -181,6 +186,7 @@ export function attachFakeRunners(opts: FakeRunnerOptions): FakeRunners {
     get active() {
       return active;
     },
+    working,
     onEvent(fn) {
       listeners.add(fn);
       return () => listeners.delete(fn);
