@@ -174,6 +174,15 @@ const RestServer = Section("The users' and runners' REST API.", {
     "Largest output archive a runner may upload for one bundle (sum of its files' sizes).",
     "10GiB",
   ),
+  maxOutputFiles: Int(
+    50000,
+    "Most files, directories and links one bundle's outputs may hold; an upload beyond it fails the bundle (runner.output_too_many_files).",
+    1,
+  ),
+  maxLogBytesPerStream: Size(
+    "Bytes of one log stream (stdout or stderr) kept per bundle attempt; beyond it a notice says the log was truncated and later bytes are dropped.",
+    "64MiB",
+  ),
   headersTimeout: Duration(
     "30s",
     "A request's line and headers must arrive within this long, else the answer is 408 and the connection is closed.",

@@ -30,10 +30,27 @@ export const isNotOurs = (err: unknown): boolean =>
   err instanceof RunnerApiError &&
   (err.status === 401 || (err.status === 409 && err.code !== "runner.log_gap"));
 
+/** Errors of the local filesystem: retrying cannot help (ENOSPC is judged by the supervisor: broken). */
+const LOCAL_CODES = new Set([
+  "ELOOP",
+  "ENAMETOOLONG",
+  "EACCES",
+  "EPERM",
+  "ENOENT",
+  "ENOTDIR",
+  "EISDIR",
+  "EEXIST",
+  "EROFS",
+  "ENOSPC",
+  "EDQUOT",
+  "EMFILE",
+]);
+
 /** Network failures and 5xx answers are worth retrying; other answers and local errors are not. */
 export function isTransient(err: unknown): boolean {
   if (err instanceof RunnerApiError) return err.status >= 500;
   if (err instanceof DispatchCloudError || err instanceof SyntaxError) return false;
+  if (LOCAL_CODES.has((err as NodeJS.ErrnoException).code ?? "")) return false;
   return err instanceof Error; // network errors: refused, reset, timed out
 }
 
@@ -112,12 +129,13 @@ export interface RunnerClient {
   spec(opts?: Partial<RetryOptions>): Promise<RunnerSpec>;
   heartbeat(usage: ResourceUsage): Promise<{ state: string }>;
   /** Sends one chunk of a log stream at its byte offset; answers the server's stored total. */
+  /** Sends a log chunk; `truncated`: the stream reached the server's limit, later chunks are dropped. */
   logs(
     stream: "stdout" | "stderr",
     offset: number,
     chunk: Buffer,
     opts?: Partial<RetryOptions>,
-  ): Promise<number>;
+  ): Promise<{ stored: number; truncated: boolean }>;
   /** Uploads a tar made fresh by makeBody on each try. */
   putOutputs(
     makeBody: () => Readable,
@@ -174,7 +192,10 @@ export function createRunnerClient(opts: {
         timeout: 60_000,
       });
       req.on("timeout", () => req.destroy(new Error(`${what}: timed out`)));
+      /** The body's own failure (packing the outputs): the caller's to judge, not a network error. */
+      let bodyError: unknown = null;
       req.on("error", (err) => {
+        if (bodyError !== null) return reject(bodyError);
         const e = new Error(`${what}: ${err.message}`) as NodeJS.ErrnoException;
         e.code = (err as NodeJS.ErrnoException).code ?? "ENETWORK";
         reject(e);
@@ -197,7 +218,10 @@ export function createRunnerClient(opts: {
       if (body === undefined) req.end();
       else if (Buffer.isBuffer(body.data)) req.end(body.data);
       else {
-        body.data.on("error", (err) => req.destroy(err));
+        body.data.on("error", (err) => {
+          bodyError = err;
+          req.destroy(err);
+        });
         body.data.pipe(req);
       }
     });
@@ -240,7 +264,7 @@ export function createRunnerClient(opts: {
     heartbeat: (usage) =>
       json("POST", "/api/v1/runner/heartbeat", "heartbeat", jsonBody({ resourceUsage: usage }), 0),
     async logs(stream, offset, chunk, r) {
-      const res = await json<{ stored: number }>(
+      const res = await json<{ stored: number; truncated?: boolean }>(
         "POST",
         `/api/v1/runner/logs?stream=${stream}&offset=${offset}`,
         `logs (${stream})`,
@@ -248,7 +272,7 @@ export function createRunnerClient(opts: {
         LONG_RETRY_MS,
         r,
       );
-      return res.stored;
+      return { stored: res.stored, truncated: res.truncated === true };
     },
     putOutputs: (makeBody, r) =>
       json(

@@ -3,7 +3,9 @@
  * pusher sends what the server does not have yet in chunks of at most 1 MiB, each with its byte offset,
  * at least every ~250 ms while output flows. The file is the buffer, so a REST server that is away for
  * minutes costs disk, not memory. A chunk the server already has is accepted and ignored, so retries are
- * safe; a gap answer (runner.log_gap) moves the offset back to what the server expects.
+ * safe; a gap answer (runner.log_gap) moves the offset back to what the server expects. Once the server
+ * says the stream reached its limit (restServer.maxLogBytesPerStream; it stored a truncation notice), later
+ * bytes are dropped here too, file included, so a bundle that writes without end fills neither side's disk.
  */
 import { closeSync, openSync, readSync, writeSync } from "node:fs";
 import { RunnerApiError, type RunnerClient } from "./api-client.ts";
@@ -18,6 +20,8 @@ export class LogStream {
   private timer: NodeJS.Timeout | null = null;
   private pushing: Promise<void> | null = null;
   private closed = false;
+  /** The server keeps no more of this stream. */
+  private truncated = false;
   /** Set when pushing failed for good (the error is kept; the supervisor decides). */
   failure: unknown = null;
 
@@ -35,7 +39,7 @@ export class LogStream {
   }
 
   write(data: Buffer | string): void {
-    if (this.closed) return;
+    if (this.closed || this.truncated) return;
     const buf = typeof data === "string" ? Buffer.from(data) : data;
     if (buf.length === 0) return;
     let off = 0;
@@ -75,8 +79,12 @@ export class LogStream {
       const chunk = Buffer.alloc(size);
       const n = readSync(this.fd, chunk, 0, size, this.sent);
       try {
-        await this.client.logs(this.stream, this.sent, chunk.subarray(0, n));
+        const answer = await this.client.logs(this.stream, this.sent, chunk.subarray(0, n));
         this.sent += n;
+        if (answer.truncated) {
+          this.truncated = true;
+          this.sent = this.written;
+        }
       } catch (err) {
         const expected = gapOffset(err);
         if (expected !== null && expected < this.sent) {

@@ -22,6 +22,7 @@ import { readdir } from "node:fs/promises";
 import { constants as osConstants } from "node:os";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Logger } from "../lib/logger.ts";
+import { formatList, versionLine } from "../lib/runner-protocol.ts";
 import { selfCommand } from "../lib/self.ts";
 import { VERSION } from "../lib/version.ts";
 import {
@@ -74,7 +75,7 @@ export async function runCrunchRun(
   try {
     switch (mode) {
       case "--version":
-        io.out(`crunch-run (dispatch-cloud) ${VERSION}`);
+        io.out(versionLine(VERSION));
         return 0;
       case "--list":
         if (rest.length > 0) return usage("--list takes no arguments");
@@ -243,7 +244,7 @@ export async function listBundles(paths: RunnerPaths, env: NodeJS.ProcessEnv): P
     if ((err as NodeJS.ErrnoException).code !== "ENOENT") throw err;
     names = [];
   }
-  const lines: string[] = [];
+  const runners = new Map<string, "running" | "stale">();
   for (const name of names.sort()) {
     const m = /^crunch-run-([a-z0-9]{5}-bndl-[a-z0-9]{15})\.lock$/.exec(name);
     if (m === null) continue;
@@ -253,18 +254,20 @@ export async function listBundles(paths: RunnerPaths, env: NodeJS.ProcessEnv): P
     if (text === null) continue;
     const info = parseLock(text);
     if (info !== null && holderAlive(info)) {
-      lines.push(uuid);
+      runners.set(uuid, "running");
     } else if (await bundleStillRuns(info, uuid, paths, env)) {
-      lines.push(`${uuid} stale`);
+      runners.set(uuid, "stale");
     } else if (!(await removeDeadLock(file, text))) {
-      lines.push(uuid); // someone took the lock just now
+      runners.set(uuid, "running"); // someone took the lock just now
     }
   }
-  if (existsSync(paths.brokenFile)) lines.push("broken");
-  if (existsSync(paths.preemptedFile)) lines.push("preempted");
   const socket = spareSocketPath(paths, selfCommand());
-  if (socket !== null && existsSync(socket)) lines.push(`spare ${socket}`);
-  return lines;
+  return formatList({
+    runners,
+    broken: existsSync(paths.brokenFile),
+    preempted: existsSync(paths.preemptedFile),
+    spare: socket !== null && existsSync(socket) ? socket : null,
+  });
 }
 
 /**

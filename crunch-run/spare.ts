@@ -23,6 +23,14 @@ import { createHash } from "node:crypto";
 import { closeSync, existsSync, mkdirSync, openSync, unlinkSync } from "node:fs";
 import net from "node:net";
 import path from "node:path";
+import {
+  formatHandOff,
+  parseHandOff,
+  parsePidAnswer,
+  pidAnswer,
+  refusedAnswer,
+  type SpareHandOff,
+} from "../lib/runner-protocol.ts";
 import type { RunnerPaths } from "./paths.ts";
 
 export const SPARE_IDLE_MS = 10 * 60_000;
@@ -56,14 +64,11 @@ export function handToSpare(socketPath: string, uuid: string, doc: string): Prom
     const timer = setTimeout(() => done(null), HAND_OFF_TIMEOUT_MS);
     sock.setEncoding("utf8");
     sock.on("error", () => done(null));
-    sock.on("connect", () => sock.end(`detach ${uuid}\n${doc}`));
+    sock.on("connect", () => sock.end(formatHandOff({ mode: "detach", uuid, doc })));
     sock.on("data", (chunk: string) => {
       answer += chunk;
     });
-    sock.on("end", () => {
-      const m = /^pid (\d+)\n$/.exec(answer);
-      done(m === null ? null : Number(m[1]));
-    });
+    sock.on("end", () => done(parsePidAnswer(answer)));
   });
 }
 
@@ -89,23 +94,8 @@ export function startSpare(paths: RunnerPaths, command: readonly string[], env: 
   }
 }
 
-export interface SpareWork {
-  /**
-   * `detach`: from `crunch-run --detach`, which holds the bundle's lock; `start`: straight from the
-   * dispatcher over SSH, so the spare takes the lock itself.
-   */
-  mode: "detach" | "start";
-  uuid: string;
-  doc: string;
-}
-
-/** Parses a hand-off: `<mode> <uuid>\n<start document>`. */
-export function parseHandOff(text: string): SpareWork | null {
-  const nl = text.indexOf("\n");
-  const m = /^(detach|start) (\S+)$/.exec(nl > 0 ? text.slice(0, nl) : "");
-  if (m === null) return null;
-  return { mode: m[1] as SpareWork["mode"], uuid: m[2] as string, doc: text.slice(nl + 1) };
-}
+/** A hand-off the spare took (lib/runner-protocol.ts). */
+export type SpareWork = SpareHandOff;
 
 /**
  * The spare's wait: listens on the socket until a hand-off arrives that `accept` takes (it resolves to null,
@@ -153,7 +143,7 @@ export async function waitForWork(
       sock.on("end", () => {
         const work = parseHandOff(text);
         if (finished || busy || work === null) {
-          sock.end(work === null ? "refused not a hand-off\n" : "refused busy\n");
+          sock.end(refusedAnswer(work === null ? "not a hand-off" : "busy"));
           return;
         }
         busy = true;
@@ -161,15 +151,15 @@ export async function waitForWork(
           (refusal) => {
             busy = false;
             if (refusal !== null) {
-              sock.end(`refused ${refusal.replace(/\n/g, " ")}\n`);
+              sock.end(refusedAnswer(refusal));
               return;
             }
-            sock.end(`pid ${process.pid}\n`);
+            sock.end(pidAnswer(process.pid));
             finish(work);
           },
           (err: unknown) => {
             busy = false;
-            sock.end(`refused ${String(err).replace(/\n/g, " ")}\n`);
+            sock.end(refusedAnswer(String(err)));
           },
         );
       });

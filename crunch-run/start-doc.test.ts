@@ -2,8 +2,9 @@ import { readFileSync } from "node:fs";
 import { describe, expect, it } from "vitest";
 import { defaultConfig } from "../config/load.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { DEFAULT_PROCESS_UIDS } from "../lib/runner-protocol.ts";
 import { VERSION } from "../lib/version.ts";
-import { DEFAULT_PROCESS_UIDS, parseStartDocument } from "./start-doc.ts";
+import { parseStartDocument } from "./start-doc.ts";
 
 const UUID = "zzzzz-bndl-aaaaaaaaaaaaaaa";
 const TOKEN = `dcr_${"A".repeat(43)}`;

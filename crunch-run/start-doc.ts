@@ -1,54 +1,22 @@
 /**
- * The start document: one JSON object the dispatcher writes to `crunch-run --detach <uuid>`'s stdin, and
- * `--detach` passes on to the supervisor through a pipe. It carries the runner token, so it never travels in
- * argv or the environment. Plain validation code (no schema library) keeps crunch-run's start-up small.
+ * Reading the start document (lib/runner-protocol.ts defines it): the JSON object the dispatcher writes to
+ * `crunch-run --detach <uuid>`'s stdin, which `--detach` passes on to the supervisor through a pipe. Plain
+ * validation code (no schema library) keeps crunch-run's start-up small.
  */
 import { DispatchCloudError } from "../lib/errors.ts";
+import {
+  DEFAULT_HEARTBEAT_INTERVAL_MS,
+  DEFAULT_PROCESS_UIDS,
+  DEFAULT_SPOT_CHECK_INTERVAL_MS,
+  MAX_UID,
+  RUNTIME_ENGINES,
+  type RuntimeEngine,
+  SPOT_CHECK_INTERVAL_RANGE_MS,
+  START_DOCUMENT_FIELDS,
+  type StartDocument,
+} from "../lib/runner-protocol.ts";
 
-export type RuntimeEngine = "docker" | "process" | "auto";
-
-export interface StartDocument {
-  uuid: string;
-  attempt: number;
-  apiUrl: string;
-  /** The bundle's runner token (`dcr_...`). Held in memory only; never logged. */
-  token: string;
-  instanceType: string;
-  gpuDevices: number[];
-  runtimeEngine: RuntimeEngine;
-  heartbeatIntervalMs: number;
-  /** The instance type is preemptible (spot): watch for interruption notices while the bundle runs. */
-  preemptible: boolean;
-  /** How often to ask the instance metadata service for a spot interruption notice; 0 = never. */
-  spotCheckIntervalMs: number;
-  /** The process runtime's uids (a supervisor running as root gives each bundle one of its own). */
-  processUidFirst: number;
-  processUidCount: number;
-}
-
-export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;
-export const DEFAULT_SPOT_CHECK_INTERVAL_MS = 5000;
-/** Bounds of a non-zero spotCheckIntervalMs (the dispatcher clamps its config value into them). */
-export const SPOT_CHECK_INTERVAL_RANGE_MS = { min: 10, max: 3_600_000 } as const;
-/** The process runtime's uid range when the document names none (dispatcher.processRuntimeUids's default). */
-export const DEFAULT_PROCESS_UIDS = { first: 1_900_000_000, count: 65_536 } as const;
-/** The largest uid a range may reach (4294967295 is (uid_t)-1). */
-export const MAX_UID = 4_294_967_294;
-const KNOWN = new Set([
-  "uuid",
-  "attempt",
-  "apiUrl",
-  "token",
-  "instanceType",
-  "gpuDevices",
-  "runtimeEngine",
-  "heartbeatIntervalMs",
-  "preemptible",
-  "spotCheckIntervalMs",
-  "processUidFirst",
-  "processUidCount",
-]);
-const ENGINES: readonly RuntimeEngine[] = ["docker", "process", "auto"];
+export type { RuntimeEngine, StartDocument };
 
 const bad = (path: string, message: string) =>
   new DispatchCloudError("crunchrun.invalid_start_document", `start document: ${path} ${message}`, { path });
@@ -70,7 +38,9 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
   }
   const doc = raw as Record<string, unknown>;
   for (const key of Object.keys(doc)) {
-    if (!KNOWN.has(key)) throw bad(key, `is not a known field (known: ${[...KNOWN].join(", ")})`);
+    if (!START_DOCUMENT_FIELDS.has(key)) {
+      throw bad(key, `is not a known field (known: ${[...START_DOCUMENT_FIELDS].join(", ")})`);
+    }
   }
   const str = (key: string): string => {
     const v = doc[key];
@@ -108,8 +78,8 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
   });
   if (new Set(gpuDevices).size !== gpuDevices.length) throw bad("gpuDevices", "must not repeat a device");
   const engine = doc["runtimeEngine"] ?? "docker";
-  if (typeof engine !== "string" || !ENGINES.includes(engine as RuntimeEngine)) {
-    throw bad("runtimeEngine", `must be one of ${ENGINES.join(", ")}`);
+  if (typeof engine !== "string" || !RUNTIME_ENGINES.includes(engine as RuntimeEngine)) {
+    throw bad("runtimeEngine", `must be one of ${RUNTIME_ENGINES.join(", ")}`);
   }
   const hb = doc["heartbeatIntervalMs"] ?? DEFAULT_HEARTBEAT_INTERVAL_MS;
   if (typeof hb !== "number" || !Number.isSafeInteger(hb) || hb < 10 || hb > 3_600_000) {

@@ -32,7 +32,7 @@ import { lstat, readdir, rm } from "node:fs/promises";
 import path from "node:path";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { createLogger, type Logger } from "../lib/logger.ts";
-import { extractTar, packTar } from "../lib/tar.ts";
+import { extractTar, type PackOptions, packEntries, scanTree } from "../lib/tar.ts";
 import { formatDuration, formatSize } from "../lib/units.ts";
 import {
   createRunnerClient,
@@ -552,7 +552,14 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       // Outputs (not after a disk limit: they are what was too large).
       if (!diskExceeded) {
         try {
-          const up = await client.putOutputs(() => packTar(outDir));
+          // Checked before any byte leaves: a link out of the tree, a FIFO or an unreadable entry fails the
+          // bundle at once, named as the command saw it (never a host path, never retried).
+          const shown: PackOptions =
+            runtime.name === "docker"
+              ? { shownAs: "/out" }
+              : { shownAs: "$DISPATCH_OUTPUT_DIR", absoluteRoot: outDir };
+          const entries = await scanTree(outDir, shown);
+          const up = await client.putOutputs(() => packEntries(outDir, entries, shown));
           say(`uploaded outputs: ${up.files} files, ${humanSize(up.bytes)}`);
         } catch (err) {
           if (isNotOurs(err)) {

@@ -28,19 +28,16 @@ import { loadDispatcherKey } from "./pool/bootstrap.ts";
 import { createWorkerPool, type PoolEvent, type WorkerPool } from "./pool/pool.ts";
 import { type BundleQueue, createBundleQueue } from "./queue/queue.ts";
 import { createBundleTransitions } from "./queue/transitions.ts";
-import { loadRunnerArtifact } from "./runner-artifact.ts";
+import type { RunnerArtifact } from "./runner-artifact.ts";
+
+export type { RunnerArtifact } from "./runner-artifact.ts";
+
 import { createScheduler, type Scheduler } from "./scheduler/scheduler.ts";
 import { sshConnector } from "./sshexec/executor.ts";
 import { createSync, type Sync } from "./sync.ts";
 
 /** How often a standby tries to take the lock. */
 export const LOCK_RETRY_INTERVAL_MS = 3000;
-
-/** The file deployed to instances as crunch-run (dispatcher/runner-artifact.ts loads it). */
-export interface RunnerArtifact {
-  content: Buffer;
-  sha256: string;
-}
 
 export interface DispatcherOptions {
   config: Config;
@@ -61,10 +58,9 @@ export interface DispatcherOptions {
   /** With `connect`: the authorized_keys line new instances get (none when absent). */
   dispatcherPublicKey?: string;
   /**
-   * What to deploy as crunch-run; default loadRunnerArtifact() with cloud.deployRunnerBinary (loaded when the
-   * dispatcher first becomes active).
+   * What to deploy as crunch-run (the composition root decides: cli/runner-artifact.ts, cloud.deployRunnerBinary).
    */
-  runner?: RunnerArtifact;
+  runner: RunnerArtifact;
   /** The REST server URL runners call (put in every start document). */
   runnerApiUrl: string;
   /** Standby lock retry interval (ms); default LOCK_RETRY_INTERVAL_MS. */
@@ -146,7 +142,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
   const registry = opts.registry ?? new Registry();
   const lockKey = `dispatch-cloud:${instanceSetId(config)}`;
   const retryInterval = opts.lockRetryInterval ?? LOCK_RETRY_INTERVAL_MS;
-  let runner: RunnerArtifact | undefined = opts.runner;
+  const runner = opts.runner;
   // Registered now, so every series exists (at zero) on a standby too.
   const metrics = createDispatcherMetrics({ registry, config, clock, logger: opts.logger });
 
@@ -199,15 +195,6 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
         registry,
       }));
     ownedInstanceSet = opts.instanceSet === undefined;
-    try {
-      runner ??= await loadRunnerArtifact({
-        deployRunnerBinary: config.cloud.deployRunnerBinary,
-        logger: opts.logger,
-      });
-    } catch (err) {
-      if (ownedInstanceSet) await instanceSet.stop().catch(() => {});
-      throw err;
-    }
     const instanceTypes = instanceTypesFromConfig(config);
     const { connect: rawConnect, publicKey } = await connectWith();
     const connect = metrics.timeConnect(rawConnect);

@@ -5,7 +5,6 @@
  */
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { pino } from "pino";
 import { Registry } from "prom-client";
 import { describe, expect, it } from "vitest";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
@@ -16,6 +15,7 @@ import type { Bundle, BundleState } from "../store/types.ts";
 import { createTestBundle, createTestUser, startWithRunnerToken } from "../test/db.ts";
 import { stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
 import { FakeClock, flushMicrotasks } from "../test/fake-clock.ts";
+import { silentLogger as logger } from "../test/fixtures.ts";
 import { injectClient } from "../test/rest-client.ts";
 import { MemoryQueue, testBundle } from "../test/stub-pool.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
@@ -30,7 +30,6 @@ import type { QueueChange } from "./queue/queue.ts";
 import { createSshMetrics, SSH_METRIC } from "./sshexec/metrics.ts";
 import type { RunnerView, WorkerState, WorkerView } from "./types.ts";
 
-const logger = pino({ level: "silent" });
 const HOUR = 3_600_000;
 
 /** name -> (sorted label pairs -> value) of every series in the registry. */

@@ -9,7 +9,8 @@ import { killBundle, markRunning, stageBundle, startBundle } from "../store/tran
 import type { Bundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, openTestDb, type TestDb } from "../test/db.ts";
 import { FakeClock } from "../test/fake-clock.ts";
-import { MemoryQueue, testInstanceType } from "../test/stub-pool.ts";
+import { testInstanceType } from "../test/fixtures.ts";
+import { MemoryQueue } from "../test/stub-pool.ts";
 import { createBundleTransitions } from "./queue/transitions.ts";
 import { createSync, type SyncPool } from "./sync.ts";
 import type { RunnerView, WorkerView } from "./types.ts";

@@ -97,6 +97,11 @@ export const ERROR_CODES = {
     status: 413,
     description: "The bundle's outputs are larger than restServer.maxOutputSize allows.",
   },
+  "runner.output_too_many_files": {
+    status: 413,
+    description:
+      "The outputs hold more files, directories and links than restServer.maxOutputFiles allows; the bundle fails.",
+  },
   "runner.log_gap": {
     status: 409,
     description:
@@ -208,6 +213,11 @@ export const ERROR_CODES = {
       "A server could not listen on its configured address (in use by another process, or not allowed); the process exits.",
   },
   // crunch-run (the runner on each instance).
+  "output.bad_entry": {
+    status: 400,
+    description:
+      "An output tree holds something that cannot be an output: a symbolic link to a place outside it, a FIFO, socket or device, a path longer than the filesystem holds, an entry that cannot be read, or the output directory itself a link. The bundle fails; the reason names the path as the container saw it.",
+  },
   "crunchrun.usage": { status: 400, description: "crunch-run's command line is malformed." },
   "crunchrun.invalid_start_document": {
     status: 400,

@@ -4,15 +4,17 @@ import {
   mkdirSync,
   mkdtempSync,
   readFileSync,
+  readlinkSync,
   rmSync,
   statSync,
+  symlinkSync,
   writeFileSync,
 } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { Readable } from "node:stream";
 import { afterAll, describe, expect, it } from "vitest";
-import { extractTar, packTar } from "./tar.ts";
+import { extractTar, linkInside, packTar, scanTree } from "./tar.ts";
 
 const work = mkdtempSync(path.join(tmpdir(), "dc-tar-"));
 afterAll(() => rmSync(work, { recursive: true, force: true }));
@@ -132,5 +134,116 @@ describe("tar", () => {
     await expect(extractTar(packTar(sample()), fresh(), { maxBytes: 1000 })).rejects.toMatchObject({
       code: "runner.output_too_large",
     });
+  });
+
+  it("keeps links that stay inside as links, and never follows one", async () => {
+    const src = fresh();
+    mkdirSync(path.join(src, "sub"));
+    writeFileSync(path.join(src, "sub/data"), "inside");
+    symlinkSync("sub/data", path.join(src, "rel"));
+    symlinkSync("/out/sub/data", path.join(src, "sub/abs")); // absolute, as the container saw it
+    symlinkSync(".", path.join(src, "loop"));
+    symlinkSync("../sub", path.join(src, "sub/self"));
+    const dst = fresh();
+    const summary = await extractTar(packTar(src, { shownAs: "/out" }), dst);
+    expect(summary.files).toBe(1);
+    expect(readlinkSync(path.join(dst, "rel"))).toBe("sub/data");
+    expect(readlinkSync(path.join(dst, "sub/abs"))).toBe("data");
+    expect(readlinkSync(path.join(dst, "loop"))).toBe(".");
+    expect(readlinkSync(path.join(dst, "sub/self"))).toBe(".");
+    expect(readFileSync(path.join(dst, "rel"), "utf8")).toBe("inside");
+    // GNU tar agrees on what the archive holds.
+    const file = path.join(fresh(), "links.tar");
+    const chunks: Buffer[] = [];
+    for await (const c of packTar(src, { shownAs: "/out" })) chunks.push(c as Buffer);
+    writeFileSync(file, Buffer.concat(chunks));
+    const listing = execFileSync("tar", ["-tvf", file], { encoding: "utf8" });
+    expect(listing).toMatch(/^l.* rel -> sub\/data$/m);
+  });
+
+  it.each([
+    [
+      "an absolute link to a host file",
+      (d: string) => symlinkSync("/etc/hostname", path.join(d, "h")),
+      "/out/h",
+    ],
+    ["a link climbing out", (d: string) => symlinkSync("../../etc", path.join(d, "up")), "/out/up"],
+    [
+      "a link deep inside climbing out",
+      (d: string) => {
+        mkdirSync(path.join(d, "a"));
+        symlinkSync("../..", path.join(d, "a/x"));
+      },
+      "/out/a/x",
+    ],
+    ["a FIFO", (d: string) => execFileSync("mkfifo", [path.join(d, "pipe")]), "/out/pipe"],
+  ])("refuses %s, naming it as the container saw it", async (_what, make, shown) => {
+    const src = fresh();
+    writeFileSync(path.join(src, "ok"), "fine");
+    make(src);
+    const err = await scanTree(src, { shownAs: "/out" }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ code: "output.bad_entry" });
+    expect((err as Error).message).toContain(shown);
+    expect((err as Error).message).not.toContain(src);
+  });
+
+  it("refuses an output directory that is itself a link, and more entries than allowed", async () => {
+    const real = fresh();
+    const parent = fresh();
+    symlinkSync(real, path.join(parent, "out"));
+    await expect(scanTree(path.join(parent, "out"), { shownAs: "/out" })).rejects.toMatchObject({
+      code: "output.bad_entry",
+      message: "/out is a symbolic link; it must be a directory",
+    });
+    for (let i = 0; i < 5; i++) writeFileSync(path.join(real, `f${i}`), "");
+    await expect(scanTree(real, { maxEntries: 4 })).rejects.toMatchObject({
+      code: "runner.output_too_many_files",
+    });
+    await expect(extractTar(packTar(real), fresh(), { maxEntries: 4 })).rejects.toMatchObject({
+      code: "runner.output_too_many_files",
+    });
+  });
+
+  it("skips outside links when asked (a subdirectory of a stored output)", async () => {
+    const src = fresh();
+    mkdirSync(path.join(src, "sub"));
+    writeFileSync(path.join(src, "top"), "t");
+    symlinkSync("../top", path.join(src, "sub/up"));
+    writeFileSync(path.join(src, "sub/own"), "o");
+    const dst = fresh();
+    await extractTar(packTar(path.join(src, "sub"), { outsideLinks: "skip" }), dst);
+    expect(tree(dst)).toEqual({ "./own": "1:-:6f" });
+  });
+
+  it.each([
+    [
+      "a link that leaves the archive",
+      "t=tarfile.TarInfo('a'); t.type=tarfile.SYMTYPE; t.linkname='../x'; f.addfile(t)",
+    ],
+    [
+      "an entry below a link",
+      "t=tarfile.TarInfo('d'); t.type=tarfile.SYMTYPE; t.linkname='.'; f.addfile(t)\n  t=tarfile.TarInfo('d/evil'); t.size=1; f.addfile(t, io.BytesIO(b'x'))",
+    ],
+    [
+      "a directory entry over a link",
+      "t=tarfile.TarInfo('d'); t.type=tarfile.SYMTYPE; t.linkname='.'; f.addfile(t)\n  t=tarfile.TarInfo('d'); t.type=tarfile.DIRTYPE; f.addfile(t)",
+    ],
+  ])("refuses %s when extracting", async (_what, add) => {
+    const file = path.join(fresh(), "bad.tar");
+    python(`import sys, tarfile, io\nwith tarfile.open(sys.argv[1], 'w') as f:\n  ${add}`, file);
+    await expect(extractTar(createReadStream(file), fresh())).rejects.toMatchObject({
+      code: "runner.bad_archive",
+    });
+  });
+
+  it("normalises link targets to climb only out of the link's own directory", () => {
+    expect(linkInside("a/b/l", "../c")).toBe("../c");
+    expect(linkInside("a/b/l", "../../c/d")).toBe("../../c/d");
+    expect(linkInside("a/b/l", "x/../../b/y")).toBe("y");
+    expect(linkInside("a/l", "../..")).toBeNull();
+    expect(linkInside("l", "/out/a", "/out")).toBe("a");
+    expect(linkInside("l", "/outside", "/out")).toBeNull();
+    expect(linkInside("l", "/out", "/out")).toBe(".");
+    expect(linkInside("l", "/etc/passwd")).toBeNull();
   });
 });

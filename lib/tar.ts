@@ -1,9 +1,12 @@
 /**
- * A small streaming tar (POSIX ustar, with pax headers for long paths and large sizes) for bundle outputs
- * and dependencies. Only regular files and directories travel; an archive with anything else (links,
- * devices, absolute paths, `..`) is refused, so extracting one can never write outside its directory.
+ * A small streaming tar (POSIX ustar, with pax headers for long paths, link targets and large sizes) for bundle
+ * outputs and dependencies. Regular files, directories and symbolic links that stay inside the tree travel.
+ * Packing never follows a link (lstat, no-follow opens, the scanned inode checked again at open); extracting
+ * refuses anything else (hard links, devices, absolute paths, `..`, links that leave the tree, entries below a
+ * link), so neither side ever reads or writes outside its directory.
  */
-import { mkdir, open, opendir, stat } from "node:fs/promises";
+import { constants, type Stats } from "node:fs";
+import { lstat, mkdir, open, opendir, readlink, symlink } from "node:fs/promises";
 import path from "node:path";
 import { Readable } from "node:stream";
 import { DispatchCloudError } from "./errors.ts";
@@ -43,10 +46,18 @@ function splitName(name: string): { prefix: string; short: string } | null {
   return null;
 }
 
-function header(name: string, size: number, type: "0" | "5" | "x", mode: number, mtime: number): Buffer {
+function header(
+  name: string,
+  size: number,
+  type: "0" | "2" | "5" | "x",
+  mode: number,
+  mtime: number,
+  linkName = "",
+): Buffer {
   const b = Buffer.alloc(BLOCK);
   const { prefix, short } = splitName(name) ?? { prefix: "", short: "long-name-in-pax-header" };
   b.write(short, 0, 100, "utf8");
+  if (Buffer.byteLength(linkName) <= 100) b.write(linkName, 157, 100, "utf8");
   b.write(octal(mode & 0o7777, 8), 100, "ascii");
   b.write(octal(0, 8), 108, "ascii");
   b.write(octal(0, 8), 116, "ascii");
@@ -77,64 +88,243 @@ function padding(size: number): Buffer {
   return rest === 0 ? Buffer.alloc(0) : Buffer.alloc(BLOCK - rest);
 }
 
-function* entryHeaders(name: string, size: number, type: "0" | "5", mode: number, mtime: number) {
+function* entryHeaders(
+  name: string,
+  size: number,
+  type: "0" | "2" | "5",
+  mode: number,
+  mtime: number,
+  linkName = "",
+) {
   const needsPath = splitName(name) === null;
   const needsSize = size > MAX_OCTAL_SIZE;
-  if (needsPath || needsSize) {
+  const needsLink = Buffer.byteLength(linkName) > 100;
+  if (needsPath || needsSize || needsLink) {
     const pax = Buffer.from(
-      (needsPath ? paxRecord("path", name) : "") + (needsSize ? paxRecord("size", String(size)) : ""),
+      (needsPath ? paxRecord("path", name) : "") +
+        (needsSize ? paxRecord("size", String(size)) : "") +
+        (needsLink ? paxRecord("linkpath", linkName) : ""),
     );
     yield header("PaxHeader", pax.length, "x", 0o644, mtime);
     yield pax;
     yield padding(pax.length);
   }
-  yield header(name, size, type, mode, mtime);
+  yield header(name, size, type, mode, mtime, linkName);
 }
 
-async function* walk(root: string, rel: string): AsyncGenerator<Buffer> {
-  const names: string[] = [];
-  for await (const d of await opendir(path.join(root, rel))) names.push(d.name);
-  names.sort();
-  for (const entry of names) {
-    const relPath = rel === "" ? entry : `${rel}/${entry}`;
-    const full = path.join(root, relPath);
-    const st = await stat(full);
-    const mtime = st.mtimeMs / 1000;
-    if (st.isDirectory()) {
-      yield* entryHeaders(`${relPath}/`, 0, "5", 0o755, mtime);
-      yield* walk(root, relPath);
-    } else if (st.isFile()) {
-      yield* entryHeaders(relPath, st.size, "0", st.mode & 0o111 ? 0o755 : 0o644, mtime);
-      const fh = await open(full, "r");
-      try {
-        let left = st.size;
-        while (left > 0) {
-          const buf = Buffer.alloc(Math.min(left, 256 * 1024));
-          const { bytesRead } = await fh.read(buf, 0, buf.length, st.size - left);
-          if (bytesRead === 0) {
-            throw new Error(`${relPath} shrank while it was being archived`);
-          }
-          left -= bytesRead;
-          yield buf.subarray(0, bytesRead);
-        }
-      } finally {
-        await fh.close();
-      }
-      yield padding(st.size);
-    }
-    // Anything else (sockets, fifos, symlinks to nowhere): not part of an output.
+/** An entry of a tree being archived, as lstat saw it (links are never followed). */
+interface PackEntry {
+  rel: string;
+  kind: "dir" | "file" | "link";
+  size: number;
+  mode: number;
+  mtime: number;
+  /** A link's target, relative and normalised (see `linkInside`). */
+  target: string;
+  dev: number;
+  ino: number;
+}
+
+export interface PackOptions {
+  /** How the packed directory is named in errors, e.g. "/out" (the directory as the container saw it). */
+  shownAs?: string;
+  /** How absolute link targets name the packed directory (default: shownAs when it is absolute). */
+  absoluteRoot?: string;
+  /** Most entries (files, directories and links) the archive may hold. */
+  maxEntries?: number;
+  /**
+   * A link to a place outside the packed directory: refused (the default: outputs as a bundle left them) or
+   * left out (a subdirectory of a stored output, whose links may point elsewhere in the output).
+   */
+  outsideLinks?: "refuse" | "skip";
+}
+
+const badEntry = (message: string) => new DispatchCloudError("output.bad_entry", message);
+
+const KIND_NAMES: [(st: Stats) => boolean, string][] = [
+  [(st) => st.isFIFO(), "a FIFO"],
+  [(st) => st.isSocket(), "a socket"],
+  [(st) => st.isCharacterDevice(), "a character device"],
+  [(st) => st.isBlockDevice(), "a block device"],
+];
+
+/**
+ * A symbolic link's target as a relative path that stays inside the tree, or null when it leaves it. `linkRel`
+ * is the link's own path in the tree; `absoluteRoot` is how the tree's root appears in absolute targets (e.g.
+ * "/out" for a bundle's outputs: `/out/a` inside the container is `a` in the tree). The result climbs only out
+ * of the link's own directory (`../` first, then names), so resolving it never passes above the tree's root,
+ * as long as the link's directory is a real directory (archives never put entries below a link).
+ */
+export function linkInside(linkRel: string, target: string, absoluteRoot?: string): string | null {
+  if (target === "" || target.includes("\0")) return null;
+  let from: string[];
+  let rest: string;
+  if (target.startsWith("/")) {
+    if (absoluteRoot === undefined) return null;
+    const root = absoluteRoot.replace(/\/+$/, "");
+    if (target !== root && !target.startsWith(`${root}/`)) return null;
+    from = [];
+    rest = target.slice(root.length);
+  } else {
+    from = linkRel.split("/").slice(0, -1);
+    rest = target;
   }
+  const parts = [...from];
+  for (const p of rest.split("/")) {
+    if (p === "" || p === ".") continue;
+    if (p === "..") {
+      if (parts.length === 0) return null;
+      parts.pop();
+    } else parts.push(p);
+  }
+  const dir = linkRel.split("/").slice(0, -1);
+  let common = 0;
+  while (common < dir.length && common < parts.length && dir[common] === parts[common]) common++;
+  const up = dir.length - common;
+  const down = parts.slice(common);
+  const out = [...Array(up).fill(".."), ...down].join("/");
+  return out === "" ? "." : out;
 }
 
-async function* archive(dir: string): AsyncGenerator<Buffer> {
-  yield* walk(dir, "");
-  yield ZERO_BLOCK;
-  yield ZERO_BLOCK;
+/**
+ * Lists `dir`'s tree with lstat, sorted, without following any link, and checks that every entry can travel:
+ * links (kept as links) must point inside the tree, anything else than files, directories and links is
+ * refused, and so is a tree with more than `maxEntries` entries. Errors name paths as `shownAs/<path>`.
+ */
+export async function scanTree(dir: string, opts: PackOptions = {}): Promise<PackEntry[]> {
+  const shownAs = (opts.shownAs ?? ".").replace(/\/+$/, "");
+  const show = (rel: string) => (rel === "" ? shownAs : `${shownAs}/${rel}`);
+  const maxEntries = opts.maxEntries ?? Number.POSITIVE_INFINITY;
+  const absoluteRoot = opts.absoluteRoot ?? (shownAs.startsWith("/") ? shownAs : undefined);
+  const top = await lstat(dir).catch((err: unknown) => {
+    throw localFailure(err, show(""));
+  });
+  if (top.isSymbolicLink()) throw badEntry(`${show("")} is a symbolic link; it must be a directory`);
+  if (!top.isDirectory()) throw badEntry(`${show("")} is not a directory`);
+  const out: PackEntry[] = [];
+  const visit = async (rel: string): Promise<void> => {
+    let names: string[];
+    try {
+      names = [];
+      for await (const d of await opendir(rel === "" ? dir : path.join(dir, rel))) names.push(d.name);
+    } catch (err) {
+      throw localFailure(err, show(rel));
+    }
+    names.sort();
+    for (const name of names) {
+      const relPath = rel === "" ? name : `${rel}/${name}`;
+      const tooLong = pathLengthProblem(relPath.split("/"));
+      if (tooLong !== undefined) throw badEntry(`${show(relPath).slice(0, 300)}: ${tooLong}`);
+      const st = await lstat(path.join(dir, relPath)).catch((err: unknown) => {
+        throw localFailure(err, show(relPath));
+      });
+      const base = { rel: relPath, mtime: st.mtimeMs / 1000, dev: st.dev, ino: st.ino, size: 0, target: "" };
+      if (st.isSymbolicLink()) {
+        const raw = await readlink(path.join(dir, relPath)).catch((err: unknown) => {
+          throw localFailure(err, show(relPath));
+        });
+        const target = linkInside(relPath, raw, absoluteRoot);
+        if (target === null) {
+          if (opts.outsideLinks === "skip") continue;
+          throw badEntry(
+            `${show(relPath)} is a symbolic link to ${JSON.stringify(raw.slice(0, 300))}, outside ${shownAs}: only links that stay inside ${shownAs} are kept`,
+          );
+        }
+        out.push({ ...base, kind: "link", mode: 0o777, target });
+      } else if (st.isDirectory()) {
+        out.push({ ...base, kind: "dir", mode: 0o755 });
+      } else if (st.isFile()) {
+        out.push({ ...base, kind: "file", size: st.size, mode: st.mode & 0o111 ? 0o755 : 0o644 });
+      } else {
+        const what = KIND_NAMES.find(([is]) => is(st))?.[1] ?? "a special file";
+        throw badEntry(`${show(relPath)} is ${what}: outputs hold only files, directories and links`);
+      }
+      if (out.length > maxEntries) {
+        throw new DispatchCloudError(
+          "runner.output_too_many_files",
+          `${shownAs} holds more than the ${maxEntries} files, directories and links allowed`,
+        );
+      }
+      if (st.isDirectory()) await visit(relPath);
+    }
+  };
+  await visit("");
+  return out;
 }
 
-/** A tar stream of `dir`'s regular files and directories (sorted, relative paths). Symlinks are followed. */
-export function packTar(dir: string): Readable {
-  return Readable.from(archive(dir), { objectMode: false });
+/** An fs error met while packing or extracting, as a stable error naming the path (ENOSPC stays as it is). */
+function localFailure(err: unknown, shown: string): unknown {
+  const code = (err as NodeJS.ErrnoException).code;
+  if (code === undefined || code === "ENOSPC" || code === "EIO" || err instanceof DispatchCloudError)
+    return err;
+  const why: Record<string, string> = {
+    ELOOP: "is a symbolic link where a directory or file was expected",
+    ENAMETOOLONG: "is a longer path than the filesystem holds",
+    EACCES: "cannot be read (permission denied)",
+    EPERM: "cannot be read (operation not permitted)",
+    ENOENT: "disappeared while it was being archived",
+    ENOTDIR: "changed from a directory to something else while it was being archived",
+  };
+  return badEntry(`${shown.slice(0, 300)} ${why[code] ?? `could not be read (${code})`}`);
+}
+
+async function* entryBytes(dir: string, e: PackEntry, show: (rel: string) => string): AsyncGenerator<Buffer> {
+  if (e.kind === "dir") {
+    yield* entryHeaders(`${e.rel}/`, 0, "5", e.mode, e.mtime);
+    return;
+  }
+  if (e.kind === "link") {
+    yield* entryHeaders(e.rel, 0, "2", e.mode, e.mtime, e.target);
+    return;
+  }
+  // No-follow open, then the same inode as scanned: a path swapped for a link since is refused, not read.
+  const fh = await open(path.join(dir, e.rel), constants.O_RDONLY | constants.O_NOFOLLOW).catch(
+    (err: unknown) => {
+      throw localFailure(err, show(e.rel));
+    },
+  );
+  try {
+    const st = await fh.stat();
+    if (!st.isFile() || st.ino !== e.ino || st.dev !== e.dev) {
+      throw badEntry(`${show(e.rel)} was replaced while it was being archived`);
+    }
+    yield* entryHeaders(e.rel, e.size, "0", e.mode, e.mtime);
+    let left = e.size;
+    while (left > 0) {
+      const buf = Buffer.alloc(Math.min(left, 256 * 1024));
+      const { bytesRead } = await fh.read(buf, 0, buf.length, e.size - left);
+      if (bytesRead === 0) throw badEntry(`${show(e.rel)} shrank while it was being archived`);
+      left -= bytesRead;
+      yield buf.subarray(0, bytesRead);
+    }
+  } finally {
+    await fh.close();
+  }
+  yield padding(e.size);
+}
+
+/** The archive of entries from `scanTree(dir)`. */
+export function packEntries(dir: string, entries: readonly PackEntry[], opts: PackOptions = {}): Readable {
+  const shownAs = (opts.shownAs ?? ".").replace(/\/+$/, "");
+  const show = (rel: string) => `${shownAs}/${rel}`;
+  async function* archive(): AsyncGenerator<Buffer> {
+    for (const e of entries) yield* entryBytes(dir, e, show);
+    yield ZERO_BLOCK;
+    yield ZERO_BLOCK;
+  }
+  return Readable.from(archive(), { objectMode: false });
+}
+
+/**
+ * A tar stream of `dir` (sorted, relative paths): files, directories, and symbolic links that stay inside it,
+ * kept as links. Nothing is followed; see `scanTree` for what is refused.
+ */
+export function packTar(dir: string, opts: PackOptions = {}): Readable {
+  async function* archive(): AsyncGenerator<Buffer> {
+    const entries = await scanTree(dir, opts);
+    yield* packEntries(dir, entries, opts);
+  }
+  return Readable.from(archive(), { objectMode: false });
 }
 
 // ---- reading ----
@@ -238,22 +428,37 @@ function safePath(name: string): string | null {
 
 const TYPE_NAMES: Record<string, string> = {
   "1": "a hard link",
-  "2": "a symbolic link",
   "3": "a character device",
   "4": "a block device",
   "6": "a FIFO",
 };
 
 /**
- * Extracts a tar stream into `dir` (created if missing). Refuses links, devices, absolute paths and `..`
- * (runner.bad_archive), and an archive whose files add up to more than `maxBytes` (runner.output_too_large).
+ * Extracts a tar stream into `dir` (created if missing). Refuses hard links, devices, absolute paths, `..`,
+ * symbolic links that leave the tree and entries below a symbolic link (runner.bad_archive), an archive whose
+ * files add up to more than `maxBytes` (runner.output_too_large) and one with more than `maxEntries` entries
+ * (runner.output_too_many_files).
  */
 export async function extractTar(
   input: AsyncIterable<unknown>,
   dir: string,
-  opts: { maxBytes?: number } = {},
+  opts: { maxBytes?: number; maxEntries?: number } = {},
 ): Promise<TarSummary> {
   const maxBytes = opts.maxBytes ?? Number.POSITIVE_INFINITY;
+  const maxEntries = opts.maxEntries ?? Number.POSITIVE_INFINITY;
+  let entries = 0;
+  const links = new Set<string>();
+  /** Entries never go below a link: writing through one could leave the tree. */
+  const checkParents = (rel: string) => {
+    const parts = rel.split("/");
+    for (let i = 1; i < parts.length; i++) {
+      const prefix = parts.slice(0, i).join("/");
+      if (links.has(prefix))
+        throw badArchive(
+          `entry ${JSON.stringify(rel)} lies below the symbolic link ${JSON.stringify(prefix)}`,
+        );
+    }
+  };
   const reader = new ByteReader(input);
   const summary: TarSummary = { files: 0, bytes: 0 };
   await mkdir(dir, { recursive: true });
@@ -280,16 +485,47 @@ export async function extractTar(
       if (type === "L") longName = field(data, 0, size);
       continue;
     }
-    pax = new Map();
-    longName = null;
     const what = TYPE_NAMES[type];
     if (what !== undefined)
       throw badArchive(`entry ${JSON.stringify(name)} is ${what}; only files and directories are allowed`);
-    if (type !== "0" && type !== "5" && type !== "7")
+    if (type !== "0" && type !== "2" && type !== "5" && type !== "7")
       throw badArchive(`entry ${JSON.stringify(name)} has unsupported type ${JSON.stringify(type)}`);
     const isDir = type === "5" || name.endsWith("/");
+    const linkName = pax.get("linkpath") ?? field(h, 157, 100);
+    pax = new Map();
+    longName = null;
     name = name.replace(/\/+$/, "");
     const rel = safePath(name);
+    if (rel !== null) {
+      entries += 1;
+      if (entries > maxEntries)
+        throw new DispatchCloudError(
+          "runner.output_too_many_files",
+          `the archive holds more than the ${maxEntries} files, directories and links allowed`,
+        );
+      checkParents(rel);
+      if (links.has(rel))
+        throw badArchive(`entry ${JSON.stringify(rel)} clashes with another entry of the archive`);
+    }
+    if (type === "2") {
+      if (rel === null) throw badArchive("a symbolic link entry has an empty name");
+      const target = linkInside(rel, linkName);
+      if (target === null)
+        throw badArchive(
+          `entry ${JSON.stringify(rel)} is a symbolic link to ${JSON.stringify(linkName.slice(0, 300))}, outside the archive`,
+        );
+      const at = path.join(dir, rel);
+      await mkdirEntry(path.dirname(at), rel);
+      await symlink(target, at).catch((err: NodeJS.ErrnoException) => {
+        if (err.code === "EEXIST" || err.code === "ENOTDIR")
+          throw badArchive(`entry ${JSON.stringify(rel)} clashes with another entry of the archive`);
+        if (err.code === "ENAMETOOLONG") throw tooDeep(rel);
+        throw err;
+      });
+      links.add(rel);
+      if (dataBlocks > 0) await skip(reader, dataBlocks);
+      continue;
+    }
     if (isDir) {
       if (rel !== null) await mkdirEntry(path.join(dir, rel), rel);
       if (dataBlocks > 0) await skip(reader, dataBlocks);

@@ -11,7 +11,7 @@ import { hasControlCharacter, hasLoneSurrogate } from "../lib/text-limits.ts";
 import { BUNDLE_UUID_PATTERN } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { killBundle } from "../store/transitions.ts";
-import { type Bundle, isFinalState } from "../store/types.ts";
+import { isFinalState } from "../store/types.ts";
 import { managementApiDocument } from "./openapi.ts";
 import {
   bundleItem,

@@ -6,7 +6,7 @@
  *
  * Also the listing's query string (`limit`, `cursor`) and its opaque cursor.
  */
-import { lstat, readdir } from "node:fs/promises";
+import { lstat, readdir, readlink } from "node:fs/promises";
 import path from "node:path";
 import { DispatchCloudError } from "../lib/errors.ts";
 
@@ -18,6 +18,8 @@ export interface ListedFile {
   /** Path relative to the listed tree's root, `/`-separated. */
   path: string;
   size: number;
+  /** A symbolic link (inside the outputs, as uploads are checked to be): its target, relative to its directory. */
+  link?: string;
 }
 
 export interface OutputPage {
@@ -40,8 +42,9 @@ export async function listFilesPage(root: string, rel: string, page: OutputPage)
     const entries = await readdir(dirRel === "" ? root : path.join(root, dirRel), { withFileTypes: true });
     const items: { path: string; key: string; dir: boolean }[] = [];
     for (const d of entries) {
-      // Nothing else can be there (extractTar writes files and directories only).
-      if (!d.isDirectory() && !d.isFile()) continue;
+      // Nothing else can be there (extractTar writes files, directories and links only); links are listed, not
+      // followed.
+      if (!d.isDirectory() && !d.isFile() && !d.isSymbolicLink()) continue;
       const p = dirRel === "" ? d.name : `${dirRel}/${d.name}`;
       items.push({ path: p, key: d.isDirectory() ? `${p}/` : p, dir: d.isDirectory() });
     }
@@ -54,7 +57,13 @@ export async function listFilesPage(root: string, rel: string, page: OutputPage)
         if (await walk(item.path)) return true;
       } else {
         if (after !== null && item.path <= after) continue;
-        out.push({ path: item.path, size: (await lstat(path.join(root, item.path))).size });
+        const full = path.join(root, item.path);
+        const st = await lstat(full);
+        out.push(
+          st.isSymbolicLink()
+            ? { path: item.path, size: 0, link: await readlink(full) }
+            : { path: item.path, size: st.size },
+        );
         if (out.length >= limit) return true;
       }
     }

@@ -19,6 +19,8 @@ export interface OutputFile {
   /** Path relative to the bundle's output root, `/`-separated. */
   path: string;
   size: number;
+  /** A symbolic link: its target, relative to the link's directory (always inside the outputs). */
+  link?: string;
 }
 
 export type OutputEntry =
@@ -34,7 +36,7 @@ export interface OutputStore {
   replace(
     uuid: string,
     input: AsyncIterable<unknown>,
-    opts: { maxBytes: number; beforeCommit?: () => Promise<void> },
+    opts: { maxBytes: number; maxEntries?: number; beforeCommit?: () => Promise<void> },
   ): Promise<TarSummary>;
   /**
    * The file at `rel` ("" = the root), or the recursive listing of the directory there: all of it, or with
@@ -104,7 +106,8 @@ export function createOutputStore(outputsDir: string): OutputStore {
     try {
       full = await realpath(path.join(base, rel));
     } catch (err) {
-      if (isNotFound(err)) return null;
+      // ELOOP: links kept in an output may form a loop (`ln -s . loop`); the path names nothing then.
+      if (isNotFound(err) || (err as NodeJS.ErrnoException).code === "ELOOP") return null;
       throw err;
     }
     if (full !== base && !full.startsWith(base + path.sep)) return null;
@@ -114,7 +117,7 @@ export function createOutputStore(outputsDir: string): OutputStore {
   async function replaceNow(
     uuid: string,
     input: AsyncIterable<unknown>,
-    opts: { maxBytes: number; beforeCommit?: () => Promise<void> },
+    opts: { maxBytes: number; maxEntries?: number; beforeCommit?: () => Promise<void> },
   ): Promise<TarSummary> {
     await mkdir(root, { recursive: true });
     const tag = randomBytes(6).toString("hex");
@@ -123,7 +126,10 @@ export function createOutputStore(outputsDir: string): OutputStore {
     const linkTmp = path.join(root, `.${uuid}.${tag}.link`);
     let committed = false;
     try {
-      const summary = await extractTar(input, dir, { maxBytes: opts.maxBytes });
+      const summary = await extractTar(input, dir, {
+        maxBytes: opts.maxBytes,
+        ...(opts.maxEntries === undefined ? {} : { maxEntries: opts.maxEntries }),
+      });
       await opts.beforeCommit?.();
       let old: string | null = null;
       try {
@@ -189,7 +195,8 @@ export function createOutputStore(outputsDir: string): OutputStore {
       const full = await resolveInside(base, rel);
       if (full === null) return null;
       const st = await lstat(full);
-      if (st.isDirectory()) return packTar(full);
+      // A subdirectory's links may point elsewhere in the output: those are left out of its archive.
+      if (st.isDirectory()) return packTar(full, { outsideLinks: "skip" });
       if (!st.isFile()) return null;
       // One file: a hard link to it, alone in a scratch directory, archived under its base name.
       await mkdir(root, { recursive: true });

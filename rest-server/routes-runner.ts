@@ -15,9 +15,9 @@ import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts"
 import { finishBundle, loseBundle, markRunning } from "../store/transitions.ts";
 import type { Bundle, LogStream, TransitionResult } from "../store/types.ts";
 import { authenticateRunner, runnerBundleOf } from "./auth.ts";
+import type { RouteContext } from "./context.ts";
 import { parseCount, parseStream } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
-import type { RouteContext } from "./server.ts";
 import { validate } from "./validate.ts";
 
 const StartRequest = Type.Object({}, { additionalProperties: false });
@@ -105,8 +105,13 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     const bundle = runnerBundleOf(request);
     if (request.body !== undefined) validate(StartRequest, request.body);
     const result = await markRunning(db, bundle.uuid, bundle.attempt, { actor: ACTOR });
-    if (result.ok)
+    if (result.ok) {
+      request.log.info(
+        { bundleUuid: bundle.uuid, attempt: bundle.attempt, instanceId: bundle.instanceId },
+        "bundle running",
+      );
       return { uuid: result.bundle.uuid, state: result.bundle.state, attempt: result.bundle.attempt };
+    }
     // A retried start (the first answer was lost) finds its own attempt already running: that is success.
     const now = result.current;
     if (now !== null && now.state === "running" && now.attempt === bundle.attempt) {
@@ -151,6 +156,16 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       actor: ACTOR,
     });
     if (!result.ok) throw notCurrent(bundle, result);
+    request.log.info(
+      {
+        bundleUuid: bundle.uuid,
+        attempt: bundle.attempt,
+        state: result.bundle.state,
+        exitCode: result.bundle.exitCode,
+        reason: result.bundle.stateReason,
+      },
+      `bundle ${result.bundle.state}`,
+    );
     return { uuid: result.bundle.uuid, state: result.bundle.state, exitCode: result.bundle.exitCode };
   });
 
@@ -228,8 +243,10 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
         stream,
         offset,
         data,
+        maxBytes: ctx.maxLogBytesPerStream,
       });
-      if (result.ok) return { stored: result.stored };
+      if (result.ok)
+        return result.truncated ? { stored: result.stored, truncated: true } : { stored: result.stored };
       if (result.reason === "gap") {
         throw new DispatchCloudError(
           "runner.log_gap",
@@ -250,6 +267,7 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       if (declared > rawLimit) throw tooLarge(max);
       const summary = await ctx.outputs.replace(bundle.uuid, limitedBody(request, rawLimit, max), {
         maxBytes: max,
+        maxEntries: ctx.maxOutputFiles,
         beforeCommit: async () => {
           const now = await getBundle(db, bundle.uuid);
           if (now?.attempt !== bundle.attempt || (now.state !== "starting" && now.state !== "running")) {

@@ -11,7 +11,7 @@ import { parseDuration } from "../lib/units.ts";
 import { countTokens, createToken, getUser, listTokens, lockUser, revokeToken } from "../store/queries.ts";
 import type { ApiToken, User } from "../store/types.ts";
 import { callerOf, callerTokenOf, requireAdmin, userAuthHook } from "./auth.ts";
-import type { RouteContext } from "./server.ts";
+import type { RouteContext } from "./context.ts";
 import { invalidBody, validate } from "./validate.ts";
 
 /** An instant with a time zone, as JSON dates are written: `2026-05-01T12:00:00Z`, `...T12:00:00.000+02:00`. */

@@ -11,11 +11,11 @@ import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
 import { callerOf, requireAdmin, userAuthHook } from "./auth.ts";
 import { parseBundleRequest } from "./bundle-request.ts";
+import type { RouteContext } from "./context.ts";
 import { logReadable, parseLogQuery } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
 import { encodeOutputCursor, parseOutputListQuery } from "./outputs-listing.ts";
 import { insertWithinLimits, sendRefusal } from "./quotas.ts";
-import type { RouteContext } from "./server.ts";
 import { validate } from "./validate.ts";
 import { bundleView, decodeCursor, encodeCursor, eventView, type ListCursor } from "./views.ts";
 
@@ -140,6 +140,10 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
       nowMs: ctx.nowMs(),
     });
     if (!result.ok) return sendRefusal(reply, result.refusal);
+    request.log.info(
+      { bundleUuid: result.bundle.uuid, owner: caller.uuid, image: result.bundle.image },
+      "bundle created",
+    );
     return reply.code(201).send(view(result.bundle));
   });
 
@@ -178,6 +182,7 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
       if (result.current === null) throw notFound(bundle.uuid);
       throw conflict(result.current);
     }
+    request.log.info({ bundleUuid: bundle.uuid, from: bundle.state, by: caller.uuid }, "bundle killed");
     return view(result.bundle);
   });
 

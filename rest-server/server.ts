@@ -29,9 +29,10 @@ import {
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
-import { createLogNotifier, type LogNotifier } from "./logs.ts";
+import type { RouteContext } from "./context.ts";
+import { createLogNotifier } from "./logs.ts";
 import { usersApiDocument } from "./openapi.ts";
-import { createOutputStore, type OutputStore } from "./outputs.ts";
+import { createOutputStore } from "./outputs.ts";
 import { NO_SUBMIT_LIMITS, type SubmitLimits } from "./quotas.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";
 import { registerTokenRoutes } from "./routes-tokens.ts";
@@ -52,6 +53,10 @@ export interface RestServerOptions {
   dataDir: string;
   /** Largest output upload of one bundle, in bytes (the sum of its files); default 10 GiB. */
   maxOutputSize?: number;
+  /** Most entries (files, directories, links) of one bundle's outputs; default restServer.maxOutputFiles's. */
+  maxOutputFiles?: number;
+  /** Bytes kept of one log stream per attempt, then a truncation notice; default maxLogBytesPerStream's. */
+  maxLogBytesPerStream?: number;
   /** How often a log follower re-reads when no notification woke it, in ms; default 5000. */
   logPollInterval?: number;
   /** An instance type's price in dollars per hour (config), for the cost stored at finish; none: no cost. */
@@ -68,21 +73,7 @@ export interface RestServerOptions {
   quotas?: SubmitLimits & { maxTokensPerUser: number };
 }
 
-/** What the routes need, built once by createRestServer. */
-export interface RouteContext {
-  db: Db;
-  clusterId: string;
-  defaultMaxAttempts: number;
-  nowMs(): number;
-  outputs: OutputStore;
-  maxOutputSize: number;
-  logNotifier: LogNotifier;
-  logPollInterval: number;
-  instancePrice(instanceType: string): number | undefined;
-  bundleMinimums: BundleMinimums;
-  submitLimits: SubmitLimits;
-  maxTokensPerUser: number;
-}
+export type { RouteContext } from "./context.ts";
 
 export const DEFAULT_MAX_OUTPUT_SIZE = 10 * 2 ** 30;
 export const DEFAULT_MAX_TOKENS_PER_USER = 100;
@@ -104,6 +95,8 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     nowMs: clock === undefined ? () => Date.now() : () => clock.now(),
     outputs: createOutputStore(join(opts.dataDir, "outputs")),
     maxOutputSize: opts.maxOutputSize ?? DEFAULT_MAX_OUTPUT_SIZE,
+    maxOutputFiles: opts.maxOutputFiles ?? defaults.maxOutputFiles,
+    maxLogBytesPerStream: opts.maxLogBytesPerStream ?? defaults.maxLogBytesPerStream,
     logNotifier: createLogNotifier(opts.db, logger),
     logPollInterval: opts.logPollInterval ?? 5000,
     instancePrice: opts.instancePrice ?? (() => undefined),

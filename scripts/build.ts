@@ -4,7 +4,7 @@
  *   npm run build      -> dist/dispatch-cloud.cjs  (CommonJS behind a two-line launcher, executable)
  *   npm run build:sea  -> dist/dispatch-cloud      (a Node single executable application of that file)
  *
- * What goes into the file and how (`buildArtifact`, also used by dispatcher/runner-artifact.ts when the
+ * What goes into the file and how (`buildArtifact`, also used by cli/runner-artifact.ts when the
  * dispatcher runs from TypeScript sources, so both deploy the same program):
  * - esbuild bundles cli/main.ts with every package; the CLI and crunch-run are loaded by dynamic import, which
  *   esbuild turns into lazily initialised modules, so crunch-run modes do not load the dispatcher.

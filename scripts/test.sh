@@ -10,8 +10,8 @@ eval "$(bash scripts/test-services.sh)" || { echo "test.sh: could not start the 
 
 echo "== typecheck (tsc --noEmit)"
 npx tsc --noEmit || status=1
-echo "== lint and format (biome check)"
-npx biome check . || status=1
+echo "== lint, format and the layers (npm run lint: biome, dependency-cruiser)"
+npm run --silent lint || status=1
 
 echo "== tests (vitest)"
 results=.test-results.json

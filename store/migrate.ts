@@ -7,15 +7,13 @@ import { readdirSync, readFileSync } from "node:fs";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "./db.ts";
 import { EMBEDDED_MIGRATIONS } from "./migrations-embedded.ts";
+import type { Migration } from "./types.ts";
 
 const MIGRATIONS_DIR = new URL("./migrations/", import.meta.url);
 /** Advisory lock key held while migrating (arbitrary, fixed). */
 const MIGRATION_LOCK_KEY = 72_468_352_810;
 
-export interface Migration {
-  name: string;
-  sql: string;
-}
+export type { Migration } from "./types.ts";
 
 /**
  * The migrations, in the order they apply: store/migrations/*.sql, or the copies built into the one-file

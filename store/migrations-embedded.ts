@@ -1,4 +1,4 @@
-import type { Migration } from "./migrate.ts";
+import type { Migration } from "./types.ts";
 
 /**
  * The migrations built into the one-file artifact. From sources this is null and store/migrations/*.sql are

@@ -615,7 +615,7 @@ export async function recordHeartbeat(
 }
 
 export type AppendLogResult =
-  | { ok: true; stored: number }
+  | { ok: true; stored: number; truncated?: boolean }
   | { ok: false; reason: "gap"; stored: number }
   | { ok: false; reason: "not_current"; current: { state: BundleState; attempt: number } | null };
 
@@ -625,11 +625,22 @@ export type AppendLogResult =
  * stored is a gap and writes nothing. In one transaction that holds the bundle row (KEY SHARE: a transition
  * out of starting/running waits for it, heartbeats do not) and the stream's advisory lock, so a log follower
  * that sees the bundle final afterwards also sees every chunk; NOTIFYs LOG_CHANNEL when it wrote something.
+ *
+ * With `maxBytes`, a stream keeps its first maxBytes bytes and then a one-line truncation notice; from then on
+ * every chunk is acknowledged (`stored` is the runner's own offset after it, `truncated: true`) and dropped.
  */
 export async function appendLogChunk(
   db: Db,
-  args: { uuid: string; attempt: number; stream: LogStream; offset: number; data: Uint8Array },
+  args: {
+    uuid: string;
+    attempt: number;
+    stream: LogStream;
+    offset: number;
+    data: Uint8Array;
+    maxBytes?: number;
+  },
 ): Promise<AppendLogResult> {
+  const maxBytes = args.maxBytes ?? Number.POSITIVE_INFINITY;
   return db.transaction(async (tx) => {
     const { rows: cur } = await tx.query<{ state: BundleState; attempt: number }>(
       "SELECT state, attempt FROM bundles WHERE uuid = $1 FOR KEY SHARE",
@@ -646,19 +657,29 @@ export async function appendLogChunk(
       `log ${args.uuid} ${args.attempt} ${args.stream}`,
     ]);
     const stored = await storedLogBytes(tx, args.uuid, args.attempt, args.stream);
-    if (args.offset > stored) return { ok: false, reason: "gap", stored };
     const end = args.offset + args.data.length;
+    // Past the limit (the notice makes the stored bytes exceed it): acknowledged and dropped.
+    if (stored > maxBytes) return { ok: true, stored: Math.max(end, stored), truncated: true };
+    if (args.offset > stored) return { ok: false, reason: "gap", stored };
     if (end <= stored) return { ok: true, stored };
-    const tail = args.data.subarray(stored - args.offset);
+    let tail: Uint8Array = args.data.subarray(stored - args.offset);
+    const truncated = stored + tail.length > maxBytes;
+    if (truncated) {
+      const notice = Buffer.from(
+        `\n[dispatch-cloud] the ${args.stream} log reached its limit of ${maxBytes} bytes (restServer.maxLogBytesPerStream); later bytes were dropped\n`,
+      );
+      tail = Buffer.concat([tail.subarray(0, maxBytes - stored), notice]);
+    }
     await tx.query(
       `INSERT INTO bundle_logs (bundle_uuid, attempt, stream, byte_offset, data) VALUES ($1, $2, $3, $4, $5)`,
       [args.uuid, args.attempt, args.stream, stored, tail],
     );
+    const now = stored + tail.length;
     await tx.query("SELECT pg_notify($1, $2)", [
       LOG_CHANNEL,
-      `${args.uuid} ${args.attempt} ${args.stream} ${end}`,
+      `${args.uuid} ${args.attempt} ${args.stream} ${now}`,
     ]);
-    return { ok: true, stored: end };
+    return truncated ? { ok: true, stored: Math.max(end, now), truncated: true } : { ok: true, stored: end };
   });
 }
 

@@ -145,3 +145,9 @@ export const LOG_CHANNEL = "dispatch_cloud_logs";
 
 export const LOG_STREAMS = ["stdout", "stderr"] as const;
 export type LogStream = (typeof LOG_STREAMS)[number];
+
+/** One numbered SQL migration (store/migrations/NNN_name.sql). */
+export interface Migration {
+  name: string;
+  sql: string;
+}

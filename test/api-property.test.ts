@@ -12,7 +12,6 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import fc from "fast-check";
 import type { FastifyInstance, InjectOptions } from "fastify";
-import { pino } from "pino";
 import { Registry } from "prom-client";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import type { Config } from "../config/schema.ts";
@@ -27,11 +26,11 @@ import { createUser, getBundle } from "../store/queries.ts";
 import { finishBundle, killBundle, markRunning, stageBundle } from "../store/transitions.ts";
 import { createTestBundle, createTestUser, describeEachDb, startWithRunnerToken } from "./db.ts";
 import { createHarness, type Harness } from "./dispatcher-harness.ts";
+import { silentLogger as silent } from "./fixtures.ts";
 
 /** Requests per route and server; every route gets this many, so none is left out by chance. */
 const RUNS_PER_ROUTE = 100;
 const MGMT_TOKEN = "dcm-property-test-token-0123456789";
-const silent = pino({ level: "silent" });
 
 // ---- generated pieces ------------------------------------------------------------------------------------
 

@@ -9,10 +9,9 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { promisify } from "node:util";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { loadRunnerArtifact, runningFromSources } from "../cli/runner-artifact.ts";
 import { VM_MAIN_PATTERN, vmMainArgs } from "../cloud-drivers/local/launch.ts";
-import { loadRunnerArtifact, runningFromSources } from "../dispatcher/runner-artifact.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
-import { createLogger } from "../lib/logger.ts";
 import {
   ARTIFACT_LAUNCHER,
   ARTIFACT_NAME,
@@ -23,9 +22,9 @@ import {
   ROOT,
 } from "../scripts/build.ts";
 import { cloudtestCreatesAndLists } from "./cloud-sdk-check.ts";
+import { silentLogger as logger } from "./fixtures.ts";
 
 const run = promisify(execFile);
-const logger = createLogger({ level: "silent", format: "json" });
 const VERSION = (JSON.parse(await readFile(path.join(ROOT, "package.json"), "utf8")) as { version: string })
   .version;
 

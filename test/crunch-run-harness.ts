@@ -60,7 +60,13 @@ export interface RunnerHarness {
   close(): Promise<void>;
 }
 
-export async function startRunnerHarness(db: Db): Promise<RunnerHarness> {
+/** The REST server's limits a test may lower (createRestServer's options of the same names). */
+export interface HarnessLimits {
+  maxOutputFiles?: number;
+  maxLogBytesPerStream?: number;
+}
+
+export async function startRunnerHarness(db: Db, limits: HarnessLimits = {}): Promise<RunnerHarness> {
   const dataDir = await mkdtemp(join(tmpdir(), "crunch-run-data-"));
   const root = await mkdtemp(join(tmpdir(), "crunch-run-vm-"));
   // As a real VM's root ("/"): other users may pass through it (the process runtime's bundle uids must).
@@ -73,6 +79,7 @@ export async function startRunnerHarness(db: Db): Promise<RunnerHarness> {
     defaultMaxAttempts: 3,
     dataDir,
     logPollInterval: 200,
+    ...limits,
   });
   await app.listen({ host: "127.0.0.1", port: 0 });
   const address = app.server.address();

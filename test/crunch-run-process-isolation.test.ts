@@ -11,8 +11,8 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { runnerPaths } from "../crunch-run/paths.ts";
-import { DEFAULT_PROCESS_UIDS } from "../crunch-run/start-doc.ts";
 import { leasedUids, uidPids } from "../crunch-run/uid-lease.ts";
+import { DEFAULT_PROCESS_UIDS } from "../lib/runner-protocol.ts";
 import {
   type RunnerHarness,
   type RunResult,

@@ -10,7 +10,7 @@ import { stageBundle } from "../store/transitions.ts";
 import { createTestBundle, createTestUser, describeEachDb, startWithRunnerToken } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
 import { attachFakeRunners, defaultDuration, defaultExitCode } from "./fake-runner.ts";
-import { testInstanceType } from "./stub-pool.ts";
+import { testInstanceType } from "./fixtures.ts";
 
 const TYPE = testInstanceType("t1", { vcpus: 2, ramGiB: 2, price: 0.1, scratchGiB: 0 });
 

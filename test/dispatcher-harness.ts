@@ -8,7 +8,6 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Registry } from "prom-client";
 import { StubCloud, type StubCloudOptions } from "../cloud-drivers/stub/driver.ts";
-import { parseConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
 import { createDispatcher, type Dispatcher, type DispatcherOptions } from "../dispatcher/main.ts";
 import type { PoolEvent } from "../dispatcher/pool/pool.ts";
@@ -22,6 +21,7 @@ import type { BundleEvent, BundleState, NewBundle } from "../store/types.ts";
 import { createTestBundle, createTestUser } from "./db.ts";
 import { FakeClock, flushMicrotasks } from "./fake-clock.ts";
 import { attachFakeRunners, type FakeRunnerOptions, type FakeRunners } from "./fake-runner.ts";
+import { configFrom } from "./fixtures.ts";
 
 const STUB_RUNNER = artifactOf(Buffer.from("#!/bin/sh\n# never run: stub instances only pretend\n"));
 export const GiB = 2 ** 30;
@@ -58,10 +58,7 @@ instanceTypes:
   big: {vcpus: 16, ram: 64GiB, includedScratch: 400GiB, price: 0.8}
   gpu: {vcpus: 8, ram: 32GiB, includedScratch: 200GiB, price: 1.2, gpu: {stack: cuda, driverVersion: "12.4", hardwareTarget: "8.0", deviceCount: 2, vram: 16GiB}}
 ${extra}`;
-  const { config, problems } = parseConfig(yaml);
-  if (config === undefined)
-    throw new Error(`test config: ${problems.map((p) => `${p.path}: ${p.message}`).join("; ")}`);
-  return config;
+  return configFrom(yaml);
 }
 
 /** The config with `cloud.driverParameters: { cloud }` (the stub driver takes the object). */

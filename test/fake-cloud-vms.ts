@@ -9,6 +9,7 @@ import { shQuote } from "../cloud-drivers/local/ssh-openssh.ts";
 import type { Instance, InstanceSet } from "../cloud-drivers/types.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createLogger } from "../lib/logger.ts";
+import { GiB, instanceType } from "./fixtures.ts";
 
 /**
  * Where the backing VMs live and whom they admit; `addressPrefix` (default the local driver's "127.0.0.") keeps
@@ -65,18 +66,12 @@ export function startBackingVm(
     lines.push(`mkdir -p ${dir} && echo ${shQuote(vm.imdsEndpoint)} > ${dir}/imds-endpoint`);
   }
   if (vm.init !== "") lines.push(vm.init.replace(/\n$/, ""));
-  const type = {
-    name: vm.providerType,
-    providerType: vm.providerType,
+  const type = instanceType(vm.providerType, {
     vcpus: vm.vcpus,
-    ram: 2 ** 30,
-    includedScratch: 0,
-    addedScratch: 0,
-    scratch: 0,
+    ram: GiB,
     price: 0,
     preemptible: vm.preemptible,
-    gpu: null,
-  };
+  });
   const script = lines.length === 0 ? "" : `${lines.join("\n")}\n`;
   return set.create(type, vm.imageId, vm.tags, script, vm.publicKey);
 }

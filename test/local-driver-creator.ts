@@ -7,6 +7,7 @@ import { Registry } from "prom-client";
 import { localDriver } from "../cloud-drivers/local/driver.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createLogger } from "../lib/logger.ts";
+import { GiB, instanceType } from "./fixtures.ts";
 
 const [params, publicKey] = process.argv.slice(2);
 const logger = createLogger({ level: "warn", format: "json" });
@@ -20,18 +21,7 @@ const set = await localDriver.instanceSet(
     registry: new Registry(),
   },
 );
-const type = {
-  name: "small",
-  providerType: "local.small",
-  vcpus: 1,
-  ram: 2 ** 30,
-  includedScratch: 0,
-  addedScratch: 0,
-  scratch: 0,
-  price: 0.1,
-  preemptible: false,
-  gpu: null,
-};
+const type = instanceType("small", { providerType: "local.small", vcpus: 1, ram: GiB });
 const instance = await set.create(type, "image", { Creator: "killed", Keep: "yes" }, "true", publicKey ?? "");
 process.stdout.write(`${JSON.stringify({ id: instance.id, address: instance.address })}\n`);
 setInterval(() => {}, 60_000);

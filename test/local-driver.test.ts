@@ -15,9 +15,10 @@ import { localDriver } from "../cloud-drivers/local/driver.ts";
 import { readIfExists } from "../cloud-drivers/local/layout.ts";
 import { findPids, isAlive } from "../cloud-drivers/local/procs.ts";
 import { generateKeyPair } from "../cloud-drivers/ssh-server.ts";
-import type { Instance, InstanceSet, InstanceType } from "../cloud-drivers/types.ts";
+import type { Instance, InstanceSet } from "../cloud-drivers/types.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createLogger } from "../lib/logger.ts";
+import { GiB, instanceType } from "./fixtures.ts";
 import {
   connect,
   processesUnder,
@@ -30,18 +31,7 @@ import {
 const logger = createLogger({ level: "warn", format: "json" });
 const deps = () => ({ logger, clock: systemClock, registry: new Registry() });
 const key = generateKeyPair();
-const type: InstanceType = {
-  name: "small",
-  providerType: "local.small",
-  vcpus: 1,
-  ram: 2 ** 30,
-  includedScratch: 0,
-  addedScratch: 0,
-  scratch: 0,
-  price: 0.1,
-  preemptible: false,
-  gpu: null,
-};
+const type = instanceType("small", { providerType: "local.small", vcpus: 1, ram: GiB });
 // biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, as on a real instance
 const INIT = 'umask 0177; echo -n s3cret > "${DISPATCH_VM_ROOT:-}/var/run/dispatch-cloud-instance-secret"';
 const SECRET_FILE = "var/run/dispatch-cloud-instance-secret";

@@ -13,7 +13,6 @@ import { defaultConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
 import { createWorkerPool, LIST_GRACE_MS, type PoolEvent, type WorkerPool } from "../dispatcher/pool/pool.ts";
 import type { QueueView } from "../dispatcher/types.ts";
-import { createLogger } from "../lib/logger.ts";
 import { hashToken } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { findBundleByRunnerTokenHash, getBundle, listEvents } from "../store/queries.ts";
@@ -21,24 +20,13 @@ import { requeueStarting, stageBundle } from "../store/transitions.ts";
 import type { Bundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, openTestDb, type TestDb } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
+import { GiB, instanceType, silentLogger } from "./fixtures.ts";
 
 const SEC = 1000;
 const MIN = 60 * SEC;
 
-function type(name: string, providerType: string, price: number): InstanceType {
-  return {
-    name,
-    providerType,
-    vcpus: 2,
-    ram: 8 * 2 ** 30,
-    includedScratch: 50 * 2 ** 30,
-    addedScratch: 0,
-    scratch: 50 * 2 ** 30,
-    price,
-    preemptible: false,
-    gpu: null,
-  };
-}
+const type = (name: string, providerType: string, price: number): InstanceType =>
+  instanceType(name, { providerType, ram: 8 * GiB, includedScratch: 50 * GiB, price });
 const SMALL = type("small", "m5.large", 0.1);
 const LARGE = type("large", "m5.xlarge", 0.2);
 const GPU = type("gpu", "p3.2xlarge", 3);
@@ -110,7 +98,7 @@ function harness(
     instanceTypes: opts.types ?? TYPES,
     db,
     clock,
-    logger: createLogger({ level: "silent", format: "json" }),
+    logger: silentLogger,
     registry,
     queue,
     connect: (instance: Instance, secret: string) => cloud.executorFor(instance, { expectedSecret: secret }),

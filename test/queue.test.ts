@@ -1,15 +1,14 @@
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from "vitest";
 import { type BundleQueue, createBundleQueue } from "../dispatcher/queue/queue.ts";
-import { createLogger } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
 import { changeSeqOlderThan, getBundle } from "../store/queries.ts";
 import { killBundle, stageBundle, startBundle } from "../store/transitions.ts";
 import type { Bundle, User } from "../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, openTestDb, type TestDb } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
+import { silentLogger as logger } from "./fixtures.ts";
 
-const logger = createLogger({ level: "silent", format: "json" });
 const HOUR = 3_600_000;
 const actor = "dispatcher";
 

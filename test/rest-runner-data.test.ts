@@ -7,7 +7,6 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Readable } from "node:stream";
 import type { FastifyInstance } from "fastify";
-import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { extractTar, packTar } from "../lib/tar.ts";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
@@ -17,11 +16,11 @@ import { createRestServer } from "../rest-server/server.ts";
 import { appendLogChunk, createUser, getBundle, recordHeartbeat } from "../store/queries.ts";
 import { requeueStarting } from "../store/transitions.ts";
 import { describeEachDb, startWithRunnerToken } from "./db.ts";
+import { silentLogger as silent } from "./fixtures.ts";
 import { injectClient, type Json } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
 const MAX_OUTPUT = 64 * 1024;
-const silent = pino({ level: "silent" });
 
 const client = injectClient;
 

@@ -2,7 +2,6 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Writable } from "node:stream";
 import type { FastifyInstance } from "fastify";
-import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { createLogger } from "../lib/logger.ts";
 import { hashToken, newRunnerToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
@@ -14,11 +13,11 @@ import { migrate } from "../store/migrate.ts";
 import { createUser, getBundle } from "../store/queries.ts";
 import { finishBundle, markRunning, requeueStarting, stageBundle } from "../store/transitions.ts";
 import { describeEachDb, startWithRunnerToken } from "./db.ts";
+import { silentLogger as silent } from "./fixtures.ts";
 import { injectClient, type Json } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
 const BODY_LIMIT = 64 * 1024;
-const silent = pino({ level: "silent" });
 
 const client = injectClient;
 

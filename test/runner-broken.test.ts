@@ -16,7 +16,6 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { runCli } from "../cli/cli.ts";
 import type { CliIo } from "../cli/io.ts";
 import { destroyLocalVms } from "../cloud-drivers/local/driver.ts";
-import { parseConfig } from "../config/load.ts";
 import { createDispatcher, type Dispatcher } from "../dispatcher/main.ts";
 import type { PoolEvent } from "../dispatcher/pool/pool.ts";
 import { artifactOf } from "../dispatcher/runner-artifact.ts";
@@ -25,6 +24,7 @@ import { createManagementServer } from "../management-api/server.ts";
 import { stageBundle } from "../store/transitions.ts";
 import { createTestBundle, createTestUser, openTestDb, type TestDb } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
+import { configFrom } from "./fixtures.ts";
 
 const MESSAGE = "crunch-run: cannot start: this artifact is broken on purpose";
 const BROKEN_RUNNER = artifactOf(Buffer.from(`#!/bin/sh\necho '${MESSAGE}' >&2\nexit 1\n`));
@@ -62,7 +62,7 @@ async function advance(clock: FakeClock, ms: number, until?: () => boolean): Pro
 
 describe("a runner that cannot run", () => {
   it("gets its instance shut down within a minute with the runner's words, and no tight loop of creates", async () => {
-    const { config, problems } = parseConfig(`clusterId: rbk01
+    const config = configFrom(`clusterId: rbk01
 dataDir: ${dir}/data
 logging: {level: warn}
 management: {listen: "127.0.0.1:0", token: "env:DC_TEST_MANAGEMENT_TOKEN"}
@@ -72,7 +72,6 @@ cloud:
   maxInstances: 5
   maxConcurrentInstanceCreateOps: 0
 `);
-    if (config === undefined) throw new Error(problems.map((p) => p.message).join("; "));
     const clock = new FakeClock();
     const logger = createLogger({
       level: "warn",

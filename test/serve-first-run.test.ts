@@ -14,7 +14,9 @@ import { afterAll, describe, expect, it } from "vitest";
 import { lockDataDir, lockSocketPath, preparePrivateDir } from "../lib/data-dir.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { createLogger, resolveLogFormat } from "../lib/logger.ts";
+import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createRestServer } from "../rest-server/server.ts";
+import { createUser } from "../store/queries.ts";
 import { openTestDb } from "./db.ts";
 import { BIN, REPO, runBin, startServe } from "./serve-process.ts";
 
@@ -212,6 +214,57 @@ describe("logs for people", () => {
           });
         }
       }
+    } finally {
+      await db.close();
+    }
+  });
+
+  it("keep a bundle's state changes at info: created and killed by a user", async () => {
+    const db = await openTestDb("pglite");
+    try {
+      const lines: Array<Record<string, unknown>> = [];
+      const logger = createLogger({
+        level: "info",
+        format: "json",
+        destination: new Writable({
+          write(chunk: Buffer, _e, done) {
+            for (const l of chunk.toString().split("\n")) if (l !== "") lines.push(JSON.parse(l));
+            done();
+          },
+        }),
+      });
+      const token = newUserToken();
+      const user = await createUser(db, {
+        uuid: newUserUuid("log02"),
+        name: "logs",
+        isAdmin: false,
+        tokenHash: hashToken(token),
+      });
+      const app = await createRestServer({
+        db,
+        logger,
+        clusterId: "log02",
+        maxRequestBodySize: 1 << 20,
+        defaultMaxAttempts: 3,
+        dataDir: await tempDir("dc-logs-"),
+      });
+      const headers = { authorization: `Bearer ${token}` };
+      const created = await app.inject({
+        method: "POST",
+        url: "/api/v1/bundles",
+        headers,
+        payload: { image: "busybox", command: ["true"] },
+      });
+      expect(created.statusCode, created.body).toBe(201);
+      const uuid = (created.json() as { uuid: string }).uuid;
+      const killed = await app.inject({ method: "POST", url: `/api/v1/bundles/${uuid}/kill`, headers });
+      expect(killed.statusCode, killed.body).toBe(200);
+      await app.close();
+      expect(lines.filter((l) => l["bundleUuid"] === uuid)).toMatchObject([
+        { level: 30, msg: "bundle created", owner: user.uuid, image: "busybox" },
+        { level: 30, msg: "bundle killed", from: "created", by: user.uuid },
+      ]);
+      expect(JSON.stringify(lines)).not.toContain(token);
     } finally {
       await db.close();
     }

@@ -3,7 +3,9 @@ import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { destroyLocalVms } from "../cloud-drivers/local/driver.ts";
-import { createLogger } from "../lib/logger.ts";
+import { silentLogger as quiet } from "./fixtures.ts";
+
+export { silentLogger as quiet } from "./fixtures.ts";
 
 export const REPO = resolve(import.meta.dirname, "..");
 export const BIN = join(REPO, "bin", "dispatch-cloud");
@@ -80,4 +82,3 @@ export async function startServe(extraYaml = "", opts: { dir?: string } = {}): P
 }
 
 /** A silent logger for clean-up (VMs outlive the serve that made them, as cloud VMs do). */
-export const quiet = createLogger({ level: "silent", format: "json" });

@@ -281,34 +281,6 @@ export class MemoryQueue implements QueueView {
   }
 }
 
-/** An instance type: sizes in GiB for brevity. */
-export function testInstanceType(
-  name: string,
-  opts: {
-    vcpus: number;
-    ramGiB: number;
-    price: number;
-    scratchGiB?: number;
-    preemptible?: boolean;
-    providerType?: string;
-    gpu?: InstanceType["gpu"];
-  },
-): InstanceType {
-  const scratch = (opts.scratchGiB ?? 100) * GiB;
-  return {
-    name,
-    providerType: opts.providerType ?? name,
-    vcpus: opts.vcpus,
-    ram: opts.ramGiB * GiB,
-    includedScratch: scratch,
-    addedScratch: 0,
-    scratch,
-    price: opts.price,
-    preemptible: opts.preemptible ?? false,
-    gpu: opts.gpu ?? null,
-  };
-}
-
 let seq = 0;
 const ALNUM = "abcdefghijklmnopqrstuvwxyz0123456789";
 

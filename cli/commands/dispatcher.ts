@@ -1,11 +1,11 @@
 import { Registry } from "prom-client";
 import { createDispatcher } from "../../dispatcher/main.ts";
-import { loadRunnerArtifact } from "../../dispatcher/runner-artifact.ts";
 import { systemClock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { createLogger } from "../../lib/logger.ts";
 import { parse } from "../args.ts";
 import { type CliIo, EXIT_OK } from "../io.ts";
+import { loadRunnerArtifact } from "../runner-artifact.ts";
 import { configFromArgs, listenManagement, openMigrated } from "./serve.ts";
 
 const USAGE = `usage: dispatch-cloud dispatcher [--config F]

@@ -7,7 +7,6 @@ import { loadConfig } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
 import { createDispatcher } from "../../dispatcher/main.ts";
 import { instancePriceLookup } from "../../dispatcher/metrics.ts";
-import { loadRunnerArtifact } from "../../dispatcher/runner-artifact.ts";
 import { systemClock } from "../../lib/clock.ts";
 import { lockDataDir, preparePrivateDir } from "../../lib/data-dir.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
@@ -22,6 +21,7 @@ import { migrate } from "../../store/migrate.ts";
 import { countUsers, createUser } from "../../store/queries.ts";
 import { parse } from "../args.ts";
 import { type CliIo, EXIT_OK } from "../io.ts";
+import { loadRunnerArtifact } from "../runner-artifact.ts";
 
 const OPTIONS = { config: { type: "string", short: "c" } } as const;
 
@@ -188,6 +188,8 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
       dataDir,
       maxOutputSize: config.restServer.maxOutputSize,
+      maxOutputFiles: config.restServer.maxOutputFiles,
+      maxLogBytesPerStream: config.restServer.maxLogBytesPerStream,
       instancePrice: instancePriceLookup(config),
       headersTimeout: config.restServer.headersTimeout,
       requestTimeout: config.restServer.requestTimeout,

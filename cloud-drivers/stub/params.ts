@@ -1,6 +1,6 @@
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { parseDuration } from "../../lib/units.ts";
-import type { StubCloudOptions, VmSelector } from "./driver.ts";
+import type { StubCloudOptions, VmSelector } from "./knobs.ts";
 
 const PATH = "cloud.driverParameters";
 

@@ -1,10 +1,11 @@
 import { EventEmitter } from "node:events";
 import type { Clock } from "../../lib/clock.ts";
 import type { ExecResult } from "../../lib/executor.ts";
+import { INSTANCE_SECRET_FILE } from "../../lib/runner-protocol.ts";
 import type { Tags } from "../types.ts";
 
 /** Where the init script leaves the instance secret (with `${DISPATCH_VM_ROOT:-}` expanded to nothing). */
-export const SECRET_FILE = "/var/run/dispatch-cloud-instance-secret";
+export const SECRET_FILE = INSTANCE_SECRET_FILE;
 
 export type RunnerState = "running" | "exited" | "stale";
 

@@ -8,6 +8,7 @@ import { dirname, join, resolve } from "node:path";
 import { TAG, type Tags } from "../../cloud-drivers/types.ts";
 import type { Config } from "../../config/schema.ts";
 import { resolveSecret } from "../../config/secrets.ts";
+import { INSTANCE_SECRET_SHELL_PATH } from "../../lib/runner-protocol.ts";
 import { generateKeyPair, publicKeyOf } from "../../lib/ssh-keys.ts";
 
 import type { IdleBehavior } from "../types.ts";
@@ -16,7 +17,7 @@ export { IDLE_BEHAVIORS, type IdleBehavior } from "../types.ts";
 
 /** Where the init script leaves the secret; always relative to the instance root convention. */
 // biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, run by the instance's shell.
-export const SECRET_PATH = '"${DISPATCH_VM_ROOT:-}/var/run/dispatch-cloud-instance-secret"';
+export const SECRET_PATH = INSTANCE_SECRET_SHELL_PATH;
 
 /** 40 hex digits, as Arvados uses. */
 export function newInstanceSecret(): string {

@@ -5,13 +5,8 @@
  * ssh.not_ready (still booting) or ssh.host_mismatch (not our instance). Probes only report; the pool decides.
  */
 import type { Executor } from "../../lib/executor.ts";
-import {
-  checksumMatches,
-  type ListedRunners,
-  parseList,
-  type RunnerCommands,
-  VERSION_LINE,
-} from "./runner-commands.ts";
+import { type ListedRunners, parseList, VERSION_LINE } from "../../lib/runner-protocol.ts";
+import { checksumMatches, type RunnerCommands } from "./runner-commands.ts";
 
 /** Bounds on one command of a probe (the real SSH executor also bounds connecting). */
 export const PROBE_COMMAND_TIMEOUT_MS = 60_000;

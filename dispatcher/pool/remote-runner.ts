@@ -4,19 +4,41 @@
  * with a TERM repeated every timeoutSignal until it is gone or timeoutTerm passes (then the instance is drained),
  * and what `--list` said of it. The Worker owns its runners; this module only speaks to the one instance.
  */
+
+import type { Instance, InstanceType } from "../../cloud-drivers/types.ts";
+import type { Executor } from "../../lib/executor.ts";
+import type { Logger } from "../../lib/logger.ts";
+import {
+  clampSpotCheckIntervalMs,
+  formatHandOff,
+  parsePidAnswer,
+  type StartDocumentSent,
+} from "../../lib/runner-protocol.ts";
 import type { Bundle } from "../../store/types.ts";
 import type { RunnerView } from "../types.ts";
+import type { WorkerContext } from "./context.ts";
 import { PROBE_COMMAND_TIMEOUT_MS, tail } from "./probe.ts";
-import type { Worker } from "./worker.ts";
 
-/** Bounds of the start document's spotCheckIntervalMs (crunch-run/start-doc.ts). */
-const SPOT_CHECK_MS = { min: 10, max: 3_600_000 } as const;
+/** What a runner needs of the Worker it runs on (worker.ts implements it). */
+export interface RunnerHost {
+  readonly id: string;
+  readonly ctx: WorkerContext;
+  readonly log: Logger;
+  readonly instance: Instance | null;
+  readonly instanceType: InstanceType;
+  readonly state: string;
+  readonly gone: boolean;
+  readonly preempted: boolean;
+  readonly spareSocket: string | null;
+  readonly runners: Map<string, RemoteRunner>;
+  /** Bundles being requeued because their runner left a preempted instance without reporting it. */
+  readonly losing: Set<string>;
+  executor(): Executor;
+  settleBusy(): void;
+}
 
 /** cloud.spotInterruptionCheckInterval for the start document: 0 (never), else within crunch-run's bounds. */
-export function spotCheckIntervalMs(ms: number): number {
-  if (ms <= 0) return 0;
-  return Math.min(SPOT_CHECK_MS.max, Math.max(SPOT_CHECK_MS.min, Math.round(ms)));
-}
+export const spotCheckIntervalMs = clampSpotCheckIntervalMs;
 
 export interface KillState {
   since: number;
@@ -37,7 +59,7 @@ export class RemoteRunner implements RunnerView {
   detachedAt: number | null;
 
   constructor(
-    readonly worker: Worker,
+    readonly worker: RunnerHost,
     readonly uuid: string,
     init: { state: RunnerView["state"]; gpuDevices: readonly number[]; now: number; detached: boolean },
   ) {
@@ -80,7 +102,7 @@ export class RemoteRunner implements RunnerView {
     }
     const started = claim.bundle;
     const cloud = ctx.config.cloud;
-    const doc = {
+    const doc: StartDocumentSent = {
       uuid,
       attempt: started.attempt,
       apiUrl: ctx.runnerApiUrl,
@@ -136,7 +158,7 @@ export class RemoteRunner implements RunnerView {
    * SSH connection, which skips starting a `crunch-run --detach` process. True when the spare took it;
    * false (no spare known, the executor cannot, the spare is gone or busy or refused) means use --detach.
    */
-  private async handToSpare(doc: { uuid: string }): Promise<boolean> {
+  private async handToSpare(doc: StartDocumentSent): Promise<boolean> {
     const w = this.worker;
     const socket = w.spareSocket;
     const executor = w.executor();
@@ -145,9 +167,13 @@ export class RemoteRunner implements RunnerView {
     const t0 = w.ctx.clock.now();
     try {
       const answer = (
-        await executor.exchange(socket, `start ${doc.uuid}\n${JSON.stringify(doc)}\n`, { timeoutMs: 5000 })
+        await executor.exchange(
+          socket,
+          formatHandOff({ mode: "start", uuid: doc.uuid, doc: `${JSON.stringify(doc)}\n` }),
+          { timeoutMs: 5000 },
+        )
       ).toString("utf8");
-      if (/^pid \d+\n$/.test(answer)) {
+      if (parsePidAnswer(answer) !== null) {
         log.debug({ ms: w.ctx.clock.now() - t0 }, "handed to the spare supervisor");
         return true;
       }
@@ -199,7 +225,7 @@ export class RemoteRunner implements RunnerView {
 }
 
 /** One `--kill 15 <uuid>` to the worker's instance (also for a runner the pool does not know yet). */
-export function sendKill(w: Worker, uuid: string): void {
+export function sendKill(w: RunnerHost, uuid: string): void {
   if (w.instance === null || w.state === "shutdown") return;
   const exec = w.executor();
   w.ctx.track(
@@ -223,7 +249,7 @@ export function sendKill(w: Worker, uuid: string): void {
  * that left without reporting the notice has its bundle requeued here (loseUnreported).
  */
 export function reconcileRunners(
-  w: Worker,
+  w: RunnerHost,
   listed: ReadonlyMap<string, "running" | "stale">,
   now: number,
 ): void {
@@ -262,7 +288,7 @@ export function reconcileRunners(
  * as soon as a list after its detach misses it. Probes and detaches of one worker never overlap, so a detach that
  * has returned happened before this probe's `--list`.
  */
-function keepStarting(w: Worker, r: RemoteRunner, now: number): boolean {
+function keepStarting(w: RunnerHost, r: RemoteRunner, now: number): boolean {
   if (r.detachedAt === null) return true;
   if (r.killing !== null) return false;
   const queue = w.ctx.queue;
@@ -276,7 +302,7 @@ function keepStarting(w: Worker, r: RemoteRunner, now: number): boolean {
  * reporting the notice (or the report has not reached the queue yet). Requeue it now, with the reason, rather
  * than wait for sync's two probes; the guarded transition loses harmlessly to a report or a finish.
  */
-function loseUnreported(w: Worker, uuid: string): void {
+function loseUnreported(w: RunnerHost, uuid: string): void {
   const row = w.ctx.queue?.get(uuid);
   if (row === undefined || row.state !== "running" || row.instanceId !== w.id || w.losing.has(uuid)) return;
   w.losing.add(uuid);

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { checksumMatches, parseList, runnerCommands } from "./runner-commands.ts";
+import { checksumMatches, runnerCommands } from "./runner-commands.ts";
 
 const SHA = "a".repeat(64);
 const UUID = "zzzzz-bndl-0123456789abcde";
@@ -32,44 +32,5 @@ describe("runner commands", () => {
     expect(checksumMatches(`${SHA}  /tmp/x\n`, SHA)).toBe(true);
     expect(checksumMatches(`${"b".repeat(64)}  /tmp/x\n`, SHA)).toBe(false);
     expect(checksumMatches("", SHA)).toBe(false);
-  });
-
-  it("parses --list: running, stale, broken, and ignores junk", () => {
-    const other = "zzzzz-bndl-bbbbbbbbbbbbbbb";
-    const out = parseList(`${UUID}\n${other} stale\nbroken\n\nsomething odd\n${UUID} weird\n`);
-    expect([...out.runners]).toEqual([
-      [UUID, "running"],
-      [other, "stale"],
-    ]);
-    expect(out.broken).toBe(true);
-    expect(out.unknown).toEqual(["something odd", `${UUID} weird`]);
-    expect(out.preempted).toBe(false);
-    expect(parseList("")).toEqual({
-      runners: new Map(),
-      broken: false,
-      preempted: false,
-      spare: null,
-      unknown: [],
-    });
-    expect(parseList("spare /vm/1/var/run/cr-spare-0123456789.sock\n").spare).toBe(
-      "/vm/1/var/run/cr-spare-0123456789.sock",
-    );
-    // Anything else is not a socket path the pool will connect to.
-    for (const bad of ["spare relative.sock", "spare /a b.sock", "spare /x/../y.sock", "spare /x/y"]) {
-      expect(parseList(`${bad}\n`)).toMatchObject({ spare: null, unknown: [bad] });
-    }
-  });
-
-  it("parses --list: preempted (a spot interruption notice) beside runners, broken and a spare", () => {
-    const out = parseList(`${UUID}\npreempted\nspare /vm/1/var/run/cr-spare-0123456789.sock\n`);
-    expect(out).toEqual({
-      runners: new Map([[UUID, "running"]]),
-      broken: false,
-      preempted: true,
-      spare: "/vm/1/var/run/cr-spare-0123456789.sock",
-      unknown: [],
-    });
-    // Only the word on a line of its own.
-    expect(parseList("preempted now\n")).toMatchObject({ preempted: false, unknown: ["preempted now"] });
   });
 });

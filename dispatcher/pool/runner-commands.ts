@@ -20,7 +20,7 @@ export interface RunnerCommands {
   /** Installs the runner from stdin (written to a temporary name, then moved into place). */
   readonly deploy: string;
   readonly list: string;
-  /** Prints `crunch-run (dispatch-cloud) <version>` (VERSION_LINE). */
+  /** Prints the `--version` line (lib/runner-protocol.ts, VERSION_LINE). */
   readonly version: string;
   detach(uuid: string): string;
   kill(uuid: string, signal?: number): string;
@@ -49,67 +49,7 @@ export function runnerCommands(deployRunnerDirectory: string, sha256: string): R
   };
 }
 
-/** What `crunch-run --version` prints (crunch-run/main.ts), its version captured. */
-export const VERSION_LINE = /^crunch-run \(dispatch-cloud\) (\S+)$/;
-
 /** True when `sha256sum` output names the expected hash. */
 export function checksumMatches(stdout: string, sha256: string): boolean {
   return stdout.trim().split(/\s+/)[0] === sha256;
-}
-
-export interface ListedRunners {
-  /** uuid -> listed state. */
-  runners: Map<string, "running" | "stale">;
-  broken: boolean;
-  /** crunch-run got a spot interruption notice on this instance (`preempted`): the cloud is taking it away. */
-  preempted: boolean;
-  /** The socket of a warm spare supervisor (`spare <path>`), to hand start documents to directly. */
-  spare: string | null;
-  /** Lines that were none of the above (logged, otherwise ignored). */
-  unknown: string[];
-}
-
-const SPARE_SOCKET = /^spare (\/[A-Za-z0-9._/+-]*\.sock)$/;
-
-/**
- * Parses `crunch-run --list`: `<uuid>`, `<uuid> stale`, `broken`, `preempted`, or `spare <socket>`, one per
- * line.
- */
-export function parseList(stdout: string): ListedRunners {
-  const out: ListedRunners = {
-    runners: new Map(),
-    broken: false,
-    preempted: false,
-    spare: null,
-    unknown: [],
-  };
-  for (const raw of stdout.split("\n")) {
-    const line = raw.trim();
-    if (line === "") continue;
-    if (line === "broken") {
-      out.broken = true;
-      continue;
-    }
-    if (line === "preempted") {
-      out.preempted = true;
-      continue;
-    }
-    const spare = SPARE_SOCKET.exec(line);
-    if (spare !== null && !spare[1]!.includes("/../")) {
-      out.spare = spare[1]!;
-      continue;
-    }
-    const [uuid, flag, ...rest] = line.split(/\s+/);
-    if (
-      uuid !== undefined &&
-      UUID.test(uuid) &&
-      rest.length === 0 &&
-      (flag === undefined || flag === "stale")
-    ) {
-      out.runners.set(uuid, flag === "stale" ? "stale" : "running");
-    } else {
-      out.unknown.push(line.slice(0, 200));
-    }
-  }
-  return out;
 }

@@ -5,48 +5,26 @@
  * WorkerContext; the pool (pool.ts) creates, lists and forgets workers, and decides what they are for.
  */
 import type { Instance, InstanceType } from "../../cloud-drivers/types.ts";
-import type { Config } from "../../config/schema.ts";
-import type { Clock } from "../../lib/clock.ts";
 import type { Executor } from "../../lib/executor.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { formatDuration } from "../../lib/units.ts";
 import type { Bundle } from "../../store/types.ts";
-import type { BundleTransitions } from "../queue/transitions.ts";
-import type { IdleBehavior, PoolEvent, QueueView, WorkerState, WorkerView } from "../types.ts";
+import type { IdleBehavior, WorkerState, WorkerView } from "../types.ts";
 import { instanceTags } from "./bootstrap.ts";
-import type { BootOutcome, PoolMetrics } from "./metrics.ts";
+import type { WorkerContext } from "./context.ts";
+import type { BootOutcome } from "./metrics.ts";
 import { type ProbeResult, probeBooting, probeList } from "./probe.ts";
 import { RemoteRunner, reconcileRunners, sendKill } from "./remote-runner.ts";
-import type { ListedRunners, RunnerCommands } from "./runner-commands.ts";
+
+export type { WorkerContext } from "./context.ts";
+
+import type { ListedRunners } from "../../lib/runner-protocol.ts";
 
 /** Probes in a row in which the runner cannot run before the instance is shut down as broken. */
 export const RUNNER_FAILURE_TRIES = 3;
 
 export const BOOTING: ReadonlySet<WorkerState> = new Set(["unknown", "booting"]);
 export const BOOTED: ReadonlySet<WorkerState> = new Set(["idle", "running"]);
-
-/** What a worker needs of the fleet around it. */
-export interface WorkerContext {
-  readonly config: Config;
-  readonly clock: Clock;
-  readonly metrics: PoolMetrics;
-  /** The queue the dispatcher reads (a preempted runner's bundle, a starting runner's fate). */
-  readonly queue: QueueView | undefined;
-  readonly transitions: BundleTransitions;
-  readonly runner: { content: Buffer; sha256: string };
-  readonly cmds: RunnerCommands;
-  readonly runnerApiUrl: string;
-  connect(instance: Instance, expectedSecret: string): Executor;
-  emit(event: PoolEvent): void;
-  /** Runs `p` in the background: tracked for the pool's settled(), errors logged. */
-  track(p: Promise<unknown>, what: string, logger?: Logger): void;
-  /** The pool still holds this worker (it is not forgotten). */
-  holds(w: Worker): boolean;
-  /** This worker, created by the pool, was shut down because the runner cannot run on it. */
-  runnerFailed(w: Worker, message: string): void;
-  /** This worker became ready (booted, runner in place). */
-  ready(w: Worker): void;
-}
 
 export class Worker implements WorkerView {
   id: string;

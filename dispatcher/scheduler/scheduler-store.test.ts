@@ -6,18 +6,17 @@
 import { beforeEach, expect, it } from "vitest";
 import { defaultConfig } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
-import { createLogger } from "../../lib/logger.ts";
 import { getBundle, listEvents } from "../../store/queries.ts";
 import { requeueStarting, stageBundle, startBundle } from "../../store/transitions.ts";
 import type { Bundle, NewBundle } from "../../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, type TestDb } from "../../test/db.ts";
 import { FakeClock } from "../../test/fake-clock.ts";
-import { MemoryQueue, StubSchedulerPool, testInstanceType } from "../../test/stub-pool.ts";
+import { silentLogger as logger, testInstanceType } from "../../test/fixtures.ts";
+import { MemoryQueue, StubSchedulerPool } from "../../test/stub-pool.ts";
 import { createBundleTransitions } from "../queue/transitions.ts";
 import { createScheduler } from "./scheduler.ts";
 
 const GiB = 2 ** 30;
-const logger = createLogger({ level: "silent", format: "json" });
 const small = testInstanceType("small", { vcpus: 4, ramGiB: 16, price: 0.1 });
 const gpu2 = testInstanceType("gpu2", {
   vcpus: 8,

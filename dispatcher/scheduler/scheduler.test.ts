@@ -7,15 +7,14 @@ import { afterAll, beforeAll, beforeEach, describe, expect, it } from "vitest";
 import type { InstanceType } from "../../cloud-drivers/types.ts";
 import { defaultConfig } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
-import { createLogger } from "../../lib/logger.ts";
 import type { Bundle } from "../../store/types.ts";
 import { openTestDb, type TestDb } from "../../test/db.ts";
 import { FakeClock } from "../../test/fake-clock.ts";
-import { MemoryQueue, StubSchedulerPool, testBundle, testInstanceType } from "../../test/stub-pool.ts";
+import { silentLogger as logger, testInstanceType } from "../../test/fixtures.ts";
+import { MemoryQueue, StubSchedulerPool, testBundle } from "../../test/stub-pool.ts";
 import { createBundleTransitions } from "../queue/transitions.ts";
 import { createScheduler, type Scheduler } from "./scheduler.ts";
 
-const logger = createLogger({ level: "silent", format: "json" });
 const small = testInstanceType("small", { vcpus: 4, ramGiB: 16, price: 0.1, providerType: "m5.xlarge" });
 const medium = testInstanceType("medium", { vcpus: 8, ramGiB: 32, price: 0.2, providerType: "m5.2xlarge" });
 const large = testInstanceType("large", { vcpus: 16, ramGiB: 64, price: 0.4, providerType: "c5.4xlarge" });

@@ -1,12 +1,11 @@
 import { createServer, type Server, type Socket } from "node:net";
 import { afterEach, describe, expect, it, vi } from "vitest";
 import { systemClock } from "../../lib/clock.ts";
-import { createLogger } from "../../lib/logger.ts";
 import { generateKeyPair } from "../../lib/ssh-keys.ts";
 import { FakeClock, flushMicrotasks } from "../../test/fake-clock.ts";
+import { silentLogger as logger } from "../../test/fixtures.ts";
 import { createSshExecutor, type SshExecutor } from "./executor.ts";
 
-const logger = createLogger({ level: "silent", format: "json" });
 // Not ssh2.utils.generateKeyPairSync: about one key in 128 it makes cannot be parsed back (see lib/ssh-keys.ts).
 const pair = generateKeyPair();
 const key = { private: pair.privateKey, public: pair.publicKey };

@@ -3,6 +3,7 @@ import ssh2, { type ClientChannel, type Client as SshClient } from "ssh2";
 import type { Clock } from "../../lib/clock.ts";
 import { type ExecOptions, type ExecResult, type Executor, SshError } from "../../lib/executor.ts";
 import type { Logger } from "../../lib/logger.ts";
+import { INSTANCE_SECRET_SHELL_PATH } from "../../lib/runner-protocol.ts";
 import { constantTimeEqual } from "../../lib/tokens.ts";
 import {
   type BackoffOptions,
@@ -20,7 +21,7 @@ const { Client, utils } = ssh2;
 
 /** Reads the instance's secret; run first on every new connection, before anything else is sent. */
 // biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, run by the instance's shell.
-export const IDENTITY_COMMAND = 'cat "${DISPATCH_VM_ROOT:-}/var/run/dispatch-cloud-instance-secret"';
+export const IDENTITY_COMMAND = `cat ${INSTANCE_SECRET_SHELL_PATH}`;
 
 export interface SshExecutorOptions {
   /** "host" or "host:port" ("[v6]:port" for IPv6). */

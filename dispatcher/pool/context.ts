@@ -1,0 +1,36 @@
+/**
+ * What a worker (worker.ts) and its runners (remote-runner.ts) need of the fleet around them: the pool builds
+ * one WorkerContext and hands it to every Worker.
+ */
+import type { Instance } from "../../cloud-drivers/types.ts";
+import type { Config } from "../../config/schema.ts";
+import type { Clock } from "../../lib/clock.ts";
+import type { Executor } from "../../lib/executor.ts";
+import type { Logger } from "../../lib/logger.ts";
+import type { BundleTransitions } from "../queue/transitions.ts";
+import type { PoolEvent, QueueView, WorkerView } from "../types.ts";
+import type { PoolMetrics } from "./metrics.ts";
+import type { RunnerCommands } from "./runner-commands.ts";
+
+/** What a worker needs of the fleet around it. */
+export interface WorkerContext {
+  readonly config: Config;
+  readonly clock: Clock;
+  readonly metrics: PoolMetrics;
+  /** The queue the dispatcher reads (a preempted runner's bundle, a starting runner's fate). */
+  readonly queue: QueueView | undefined;
+  readonly transitions: BundleTransitions;
+  readonly runner: { content: Buffer; sha256: string };
+  readonly cmds: RunnerCommands;
+  readonly runnerApiUrl: string;
+  connect(instance: Instance, expectedSecret: string): Executor;
+  emit(event: PoolEvent): void;
+  /** Runs `p` in the background: tracked for the pool's settled(), errors logged. */
+  track(p: Promise<unknown>, what: string, logger?: Logger): void;
+  /** The pool still holds this worker (it is not forgotten). */
+  holds(w: WorkerView): boolean;
+  /** This worker, created by the pool, was shut down because the runner cannot run on it. */
+  runnerFailed(w: WorkerView, message: string): void;
+  /** This worker became ready (booted, runner in place). */
+  ready(w: WorkerView & { readonly log: Logger }): void;
+}

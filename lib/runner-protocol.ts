@@ -1,0 +1,195 @@
+/**
+ * The contract between the dispatcher and crunch-run on an instance, in one place both sides import: the start
+ * document (its type, fields and bounds), the grammar of `crunch-run --list`, the spare supervisor's hand-off
+ * framing, the `--version` line and the instance secret's path. docs/crunch-run.md describes the same contract
+ * for people; a change here is a change of the protocol (a dispatcher and a runner of different versions meet
+ * whenever a new runner is rolled out: only add optional fields, never change a line's meaning).
+ */
+import { VERSION } from "./version.ts";
+
+// ---- the instance secret ----
+
+/** Where the instance's boot script writes the secret the dispatcher checks first (below the instance root). */
+export const INSTANCE_SECRET_FILE = "/var/run/dispatch-cloud-instance-secret";
+/** The same, as a quoted shell word honouring the instance root convention. */
+// biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, run by the instance's shell.
+export const INSTANCE_SECRET_SHELL_PATH = `"\${DISPATCH_VM_ROOT:-}${INSTANCE_SECRET_FILE}"`;
+
+// ---- --version ----
+
+/** What `crunch-run --version` prints. */
+export const versionLine = (version: string = VERSION): string => `crunch-run (dispatch-cloud) ${version}`;
+/** A `--version` line, its version captured. */
+export const VERSION_LINE = /^crunch-run \(dispatch-cloud\) (\S+)$/;
+
+// ---- the start document ----
+
+export type RuntimeEngine = "docker" | "process" | "auto";
+export const RUNTIME_ENGINES: readonly RuntimeEngine[] = ["docker", "process", "auto"];
+
+/**
+ * One JSON object the dispatcher writes to `crunch-run --detach <uuid>`'s stdin (or hands to a spare). It
+ * carries the runner token, so it never travels in argv or the environment.
+ */
+export interface StartDocument {
+  uuid: string;
+  attempt: number;
+  apiUrl: string;
+  /** The bundle's runner token (`dcr_...`). Held in memory only; never logged. */
+  token: string;
+  instanceType: string;
+  gpuDevices: number[];
+  runtimeEngine: RuntimeEngine;
+  heartbeatIntervalMs: number;
+  /** The instance type is preemptible (spot): watch for interruption notices while the bundle runs. */
+  preemptible: boolean;
+  /** How often to ask the instance metadata service for a spot interruption notice; 0 = never. */
+  spotCheckIntervalMs: number;
+  /** The process runtime's uids (a supervisor running as root gives each bundle one of its own). */
+  processUidFirst: number;
+  processUidCount: number;
+}
+
+/** The fields crunch-run fills in with the defaults below when the document leaves them out. */
+type Defaulted =
+  | "heartbeatIntervalMs"
+  | "preemptible"
+  | "spotCheckIntervalMs"
+  | "processUidFirst"
+  | "processUidCount";
+/** What the dispatcher sends: the required fields, and the defaulted ones only where they differ. */
+export type StartDocumentSent = Omit<StartDocument, Defaulted> & Partial<Pick<StartDocument, Defaulted>>;
+
+export const START_DOCUMENT_FIELDS: ReadonlySet<string> = new Set<keyof StartDocument>([
+  "uuid",
+  "attempt",
+  "apiUrl",
+  "token",
+  "instanceType",
+  "gpuDevices",
+  "runtimeEngine",
+  "heartbeatIntervalMs",
+  "preemptible",
+  "spotCheckIntervalMs",
+  "processUidFirst",
+  "processUidCount",
+]);
+
+export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;
+export const DEFAULT_SPOT_CHECK_INTERVAL_MS = 5000;
+/** Bounds of a non-zero spotCheckIntervalMs (the dispatcher clamps its config value into them). */
+export const SPOT_CHECK_INTERVAL_RANGE_MS = { min: 10, max: 3_600_000 } as const;
+/** The process runtime's uid range when the document names none (dispatcher.processRuntimeUids's default). */
+export const DEFAULT_PROCESS_UIDS = { first: 1_900_000_000, count: 65_536 } as const;
+/** The largest uid a range may reach (4294967295 is (uid_t)-1). */
+export const MAX_UID = 4_294_967_294;
+
+/** A configured spot check interval (ms) as the start document allows it: 0 (never), else within the bounds. */
+export function clampSpotCheckIntervalMs(ms: number): number {
+  if (ms <= 0) return 0;
+  const { min, max } = SPOT_CHECK_INTERVAL_RANGE_MS;
+  return Math.min(max, Math.max(min, Math.round(ms)));
+}
+
+// ---- --list ----
+
+const UUID = /^[a-z0-9]{5}-bndl-[a-z0-9]{15}$/;
+const SPARE_SOCKET = /^spare (\/[A-Za-z0-9._/+-]*\.sock)$/;
+
+export interface ListedRunners {
+  /** uuid -> listed state. */
+  runners: Map<string, "running" | "stale">;
+  broken: boolean;
+  /** crunch-run got a spot interruption notice on this instance (`preempted`): the cloud is taking it away. */
+  preempted: boolean;
+  /** The socket of a warm spare supervisor (`spare <path>`), to hand start documents to directly. */
+  spare: string | null;
+  /** Lines that were none of the above (logged, otherwise ignored). */
+  unknown: string[];
+}
+
+/**
+ * `crunch-run --list`'s lines: `<uuid>` for a live supervisor, `<uuid> stale` for a bundle whose supervisor is
+ * gone but whose container or process still runs, then `broken`, `preempted` and `spare <socket>` when they
+ * hold.
+ */
+export function formatList(list: Omit<ListedRunners, "unknown">): string[] {
+  const lines: string[] = [];
+  for (const [uuid, state] of list.runners) lines.push(state === "stale" ? `${uuid} stale` : uuid);
+  if (list.broken) lines.push("broken");
+  if (list.preempted) lines.push("preempted");
+  if (list.spare !== null) lines.push(`spare ${list.spare}`);
+  return lines;
+}
+
+/** Parses `crunch-run --list` (formatList's grammar); lines it does not know are kept in `unknown`. */
+export function parseList(stdout: string): ListedRunners {
+  const out: ListedRunners = {
+    runners: new Map(),
+    broken: false,
+    preempted: false,
+    spare: null,
+    unknown: [],
+  };
+  for (const raw of stdout.split("\n")) {
+    const line = raw.trim();
+    if (line === "") continue;
+    if (line === "broken") {
+      out.broken = true;
+      continue;
+    }
+    if (line === "preempted") {
+      out.preempted = true;
+      continue;
+    }
+    const spare = SPARE_SOCKET.exec(line);
+    if (spare !== null && !spare[1]!.includes("/../")) {
+      out.spare = spare[1]!;
+      continue;
+    }
+    const [uuid, flag, ...rest] = line.split(/\s+/);
+    if (
+      uuid !== undefined &&
+      UUID.test(uuid) &&
+      rest.length === 0 &&
+      (flag === undefined || flag === "stale")
+    ) {
+      out.runners.set(uuid, flag === "stale" ? "stale" : "running");
+    } else {
+      out.unknown.push(line.slice(0, 200));
+    }
+  }
+  return out;
+}
+
+// ---- the spare supervisor's hand-off ----
+
+export interface SpareHandOff {
+  /**
+   * `detach`: from `crunch-run --detach`, which holds the bundle's lock; `start`: straight from the
+   * dispatcher over SSH, so the spare takes the lock itself.
+   */
+  mode: "detach" | "start";
+  uuid: string;
+  /** The start document's JSON text. */
+  doc: string;
+}
+
+/** What a hand-off sends on the spare's socket: `<mode> <uuid>\n<start document>`. */
+export const formatHandOff = (h: SpareHandOff): string => `${h.mode} ${h.uuid}\n${h.doc}`;
+
+export function parseHandOff(text: string): SpareHandOff | null {
+  const nl = text.indexOf("\n");
+  const m = /^(detach|start) (\S+)$/.exec(nl > 0 ? text.slice(0, nl) : "");
+  if (m === null) return null;
+  return { mode: m[1] as SpareHandOff["mode"], uuid: m[2] as string, doc: text.slice(nl + 1) };
+}
+
+/** The spare's answer: `pid <pid>\n` when it took the bundle, `refused <why>\n` when not. */
+export const pidAnswer = (pid: number): string => `pid ${pid}\n`;
+export const refusedAnswer = (why: string): string => `refused ${why.replace(/\n/g, " ")}\n`;
+/** The pid of a `pid <pid>\n` answer, or null for any other answer. */
+export function parsePidAnswer(answer: string): number | null {
+  const m = /^pid (\d+)\n$/.exec(answer);
+  return m === null ? null : Number(m[1]);
+}

@@ -1,0 +1,27 @@
+/**
+ * What the REST server's routes need (routes-users.ts, routes-runner.ts, routes-tokens.ts), built once by
+ * createRestServer (server.ts), which registers the routes.
+ */
+import type { Db } from "../store/db.ts";
+import type { BundleMinimums } from "./bundle-request.ts";
+import type { LogNotifier } from "./logs.ts";
+import type { OutputStore } from "./outputs.ts";
+import type { SubmitLimits } from "./quotas.ts";
+
+/** What the routes need, built once by createRestServer. */
+export interface RouteContext {
+  db: Db;
+  clusterId: string;
+  defaultMaxAttempts: number;
+  nowMs(): number;
+  outputs: OutputStore;
+  maxOutputSize: number;
+  maxOutputFiles: number;
+  maxLogBytesPerStream: number;
+  logNotifier: LogNotifier;
+  logPollInterval: number;
+  instancePrice(instanceType: string): number | undefined;
+  bundleMinimums: BundleMinimums;
+  submitLimits: SubmitLimits;
+  maxTokensPerUser: number;
+}
