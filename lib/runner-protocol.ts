@@ -12,7 +12,6 @@ import { VERSION } from "./version.ts";
 /** Where the instance's boot script writes the secret the dispatcher checks first (below the instance root). */
 export const INSTANCE_SECRET_FILE = "/var/run/dispatch-cloud-instance-secret";
 /** The same, as a quoted shell word honouring the instance root convention. */
-// biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, run by the instance's shell.
 export const INSTANCE_SECRET_SHELL_PATH = `"\${DISPATCH_VM_ROOT:-}${INSTANCE_SECRET_FILE}"`;
 
 // ---- --version ----

@@ -16,7 +16,6 @@ import type { IdleBehavior } from "../types.ts";
 export { IDLE_BEHAVIORS, type IdleBehavior } from "../types.ts";
 
 /** Where the init script leaves the secret; always relative to the instance root convention. */
-// biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, run by the instance's shell.
 export const SECRET_PATH = INSTANCE_SECRET_SHELL_PATH;
 
 /** 40 hex digits, as Arvados uses. */

@@ -1,10 +1,29 @@
+/**
+ * The SSH executor: one multiplexed connection per instance. It connects (with back-off), proves the host is
+ * the instance it was created as (the secret, before any other command), then runs commands and streamlocal
+ * exchanges on channels of that connection, within the channel limit (slots.ts), output caps and deadlines.
+ * About 600 lines on purpose: connecting, the identity check and running a command share one connection's
+ * state (the client, its running commands, the refusal); the channel mechanics are in channels.ts.
+ */
 import type { Readable } from "node:stream";
-import ssh2, { type ClientChannel, type Client as SshClient } from "ssh2";
+import ssh2, { type Client as SshClient } from "ssh2";
 import type { Clock } from "../../lib/clock.ts";
 import { type ExecOptions, type ExecResult, type Executor, SshError } from "../../lib/executor.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { INSTANCE_SECRET_SHELL_PATH } from "../../lib/runner-protocol.ts";
 import { constantTimeEqual } from "../../lib/tokens.ts";
+import {
+  abortable,
+  endClient,
+  errMessage,
+  isOpenRefusal,
+  type OpenedChannel,
+  openExec,
+  openStreamLocal,
+  type StdinState,
+  sendSignal,
+} from "./channels.ts";
+import { ChannelSlots, type Slot } from "./slots.ts";
 import {
   type BackoffOptions,
   backoffDelay,
@@ -20,7 +39,6 @@ export { SshError } from "../../lib/executor.ts";
 const { Client, utils } = ssh2;
 
 /** Reads the instance's secret; run first on every new connection, before anything else is sent. */
-// biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, run by the instance's shell.
 export const IDENTITY_COMMAND = `cat ${INSTANCE_SECRET_SHELL_PATH}`;
 
 export interface SshExecutorOptions {
@@ -111,12 +129,6 @@ interface Connection {
   running: Set<(err: SshError) => void>;
 }
 
-interface Slot {
-  release(): void;
-  /** Set when the slot is released later, once a killed command's channel has closed. */
-  deferred: boolean;
-}
-
 class SshExecutorImpl implements SshExecutor {
   private readonly host: string;
   private readonly port: number;
@@ -125,7 +137,6 @@ class SshExecutorImpl implements SshExecutor {
   private readonly log: Logger;
   private readonly clock: Clock;
   private readonly backoff: BackoffOptions;
-  private readonly maxChannels: number;
   private readonly connectTimeoutMs: number;
   private readonly commandTimeoutMs: number;
   private readonly maxOutputBytes: number;
@@ -141,8 +152,7 @@ class SshExecutorImpl implements SshExecutor {
   private closed = false;
   private readonly closing = new AbortController();
 
-  private active = 0;
-  private readonly waiters: { resolve: () => void; reject: (err: SshError) => void }[] = [];
+  private readonly slots: ChannelSlots;
   private openChannels = 0;
   private peakChannels = 0;
   private connections = 0;
@@ -165,7 +175,7 @@ class SshExecutorImpl implements SshExecutor {
     this.clock = opts.clock;
     this.log = opts.logger.child({ component: "sshexec", instance: this.name });
     this.backoff = { ...DEFAULT_BACKOFF, ...opts.backoff };
-    this.maxChannels = Math.max(1, opts.maxChannels ?? 8);
+    this.slots = new ChannelSlots(Math.max(1, opts.maxChannels ?? 8));
     this.connectTimeoutMs = opts.connectTimeoutMs ?? 60_000;
     this.commandTimeoutMs = opts.commandTimeoutMs ?? 600_000;
     this.maxOutputBytes = opts.maxOutputBytes ?? 64 * 1024 * 1024;
@@ -178,8 +188,8 @@ class SshExecutorImpl implements SshExecutor {
       connected: this.conn !== null,
       openChannels: this.openChannels,
       peakChannels: this.peakChannels,
-      running: this.active,
-      queued: this.waiters.length,
+      running: this.slots.running,
+      queued: this.slots.queued,
       connections: this.connections,
       lastError: this.lastError,
     };
@@ -199,7 +209,7 @@ class SshExecutorImpl implements SshExecutor {
       stdinState.onError?.(err);
     };
     stdinStream?.on("error", noteStdinError);
-    const slot = await this.acquire().catch((err: unknown) => {
+    const slot = await this.slots.acquire().catch((err: unknown) => {
       stdinStream?.off("error", noteStdinError);
       throw err;
     });
@@ -232,7 +242,7 @@ class SshExecutorImpl implements SshExecutor {
 
   async exchange(socketPath: string, payload: string, opts: { timeoutMs?: number } = {}): Promise<Buffer> {
     this.checkUsable();
-    const slot = await this.acquire();
+    const slot = await this.slots.acquire();
     const timeoutMs = opts.timeoutMs ?? this.commandTimeoutMs;
     const deadline = new AbortController();
     this.clock.sleep(timeoutMs, deadline.signal).then(
@@ -277,7 +287,7 @@ class SshExecutorImpl implements SshExecutor {
     if (this.closed) return;
     this.closed = true;
     this.closing.abort(new SshError("ssh.closed", `the executor for ${this.name} is closed`));
-    for (const w of this.waiters.splice(0)) w.reject(this.closedError());
+    this.slots.rejectAll(this.closedError());
     this.pendingClient?.destroy();
     const conn = this.conn;
     this.conn = null;
@@ -299,28 +309,6 @@ class SshExecutorImpl implements SshExecutor {
     if (err instanceof SshError)
       this.lastError = { code: err.code, message: err.message, at: this.clock.now() };
     return err;
-  }
-
-  // --- channel slots -------------------------------------------------------------------------------------
-
-  private async acquire(): Promise<Slot> {
-    if (this.active >= this.maxChannels) {
-      await new Promise<void>((resolve, reject) => this.waiters.push({ resolve, reject }));
-    } else {
-      this.active++;
-    }
-    let released = false;
-    return {
-      deferred: false,
-      release: () => {
-        if (released) return;
-        released = true;
-        const next = this.waiters.shift();
-        if (next)
-          next.resolve(); // the slot passes straight to the next waiter
-        else this.active--;
-      },
-    };
   }
 
   // --- connection -----------------------------------------------------------------------------------------
@@ -482,7 +470,7 @@ class SshExecutorImpl implements SshExecutor {
         "its tag; nothing more is sent to it",
     );
     this.log.error({ address: `${this.host}:${this.port}` }, "host failed the identity check; refusing it");
-    for (const w of this.waiters.splice(0)) w.reject(this.refused);
+    this.slots.rejectAll(this.refused);
     throw this.refused;
   }
 
@@ -624,139 +612,4 @@ class SshExecutorImpl implements SshExecutor {
       }
     });
   }
-}
-
-/** A stdin stream's failure, noted from the moment execute() accepted the command. */
-interface StdinState {
-  error: Error | null;
-  onError?: ((err: Error) => void) | undefined;
-}
-
-/** An exec channel and what happened to it before its reader got to it. */
-interface OpenedChannel {
-  channel: ClientChannel;
-  exit: { code: number | null; signal: string | null } | null;
-  closed: boolean;
-}
-
-/**
- * Opens a session channel running `command`; rejects with ssh2's error (which has `reason` if refused).
- * The exit status can arrive in the same packet batch as the exec reply, before anyone awaiting this promise
- * runs: it is recorded here, synchronously, or it would be lost.
- */
-/** A streamlocal channel to a unix socket on the server (OpenSSH's direct-streamlocal@openssh.com). */
-function openStreamLocal(client: SshClient, socketPath: string): Promise<ClientChannel> {
-  return new Promise<ClientChannel>((resolve, reject) => {
-    try {
-      client.openssh_forwardOutStreamLocal(socketPath, (err, channel) =>
-        err ? reject(err) : resolve(channel),
-      );
-    } catch (err) {
-      reject(err);
-    }
-  });
-}
-
-function openExec(client: SshClient, command: string): Promise<OpenedChannel> {
-  return new Promise<OpenedChannel>((resolve, reject) => {
-    try {
-      client.exec(command, (err, channel) => {
-        if (err) {
-          reject(err);
-          return;
-        }
-        const opened: OpenedChannel = { channel, exit: null, closed: false };
-        channel.on("exit", (code: number | null | undefined, signal?: string) => {
-          opened.exit = {
-            code: code ?? null,
-            signal: code === null || code === undefined ? (signal ?? null) : null,
-          };
-        });
-        channel.once("close", () => {
-          opened.closed = true;
-        });
-        resolve(opened);
-      });
-    } catch (err) {
-      reject(err); // "Not connected"
-    }
-  });
-}
-
-/** A CHANNEL_OPEN_FAILURE from the server (e.g. past MaxSessions) or no free local channel ids. */
-function isOpenRefusal(err: unknown): boolean {
-  if (!(err instanceof Error)) return false;
-  const reason = (err as Error & { reason?: unknown }).reason;
-  return typeof reason === "number" || err.message === "No free channels available";
-}
-
-/**
- * Sends a signal request on the channel. ssh2's Channel.signal() does nothing once stdin has ended (the
- * stream is no longer writable), but the protocol allows the request on any channel still open from our side.
- */
-function sendSignal(channel: ClientChannel, name: string): void {
-  try {
-    if (channel.writable) {
-      channel.signal(name);
-      return;
-    }
-    const ch = channel as unknown as {
-      outgoing?: { id: number; state: string };
-      _client?: { _protocol?: { signal(id: number, name: string): void } };
-    };
-    if (ch.outgoing && (ch.outgoing.state === "open" || ch.outgoing.state === "eof")) {
-      ch._client?._protocol?.signal(ch.outgoing.id, name);
-    }
-  } catch {
-    // The channel is going away anyway.
-  }
-}
-
-/** Races `promise` with `signal`; rejects with the signal's reason. `onLate` gets a value that came too late. */
-function abortable<T>(promise: Promise<T>, signal: AbortSignal, onLate?: (value: T) => void): Promise<T> {
-  if (signal.aborted) {
-    promise.then(onLate, () => {});
-    return Promise.reject(signal.reason);
-  }
-  return new Promise<T>((resolve, reject) => {
-    let done = false;
-    const onAbort = () => {
-      done = true;
-      reject(signal.reason);
-    };
-    signal.addEventListener("abort", onAbort, { once: true });
-    promise.then(
-      (value) => {
-        signal.removeEventListener("abort", onAbort);
-        if (done) onLate?.(value);
-        else resolve(value);
-      },
-      (err: unknown) => {
-        signal.removeEventListener("abort", onAbort);
-        if (!done) reject(err);
-      },
-    );
-  });
-}
-
-function endClient(client: SshClient, clock: Clock): Promise<void> {
-  return new Promise<void>((resolve) => {
-    const giveUp = new AbortController();
-    client.once("close", () => {
-      giveUp.abort();
-      resolve();
-    });
-    clock.sleep(2_000, giveUp.signal).then(
-      () => {
-        client.destroy();
-        resolve();
-      },
-      () => {},
-    );
-    client.end();
-  });
-}
-
-function errMessage(err: unknown): string {
-  return err instanceof Error ? err.message : String(err);
 }
