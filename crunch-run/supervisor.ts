@@ -6,6 +6,8 @@
  * process); the container, with its logs pushed while it runs, heartbeats with resource usage, and the time
  * and disk limits checked every second; outputs uploaded as a tar; `finish`; the work dir and the lock
  * removed.
+ * One file of ~680 lines because these steps are one attempt's life in order, sharing its work dir, token and
+ * cancellation; the runtimes (runtime-*.ts), the API client, log streaming and tar are their own modules.
  *
  * Outcomes without `finish`:
  * - SIGTERM/SIGINT (`--kill`): the container is stopped and removed, nothing is uploaded.

@@ -4,6 +4,8 @@
  * Packing never follows a link (lstat, no-follow opens, the scanned inode checked again at open); extracting
  * refuses anything else (hard links, devices, absolute paths, `..`, links that leave the tree, entries below a
  * link), so neither side ever reads or writes outside its directory.
+ * Close to 600 lines because the writer's and the reader's rules are the same rules (what may travel) and are
+ * kept side by side; both are streaming and bounded (entries, header sizes).
  */
 import { constants, type Stats } from "node:fs";
 import { lstat, mkdir, open, opendir, readlink, symlink } from "node:fs/promises";

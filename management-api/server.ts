@@ -21,7 +21,7 @@ import {
   refuseWhileClosing,
   sendError,
 } from "../lib/http-errors.ts";
-import { logRequestsAtDebug } from "../lib/http-log.ts";
+import { logRequestsAtDebug, quietRequests } from "../lib/http-log.ts";
 import { recordRoutes } from "../lib/http-routes.ts";
 import { closeAfterEarlyAnswer, enforceBodyTimeout, httpServerOptions } from "../lib/http-timeouts.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
@@ -71,7 +71,7 @@ export async function createManagementServer(opts: ManagementServerOptions): Pro
     frameworkErrors: frameworkErrorsHandler("request.invalid_query"),
     clientErrorHandler: clientErrorHandler(logger as FastifyBaseLogger),
     return503OnClosing: false,
-    disableRequestLogging: true,
+    logController: quietRequests(),
   });
   logRequestsAtDebug(app);
   recordRoutes(app);

@@ -18,7 +18,7 @@ import {
   refuseWhileClosing,
   sendError,
 } from "../lib/http-errors.ts";
-import { logRequestsAtDebug } from "../lib/http-log.ts";
+import { logRequestsAtDebug, quietRequests } from "../lib/http-log.ts";
 import { recordRoutes } from "../lib/http-routes.ts";
 import {
   allowSlowUpload,
@@ -124,7 +124,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     frameworkErrors: frameworkErrorsHandler("request.invalid_body"),
     clientErrorHandler: clientErrorHandler(logger as FastifyBaseLogger),
     return503OnClosing: false,
-    disableRequestLogging: true,
+    logController: quietRequests(),
   });
   logRequestsAtDebug(app);
   recordRoutes(app);

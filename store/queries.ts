@@ -1,6 +1,8 @@
 /**
  * Runtime SQL: one exported function per statement, `(db, args)`, positional parameters only, rows mapped to
  * the camelCase types of store/types.ts. State changes live in transitions.ts.
+ * Over 500 lines because every runtime statement is here, next to the others on the same tables, so that a
+ * change of a table is reviewed against all of its queries at once; each function is a few lines.
  */
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "./db.ts";

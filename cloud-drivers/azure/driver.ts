@@ -3,6 +3,8 @@
  * @azure/arm-compute and @azure/arm-network (authenticated by @azure/identity) with the SDK's own retries off
  * (the pool owns retry policy). Every Azure error goes through classifyAzureError (errors.ts). The registry
  * imports this module lazily, so processes that do not use Azure never load the SDK.
+ * Over 500 lines because a VM is several Azure resources (VM, NIC, tags on both) created, found and destroyed
+ * together; the error classification and the parameter schema are their own modules.
  */
 import { randomBytes } from "node:crypto";
 import type { Disk, VirtualMachine } from "@azure/arm-compute";

@@ -2,6 +2,8 @@
  * The `ec2` cloud: instances are EC2 instances, created and found through @aws-sdk/client-ec2 with the SDK's
  * own retries off (the pool owns retry policy). Every EC2 error goes through classifyEc2Error (errors.ts).
  * The registry imports this module lazily, so processes that do not use EC2 never load the SDK.
+ * Close to 600 lines because each call (run, describe with paging, terminate, tags, spot and capacity
+ * answers) maps EC2's shapes to the driver interface here; errors and parameters are their own modules.
  */
 import { createHash, createPublicKey } from "node:crypto";
 import {

@@ -3,6 +3,8 @@
  * VMs live in a StubCloud, not in an InstanceSet, so instance sets opened over the same StubCloud (say,
  * before and after a dispatcher restart) see the same VMs. Nothing runs on a timer: boot, tag staleness and
  * lingering after destroy are computed from the injected Clock whenever they are looked at.
+ * Over 500 lines because it simulates a whole provider (quotas, capacity, rate limits, tag lag, errors on
+ * demand) for tests and benchmarks; its VMs are in vm.ts, its knobs in knobs.ts, its shell in executor.ts.
  */
 import { createHash } from "node:crypto";
 import { EventEmitter } from "node:events";

@@ -1,3 +1,9 @@
+/**
+ * The stub cloud's executor: runs the commands the dispatcher sends an instance (the identity check, the boot
+ * probe, sha256sum, the runner's deploy, --version, --list, --detach, --kill) against a StubVm, through a
+ * small shell (shell.ts), with the same errors as the SSH executor. About 500 lines: one interpreter for the
+ * command set the pool uses, kept in one place so that a new command is added here and nowhere else.
+ */
 import { posix } from "node:path";
 import type { Clock } from "../../lib/clock.ts";
 import type { ExecOptions, ExecResult, Executor } from "../../lib/executor.ts";

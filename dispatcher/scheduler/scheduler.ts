@@ -10,6 +10,11 @@
  * eligible types are cached across passes; so is the priority order (only new or changed bundles are sorted).
  * A worker's room after its runners is kept too, recomputed only when its runners or their queue rows change;
  * the order array is compacted in place (or merged into the previous pass's array), so a pass allocates little.
+ *
+ * Why one file of ~850 lines: a pass is one algorithm over shared state (the order, the shapes' cursors, the
+ * workers' room), and its cost depends on that state being reused, not rebuilt (bench/scheduler.ts). Fields
+ * that hold for one pass are stamped with the pass number instead of living in a per-pass object, so a pass
+ * allocates nothing per shape or worker; the sentences are in status.ts, eligibility in eligible.ts.
  */
 import type { InstanceType } from "../../cloud-drivers/types.ts";
 import type { Config } from "../../config/schema.ts";
