@@ -170,6 +170,10 @@ const RestServer = Section("The users' and runners' REST API.", {
     expected: "empty or an http:// or https:// URL",
   }),
   maxRequestBodySize: Size("Largest request body accepted.", "1MiB"),
+  maxBatchRequestBodySize: Size(
+    "Largest body of a batch submission (POST /api/v1/bundles/batch, up to 10,000 bundles).",
+    "64MiB",
+  ),
   maxOutputSize: Size(
     "Largest output archive a runner may upload for one bundle (sum of its files' sizes).",
     "10GiB",

@@ -6,7 +6,7 @@
 import type { Logger } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
 import { createdBundlesReady } from "../store/queries.ts";
-import { failCreated, stageBundle } from "../store/transitions.ts";
+import { failCreated, stageBundles } from "../store/transitions.ts";
 import { BUNDLE_CHANNEL, type Bundle, type BundleState, isFinalState } from "../store/types.ts";
 
 export interface BundleManagerOptions {
@@ -70,25 +70,36 @@ export function createBundleManager(opts: BundleManagerOptions): BundleManager {
     for (;;) {
       const rows = await createdBundlesReady(db, batchSize);
       let progress = false;
+      const toStage: { uuid: string; reason: string | null }[] = [];
       for (const { bundle, dependencyStates } of rows) {
         if (seen.has(bundle.uuid)) continue;
         seen.add(bundle.uuid);
         progress = true;
+        const d = decide(bundle, dependencyStates);
+        if (d.action === "stage") toStage.push({ uuid: bundle.uuid, reason: d.reason });
+        if (d.action !== "fail") continue;
         try {
-          const d = decide(bundle, dependencyStates);
-          if (d.action === "wait") continue;
-          const result =
-            d.action === "stage"
-              ? await stageBundle(db, bundle.uuid, { actor: ACTOR, reason: d.reason })
-              : await failCreated(db, bundle.uuid, { actor: ACTOR, reason: d.reason });
+          const result = await failCreated(db, bundle.uuid, { actor: ACTOR, reason: d.reason });
           if (result.ok) {
             moved++;
-            log.info({ bundleUuid: bundle.uuid, state: result.bundle.state }, `bundle ${d.action}d`);
+            log.info({ bundleUuid: bundle.uuid, state: result.bundle.state }, "bundle failed");
           }
         } catch (err) {
           // One bad row must not block the others; it is tried again on the next pass.
           log.error({ err, bundleUuid: bundle.uuid }, "could not move a created bundle");
         }
+      }
+      // The page's stageable bundles in one statement (a batch submission stages as fast as it was inserted).
+      try {
+        for (const b of await stageBundles(db, toStage, ACTOR)) {
+          moved++;
+          log.info({ bundleUuid: b.uuid, state: b.state }, "bundle staged");
+        }
+      } catch (err) {
+        log.error(
+          { err, bundles: toStage.length },
+          "could not stage created bundles; tried again on the next pass",
+        );
       }
       // Another page only if this one was full and brought something new.
       if (rows.length < batchSize || !progress) return moved;

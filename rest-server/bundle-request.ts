@@ -264,3 +264,59 @@ export function parseBundleRequest(
     maxAttempts: req.maxAttempts ?? defaultMaxAttempts,
   };
 }
+
+/** Most bundles in one `POST /api/v1/bundles/batch`. */
+export const MAX_BATCH_ITEMS = 10_000;
+
+/**
+ * Validates the body of a batch submission, `{ "items": [<bundle request>, ...] }` with 1 to MAX_BATCH_ITEMS
+ * items, each as parseBundleRequest would; the first bad field is reported with its item's path
+ * (`items[42].resources.ram`), and nothing of the batch is kept.
+ */
+export function parseBatchRequest(
+  body: unknown,
+  ownerUuid: string,
+  defaultMaxAttempts: number,
+  minimums: BundleMinimums,
+): NewBundle[] {
+  if (body === null || typeof body !== "object" || Array.isArray(body)) {
+    throw invalidBody("", 'must be an object { "items": [...] }');
+  }
+  for (const key of Object.keys(body)) {
+    if (key !== "items")
+      throw new DispatchCloudError("request.unknown_field", `unknown field ${key}`, { path: key });
+  }
+  const items = (body as { items?: unknown }).items;
+  if (!Array.isArray(items)) throw invalidBody("items", "must be an array of bundle requests");
+  if (items.length === 0 || items.length > MAX_BATCH_ITEMS) {
+    throw invalidBody(
+      "items",
+      `must hold 1 to ${MAX_BATCH_ITEMS} bundle requests (it holds ${items.length})`,
+    );
+  }
+  return items.map((item, i) => {
+    try {
+      return parseBundleRequest(item, ownerUuid, defaultMaxAttempts, minimums);
+    } catch (err) {
+      throw err instanceof DispatchCloudError ? withItemPath(err, i) : err;
+    }
+  });
+}
+
+/** The same error with its path (and the path in its message) under `items[i]`. */
+function withItemPath(err: DispatchCloudError, i: number): DispatchCloudError {
+  const prefix = `items[${i}]`;
+  const path = err.path === undefined ? prefix : childPathJoin(prefix, err.path);
+  const from = err.path ?? "the body";
+  const at = err.message.indexOf(from);
+  const message =
+    at < 0
+      ? `${path}: ${err.message}`
+      : err.message.slice(0, at) + path + err.message.slice(at + from.length);
+  return new DispatchCloudError(err.code, message, { path, cause: err });
+}
+
+/** `items[3]` + `resources.ram` -> `items[3].resources.ram`; + `[2]` or `["a.b"]` -> no dot. */
+function childPathJoin(prefix: string, path: string): string {
+  return path.startsWith("[") ? prefix + path : `${prefix}.${path}`;
+}

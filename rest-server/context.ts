@@ -23,5 +23,7 @@ export interface RouteContext {
   instancePrice(instanceType: string): number | undefined;
   bundleMinimums: BundleMinimums;
   submitLimits: SubmitLimits;
+  /** Largest body of a batch submission (restServer.maxBatchRequestBodySize). */
+  maxBatchBodySize: number;
   maxTokensPerUser: number;
 }

@@ -4,7 +4,7 @@
  */
 import { ErrorResponse, errors, type Json, json, plain, query, ref } from "../lib/openapi.ts";
 import { VERSION } from "../lib/version.ts";
-import { BundleRequest } from "./bundle-request.ts";
+import { BundleRequest, MAX_BATCH_ITEMS } from "./bundle-request.ts";
 import { TokenRequest } from "./routes-tokens.ts";
 import { KillRequest, UserRequest } from "./routes-users.ts";
 
@@ -66,6 +66,7 @@ export function usersApiDocument(): Json {
               "request.invalid_json",
               "request.invalid_body",
               "request.unknown_field",
+              "bundle.invalid_dependency",
               "quota.queued_bundles",
               "quota.rate_limited",
             ]),
@@ -90,6 +91,31 @@ export function usersApiDocument(): Json {
               "A page of the caller's bundles.",
             ),
             ...errors([...common, "request.invalid_query"]),
+          },
+        },
+      },
+      "/api/v1/bundles/batch": {
+        post: {
+          operationId: "createBundles",
+          description:
+            "Up to 10,000 bundles in one request, all or nothing; a bad field is named under its item " +
+            "(items[42].resources.ram). The answer lists the new bundles in the order given.",
+          requestBody: body("BatchRequest"),
+          responses: {
+            "201": json(
+              { type: "object", properties: { items: { type: "array", items: { type: "object" } } } },
+              "The new bundles, in the order of the request's items.",
+            ),
+            ...errors([
+              ...common,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "request.body_too_large",
+              "bundle.invalid_dependency",
+              "quota.queued_bundles",
+              "quota.rate_limited",
+            ]),
           },
         },
       },
@@ -214,6 +240,14 @@ export function usersApiDocument(): Json {
       securitySchemes: { bearer: { type: "http", scheme: "bearer" } },
       schemas: {
         BundleRequest: plain(BundleRequest),
+        BatchRequest: {
+          type: "object",
+          additionalProperties: false,
+          required: ["items"],
+          properties: {
+            items: { type: "array", minItems: 1, maxItems: MAX_BATCH_ITEMS, items: ref("BundleRequest") },
+          },
+        },
         KillRequest: plain(KillRequest),
         UserRequest: plain(UserRequest),
         TokenRequest: plain(TokenRequest),

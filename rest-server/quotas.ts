@@ -10,12 +10,11 @@ import { ERROR_CODES, type ErrorCode, errorBody } from "../lib/errors.ts";
 import type { Db } from "../store/db.ts";
 import {
   countActiveBundles,
-  insertBundle,
   lockSubmitBucket,
   type SubmitBucket,
   saveSubmitBucket,
 } from "../store/queries.ts";
-import type { Bundle, NewBundle, User } from "../store/types.ts";
+import type { User } from "../store/types.ts";
 
 export interface SubmitLimits {
   /** 0 = unlimited. */
@@ -34,7 +33,7 @@ export const NO_SUBMIT_LIMITS: SubmitLimits = {
 };
 
 export type SubmitRefusal =
-  | { reason: "queued"; limit: number }
+  | { reason: "queued"; limit: number; active: number; asked: number }
   | { reason: "rate"; retryAfterSeconds: number; perSecond: number; burst: number };
 
 /** The bucket at nowMs: refilled for the time since it was last refilled, never above burst. */
@@ -53,19 +52,25 @@ export function retryAfterSeconds(tokens: number, perSecond: number): number {
 }
 
 /**
- * Inserts the bundle (state `created`) unless it would take the owner over a limit; admins are never limited.
- * The refusal says which limit and, for the rate, when to try again.
+ * Runs `insert` (of `count` new bundles) unless it would take the owner over a limit; admins are never limited.
+ * A request spends one submission from the bucket whatever its size (the rate guards requests); the queued cap
+ * counts every bundle (a batch that would go past it is refused whole). The refusal says which limit and, for
+ * the rate, when to try again.
  */
-export async function insertWithinLimits(
+export async function insertWithinLimits<T>(
   db: Db,
-  args: { owner: User; uuid: string; bundle: NewBundle; limits: SubmitLimits; nowMs: number },
-): Promise<{ ok: true; bundle: Bundle } | { ok: false; refusal: SubmitRefusal }> {
-  const { limits, owner } = args;
+  args: {
+    owner: User;
+    count: number;
+    limits: SubmitLimits;
+    nowMs: number;
+    insert: (tx: Db) => Promise<T>;
+  },
+): Promise<{ ok: true; value: T } | { ok: false; refusal: SubmitRefusal }> {
+  const { limits, owner, count } = args;
   const maxQueued = limits.maxQueuedBundlesPerUser;
   const rate = limits.submissionsPerSecond;
-  if (owner.isAdmin || (maxQueued === 0 && rate === 0)) {
-    return { ok: true, bundle: await insertBundle(db, args.uuid, args.bundle, "created") };
-  }
+  if (owner.isAdmin || (maxQueued === 0 && rate === 0)) return { ok: true, value: await args.insert(db) };
   return db.transaction(async (tx) => {
     const stored = await lockSubmitBucket(tx, {
       userUuid: owner.uuid,
@@ -84,11 +89,14 @@ export async function insertWithinLimits(
         },
       };
     }
-    if (maxQueued > 0 && (await countActiveBundles(tx, owner.uuid, maxQueued)) >= maxQueued) {
-      return { ok: false, refusal: { reason: "queued", limit: maxQueued } };
+    if (maxQueued > 0) {
+      const active = await countActiveBundles(tx, owner.uuid, maxQueued);
+      if (active + count > maxQueued) {
+        return { ok: false, refusal: { reason: "queued", limit: maxQueued, active, asked: count } };
+      }
     }
     if (rate > 0) await saveSubmitBucket(tx, owner.uuid, { ...bucket, tokens: bucket.tokens - 1 });
-    return { ok: true, bundle: await insertBundle(tx, args.uuid, args.bundle, "created") };
+    return { ok: true, value: await args.insert(tx) };
   });
 }
 
@@ -105,8 +113,12 @@ export function sendRefusal(reply: FastifyReply, refusal: SubmitRefusal): Fastif
   } else {
     code = "quota.queued_bundles";
     message =
-      `you already have ${refusal.limit} bundles that are not finished, the most one user may have ` +
-      "(quotas.maxQueuedBundlesPerUser); submit again once some have finished";
+      refusal.asked === 1
+        ? `you already have ${refusal.limit} bundles that are not finished, the most one user may have ` +
+          "(quotas.maxQueuedBundlesPerUser); submit again once some have finished"
+        : `these ${refusal.asked} bundles and the ${refusal.active} of yours that are not finished would be ` +
+          `more than ${refusal.limit}, the most one user may have (quotas.maxQueuedBundlesPerUser); ` +
+          "submit fewer, or again once some have finished";
   }
   return reply.code(ERROR_CODES[code].status).type("application/json").send(errorBody(code, message));
 }

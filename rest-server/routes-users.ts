@@ -6,11 +6,18 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { NO_CONTROL_PATTERN } from "../lib/text-limits.ts";
 import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "../lib/tokens.ts";
-import { createUser, getBundleForOwner, listBundles, listEvents } from "../store/queries.ts";
+import {
+  createUser,
+  getBundleForOwner,
+  insertBundle,
+  insertBundles,
+  listBundles,
+  listEvents,
+} from "../store/queries.ts";
 import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
 import { callerOf, requireAdmin, userAuthHook } from "./auth.ts";
-import { parseBundleRequest } from "./bundle-request.ts";
+import { parseBatchRequest, parseBundleRequest } from "./bundle-request.ts";
 import type { RouteContext } from "./context.ts";
 import { logReadable, parseLogQuery } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
@@ -132,20 +139,47 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
       ctx.defaultMaxAttempts,
       ctx.bundleMinimums,
     );
+    const uuid = newBundleUuid(ctx.clusterId);
     const result = await insertWithinLimits(db, {
       owner: caller,
-      uuid: newBundleUuid(ctx.clusterId),
-      bundle: newBundle,
+      count: 1,
       limits: ctx.submitLimits,
       nowMs: ctx.nowMs(),
+      insert: (tx) => insertBundle(tx, uuid, newBundle, "created"),
     });
     if (!result.ok) return sendRefusal(reply, result.refusal);
     request.log.info(
-      { bundleUuid: result.bundle.uuid, owner: caller.uuid, image: result.bundle.image },
+      { bundleUuid: result.value.uuid, owner: caller.uuid, image: result.value.image },
       "bundle created",
     );
-    return reply.code(201).send(view(result.bundle));
+    return reply.code(201).send(view(result.value));
   });
+
+  // Many bundles in one request, all or nothing (docs/api.md "Batch submission").
+  app.post(
+    "/api/v1/bundles/batch",
+    { onRequest, bodyLimit: ctx.maxBatchBodySize },
+    async (request, reply) => {
+      const caller = callerOf(request);
+      const bundles = parseBatchRequest(
+        request.body,
+        caller.uuid,
+        ctx.defaultMaxAttempts,
+        ctx.bundleMinimums,
+      );
+      const items = bundles.map((bundle) => ({ uuid: newBundleUuid(ctx.clusterId), bundle }));
+      const result = await insertWithinLimits(db, {
+        owner: caller,
+        count: items.length,
+        limits: ctx.submitLimits,
+        nowMs: ctx.nowMs(),
+        insert: (tx) => insertBundles(tx, caller.uuid, items),
+      });
+      if (!result.ok) return sendRefusal(reply, result.refusal);
+      request.log.info({ owner: caller.uuid, count: items.length }, "bundles created (batch)");
+      return reply.code(201).send({ items: result.value.map(view) });
+    },
+  );
 
   app.get("/api/v1/bundles", { onRequest }, async (request) => {
     const q = parseListQuery(request.query);

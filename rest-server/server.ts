@@ -45,6 +45,8 @@ export interface RestServerOptions {
   clusterId: string;
   /** Largest accepted request body, in bytes. */
   maxRequestBodySize: number;
+  /** Largest body of a batch submission, in bytes; default restServer.maxBatchRequestBodySize's. */
+  maxBatchRequestBodySize?: number;
   /** maxAttempts of a bundle whose request does not say. */
   defaultMaxAttempts: number;
   /** Source of "now" for derived timings; defaults to the system clock. */
@@ -105,6 +107,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
       vcpus: defaults.minBundleVcpus,
     },
     submitLimits: opts.quotas ?? NO_SUBMIT_LIMITS,
+    maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
   };
   const timeouts = {

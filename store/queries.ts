@@ -369,6 +369,8 @@ export async function insertBundle(
   b: NewBundle,
   initialState: "created",
 ): Promise<Bundle> {
+  // Without dependencies the insert is one statement, atomic on its own: no BEGIN/COMMIT round trips.
+  if (b.dependencies.length === 0) return insertBundleRow(db, uuid, b, initialState);
   return db.transaction(async (tx) => {
     const depUuids = b.dependencies.map((d) => d.bundle);
     if (depUuids.length > 0) {
@@ -386,43 +388,126 @@ export async function insertBundle(
         );
       }
     }
-    const { rows } = await tx.query<BundleRow>(
-      `WITH b AS (
-         INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
-           limits, dependencies, allow_failed_dependencies, max_attempts, state)
-         VALUES ($1, $2, $3, $4::jsonb, $5, $6::jsonb, $7::jsonb, $8, $9, $10::jsonb, $11::jsonb, $12, $13, $14)
-         RETURNING *
-       ), d AS (
-         INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
-         SELECT b.uuid, x.ord, x.dep->>'bundle', x.dep->>'subpath', x.dep->>'name'
-         FROM b, jsonb_array_elements($11::jsonb) WITH ORDINALITY AS x(dep, ord)
-       ), e AS (
-         INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
-         SELECT uuid, NULL, state, attempt, NULL, $15 FROM b
-       ), n AS (
-         SELECT pg_notify($16, b.uuid || ' ' || b.state || ' ' || b.change_seq) FROM b
-       )
-       SELECT b.* FROM b WHERE (SELECT count(*) FROM n) >= 0`,
-      [
+    return insertBundleRow(tx, uuid, b, initialState);
+  });
+}
+
+/** The one statement of insertBundle: the row, its dependency rows, its first event and its NOTIFY. */
+async function insertBundleRow(db: Db, uuid: string, b: NewBundle, initialState: "created"): Promise<Bundle> {
+  const { rows } = await db.query<BundleRow>(
+    `WITH b AS (
+       INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
+         limits, dependencies, allow_failed_dependencies, max_attempts, state)
+       VALUES ($1, $2, $3, $4::jsonb, $5, $6::jsonb, $7::jsonb, $8, $9, $10::jsonb, $11::jsonb, $12, $13, $14)
+       RETURNING *
+     ), d AS (
+       INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
+       SELECT b.uuid, x.ord, x.dep->>'bundle', x.dep->>'subpath', x.dep->>'name'
+       FROM b, jsonb_array_elements($11::jsonb) WITH ORDINALITY AS x(dep, ord)
+     ), e AS (
+       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+       SELECT uuid, NULL, state, attempt, NULL, $15 FROM b
+     ), n AS (
+       SELECT pg_notify($16, b.uuid || ' ' || b.state || ' ' || b.change_seq) FROM b
+     )
+     SELECT b.* FROM b WHERE (SELECT count(*) FROM n) >= 0`,
+    [
+      uuid,
+      b.ownerUuid,
+      b.name,
+      JSON.stringify(b.command),
+      b.image,
+      JSON.stringify(b.env),
+      JSON.stringify(b.resources),
+      b.preemptible,
+      b.priority,
+      JSON.stringify(b.limits),
+      JSON.stringify(b.dependencies),
+      b.allowFailedDependencies,
+      b.maxAttempts,
+      initialState,
+      `user:${b.ownerUuid}`,
+      BUNDLE_CHANNEL,
+    ],
+  );
+  return bundleFromRow(rows[0]!);
+}
+
+/** Rows per INSERT statement of insertBundles: one jsonb parameter of about 0.5 MB. */
+const INSERT_CHUNK = 1000;
+
+/**
+ * Inserts many bundles of one owner in state `created`, all or nothing, in one transaction: multi-row
+ * statements of INSERT_CHUNK rows (bundles, their dependency rows, their first events), one dependency check
+ * for the whole batch, and one NOTIFY (`* created <n>`) for all of them, so listeners wake once. Returns the
+ * bundles in the order given. A bad dependency names its item: `items[3].dependencies[0].bundle`.
+ */
+export async function insertBundles(
+  db: Db,
+  ownerUuid: string,
+  items: readonly { uuid: string; bundle: NewBundle }[],
+): Promise<Bundle[]> {
+  if (items.length === 0) return [];
+  return db.transaction(async (tx) => {
+    const depUuids = [...new Set(items.flatMap((it) => it.bundle.dependencies.map((d) => d.bundle)))];
+    if (depUuids.length > 0) {
+      const { rows } = await tx.query<{ uuid: string }>(
+        "SELECT uuid FROM bundles WHERE uuid = ANY($1::text[]) AND owner_uuid = $2",
+        [depUuids, ownerUuid],
+      );
+      const found = new Set(rows.map((r) => r.uuid));
+      items.forEach((it, i) => {
+        const j = it.bundle.dependencies.findIndex((d) => !found.has(d.bundle));
+        if (j < 0) return;
+        throw new DispatchCloudError(
+          "bundle.invalid_dependency",
+          `dependency ${JSON.stringify(it.bundle.dependencies[j]!.bundle)} is not one of your bundles`,
+          { path: `items[${i}].dependencies[${j}].bundle` },
+        );
+      });
+    }
+    const byUuid = new Map<string, Bundle>();
+    for (let start = 0; start < items.length; start += INSERT_CHUNK) {
+      const chunk = items.slice(start, start + INSERT_CHUNK).map(({ uuid, bundle: b }) => ({
         uuid,
-        b.ownerUuid,
-        b.name,
-        JSON.stringify(b.command),
-        b.image,
-        JSON.stringify(b.env),
-        JSON.stringify(b.resources),
-        b.preemptible,
-        b.priority,
-        JSON.stringify(b.limits),
-        JSON.stringify(b.dependencies),
-        b.allowFailedDependencies,
-        b.maxAttempts,
-        initialState,
-        `user:${b.ownerUuid}`,
-        BUNDLE_CHANNEL,
-      ],
-    );
-    return bundleFromRow(rows[0]!);
+        owner_uuid: ownerUuid,
+        name: b.name,
+        command: b.command,
+        image: b.image,
+        env: b.env,
+        resources: b.resources,
+        preemptible: b.preemptible,
+        priority: b.priority,
+        limits: b.limits,
+        dependencies: b.dependencies,
+        allow_failed_dependencies: b.allowFailedDependencies,
+        max_attempts: b.maxAttempts,
+      }));
+      const { rows } = await tx.query<BundleRow>(
+        `WITH b AS (
+           INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
+             limits, dependencies, allow_failed_dependencies, max_attempts, state)
+           SELECT r.uuid, r.owner_uuid, r.name, r.command, r.image, r.env, r.resources, r.preemptible, r.priority,
+             r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, 'created'
+           FROM jsonb_to_recordset($1::jsonb) AS r(uuid text, owner_uuid text, name text, command jsonb,
+             image text, env jsonb, resources jsonb, preemptible boolean, priority int, limits jsonb,
+             dependencies jsonb, allow_failed_dependencies boolean, max_attempts int)
+           RETURNING *
+         ), d AS (
+           INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
+           SELECT b.uuid, x.ord, x.dep->>'bundle', x.dep->>'subpath', x.dep->>'name'
+           FROM b, jsonb_array_elements(b.dependencies) WITH ORDINALITY AS x(dep, ord)
+         ), e AS (
+           INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+           SELECT uuid, NULL, state, attempt, NULL, $2 FROM b
+         )
+         SELECT b.* FROM b`,
+        [JSON.stringify(chunk), `user:${ownerUuid}`],
+      );
+      for (const row of rows) byUuid.set(row.uuid, bundleFromRow(row));
+    }
+    await tx.query("SELECT pg_notify($1, $2)", [BUNDLE_CHANNEL, `* created ${items.length}`]);
+    return items.map((it) => byUuid.get(it.uuid)!);
   });
 }
 

@@ -100,6 +100,41 @@ export function stageBundle(
   });
 }
 
+/**
+ * created -> staged for many bundles in one guarded statement (the bundle manager's page): each row still
+ * `created` is staged with its own reason and event; one NOTIFY (`* staged <n>`) for all. Returns the bundles
+ * that moved; a bundle that left `created` meanwhile is left alone (a lost race, as in transition()).
+ */
+export async function stageBundles(
+  db: Db,
+  items: readonly { uuid: string; reason: string | null }[],
+  actor: string,
+): Promise<Bundle[]> {
+  if (items.length === 0) return [];
+  const { rows } = await db.query<BundleRow>(
+    `WITH want AS (
+       SELECT * FROM unnest($1::text[], $2::text[]) AS w(uuid, reason)
+     ), cur AS (
+       SELECT b.uuid, w.reason FROM bundles b JOIN want w ON w.uuid = b.uuid
+       WHERE b.state = 'created' ORDER BY b.uuid FOR UPDATE OF b
+     ), upd AS (
+       UPDATE bundles b SET state = 'staged', state_reason = cur.reason, scheduling_status = NULL,
+         staged_at = ${NOW}
+       FROM cur WHERE b.uuid = cur.uuid AND b.state = 'created'
+       RETURNING b.*
+     ), ev AS (
+       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+       SELECT uuid, 'created', state, attempt, state_reason, $3::text FROM upd
+       RETURNING id
+     ), n AS (
+       SELECT pg_notify($4::text, '* staged ' || count(*)) FROM upd HAVING count(*) > 0
+     )
+     SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`,
+    [items.map((i) => i.uuid), items.map((i) => i.reason), actor, BUNDLE_CHANNEL],
+  );
+  return rows.map(bundleFromRow);
+}
+
 /** created -> failed: a dependency failed or was killed. */
 export function failCreated(
   db: Db,

@@ -137,7 +137,10 @@ export type TransitionResult =
   | { ok: true; bundle: Bundle }
   | { ok: false; reason: "not_found" | "wrong_state" | "wrong_attempt"; current: Bundle | null };
 
-/** NOTIFY channel written by every bundle transition; payload `<uuid> <state> <changeSeq>`. */
+/**
+ * NOTIFY channel written by every bundle transition; payload `<uuid> <state> <changeSeq>`, or for a batch of
+ * new bundles one `* created <count>` (listeners re-read; none may take `*` for a bundle).
+ */
 export const BUNDLE_CHANNEL = "dispatch_cloud_bundles";
 
 /** NOTIFY channel written by every stored log chunk; payload `<uuid> <attempt> <stream> <stored bytes>`. */

@@ -27,6 +27,7 @@ import {
   markRunning,
   requeueStarting,
   stageBundle,
+  stageBundles,
   startBundle,
 } from "../store/transitions.ts";
 import { BUNDLE_CHANNEL, type Bundle, type TransitionResult } from "../store/types.ts";
@@ -721,6 +722,37 @@ describeEachDb("store", (getDb) => {
       await createTestBundle(db(), owner);
       await new Promise((r) => setTimeout(r, 100));
       expect(payloads.length).toBe(count);
+    });
+  });
+
+  describe("stageBundles", () => {
+    it("stages the created bundles of a page in one statement, each with its reason and event; leaves the others", async () => {
+      const owner = (await createTestUser(db())).uuid;
+      const a = await createTestBundle(db(), owner);
+      const b = await createTestBundle(db(), owner);
+      const gone = await createTestBundle(db(), owner);
+      ok(await killBundle(db(), gone.uuid, { actor: "operator", reason: "test" }));
+      const moved = await stageBundles(
+        db(),
+        [
+          { uuid: a.uuid, reason: null },
+          { uuid: b.uuid, reason: "allowFailedDependencies: x" },
+          { uuid: gone.uuid, reason: null },
+          { uuid: testBundleUuid(), reason: null },
+        ],
+        "bundle-manager",
+      );
+      expect(moved.map((m) => m.uuid).sort()).toEqual([a.uuid, b.uuid].sort());
+      const after = await getBundle(db(), b.uuid);
+      expect(after).toMatchObject({ state: "staged", stateReason: "allowFailedDependencies: x" });
+      expect(after!.stagedAt).not.toBeNull();
+      expect((await getBundle(db(), gone.uuid))!.state).toBe("killed");
+      const events = await listEvents(db(), b.uuid);
+      expect(events.map((e) => [e.fromState, e.toState, e.actor])).toEqual([
+        [null, "created", `user:${owner}`],
+        ["created", "staged", "bundle-manager"],
+      ]);
+      expect(await stageBundles(db(), [{ uuid: a.uuid, reason: null }], "bundle-manager")).toEqual([]);
     });
   });
 

@@ -185,6 +185,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       logger,
       clusterId: config.clusterId,
       maxRequestBodySize: config.restServer.maxRequestBodySize,
+      maxBatchRequestBodySize: config.restServer.maxBatchRequestBodySize,
       defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
       dataDir,
       maxOutputSize: config.restServer.maxOutputSize,

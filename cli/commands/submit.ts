@@ -2,6 +2,7 @@ import { readFile } from "node:fs/promises";
 import { resolve } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 import { parse as parseYaml } from "yaml";
+import { DispatchCloudError } from "../../lib/errors.ts";
 import { CLIENT_OPTIONS, parse } from "../args.ts";
 import type { ApiClient } from "../client.ts";
 import { type CliIo, EXIT_FAILED, EXIT_OK, usageError } from "../io.ts";
@@ -9,6 +10,7 @@ import { fetchListing, printListing, printLog } from "./bundles.ts";
 import { type ApiBundle, connect, FINAL } from "./client-common.ts";
 
 const USAGE = `usage: dispatch-cloud submit [FILE.json|FILE.yml] [flags] [--] COMMAND [ARG...]
+       dispatch-cloud submit --batch FILE.jsonl    (one bundle request per line; prints one uuid per line)
   --image IMAGE            container image (required unless in FILE)
   --name NAME              a name for the bundle
   --vcpus N --ram SIZE --scratch SIZE
@@ -43,6 +45,7 @@ const OPTIONS = {
   "allow-failed-dependencies": { type: "boolean" },
   "max-attempts": { type: "string" },
   wait: { type: "boolean" },
+  batch: { type: "string" },
 } as const;
 
 type Body = Record<string, unknown>;
@@ -55,6 +58,12 @@ export async function submitCommand(io: CliIo): Promise<number> {
   if (v.help === true) {
     io.out(USAGE);
     return EXIT_OK;
+  }
+  if (v.batch !== undefined) {
+    if (positionals.length > 0 || v.wait === true) {
+      throw usageError("--batch FILE.jsonl takes no command, spec file or --wait; each line is a bundle");
+    }
+    return submitBatch(io, v, resolve(io.cwd, v.batch));
   }
   let body: Body = {};
   let command = positionals;
@@ -119,6 +128,63 @@ export async function submitCommand(io: CliIo): Promise<number> {
   const final = await waitForFinal(io, api, created);
   await showResult(io, api, final);
   return final.state === "ready" ? EXIT_OK : EXIT_FAILED;
+}
+
+/** Most bundles per request (the server's limit); a longer file goes in several requests. */
+const BATCH_ITEMS = 10_000;
+
+/**
+ * `submit --batch FILE.jsonl`: each non-empty line is one bundle request. The lines go in requests of up to
+ * BATCH_ITEMS bundles, each all or nothing; uuids are printed in line order as each request is accepted, and
+ * a refused request names the file's line (`FILE:43: resources.ram: ...`), so what went in is on stdout.
+ */
+async function submitBatch(io: CliIo, flags: Parameters<typeof connect>[1], path: string): Promise<number> {
+  let text: string;
+  try {
+    text = await readFile(path, "utf8");
+  } catch (err) {
+    throw usageError(`cannot read ${path}: ${err instanceof Error ? err.message : String(err)}`);
+  }
+  const items: { line: number; body: unknown }[] = [];
+  text.split("\n").forEach((raw, i) => {
+    if (raw.trim() === "") return;
+    try {
+      items.push({ line: i + 1, body: JSON.parse(raw) });
+    } catch (err) {
+      throw usageError(
+        `${path}:${i + 1}: not valid JSON (${err instanceof Error ? err.message : String(err)})`,
+      );
+    }
+  });
+  if (items.length === 0) throw usageError(`${path} holds no bundle requests (one JSON object per line)`);
+  const api = await connect(io, flags);
+  for (let start = 0; start < items.length; start += BATCH_ITEMS) {
+    const chunk = items.slice(start, start + BATCH_ITEMS);
+    let created: { items: ApiBundle[] };
+    try {
+      created = await api.request("POST", "api/v1/bundles/batch", { items: chunk.map((it) => it.body) });
+    } catch (err) {
+      throw err instanceof DispatchCloudError ? atLine(err, path, chunk) : err;
+    }
+    for (const b of created.items) io.out(b.uuid);
+    if (items.length > BATCH_ITEMS) {
+      io.progress(`submitted ${start + chunk.length} of ${items.length} bundles`);
+    }
+  }
+  return EXIT_OK;
+}
+
+/** An error about `items[i].x` as one about line N of the file: `FILE:N: x: ...`. */
+function atLine(
+  err: DispatchCloudError,
+  path: string,
+  chunk: readonly { line: number }[],
+): DispatchCloudError {
+  const m = /^items\[(\d+)\]\.?(.*)$/.exec(err.path ?? "");
+  const item = m === null ? undefined : chunk[Number(m[1])];
+  if (m === null || item === undefined) return err;
+  const message = err.message.replace(`items[${m[1]}]${m[2] === "" ? ": " : "."}`, "");
+  return new DispatchCloudError(err.code, `${path}:${item.line}: ${message}`, { cause: err });
 }
 
 /** Lines of the stderr log shown when a bundle failed. */
