@@ -112,18 +112,7 @@ describe("fake EC2 through the real SDK: instances", () => {
     ec2?.destroy();
     await fake?.stop();
   });
-  afterEach(() => {
-    Object.assign(fake.faults, {
-      throttleRate: 0,
-      serverErrorRate: 0,
-      slowMs: 0,
-      maxInstances: 0,
-      vcpuLimit: 0,
-      typesAtCapacity: new Set(),
-      subnetErrors: new Map(),
-      next: [],
-    });
-  });
+  afterEach(() => fake.resetFaults());
 
   it("RunInstances: answers one pending instance and keeps what was asked for", async () => {
     const out = await ec2.send(
@@ -269,11 +258,6 @@ describe("fake EC2 through the real SDK: instances", () => {
       { NetworkInterfaces: [{ DeviceIndex: 0, SubnetId: "subnet-0a" }] },
     ],
     [
-      "no subnet",
-      "MissingParameter",
-      { NetworkInterfaces: [{ DeviceIndex: 0, AssociatePublicIpAddress: false }] },
-    ],
-    [
       "an unknown subnet",
       "InvalidSubnetID.NotFound",
       { NetworkInterfaces: [{ DeviceIndex: 0, SubnetId: "subnet-0zz", AssociatePublicIpAddress: false }] },
@@ -359,6 +343,33 @@ describe("fake EC2 through the real SDK: instances", () => {
     const err = await ec2Error(ec2.send(new RunInstancesCommand(launch(over))), code);
     expect(err.message.length).toBeGreaterThan(0);
     expect(fake.instances.size).toBe(before);
+  });
+
+  it("RunInstances without a subnet launches in the default VPC's default subnet; without a default VPC it is refused", async () => {
+    const noSubnet = launch({ NetworkInterfaces: [{ DeviceIndex: 0, AssociatePublicIpAddress: false }] });
+    const out = await ec2.send(new RunInstancesCommand(noSubnet));
+    const i = out.Instances![0]!;
+    expect(i.SubnetId).toBe("subnet-0a");
+    expect(i.Placement?.AvailabilityZone).toBe("us-east-1a");
+    expect(i.PrivateIpAddress).toMatch(/^10\.0\./);
+
+    const elsewhere = await new FakeEc2({ defaultSubnet: "subnet-0c" }).start();
+    const none = await new FakeEc2({ defaultSubnet: null }).start();
+    const [c1, c2] = [clientFor(elsewhere), clientFor(none)];
+    try {
+      expect((await c1.send(new RunInstancesCommand(noSubnet))).Instances?.[0]?.SubnetId).toBe("subnet-0c");
+      const err = await ec2Error(c2.send(new RunInstancesCommand(noSubnet)), "VPCIdNotSpecified", 400);
+      expect(err.message).toMatch(/^No default VPC for this user/);
+      expect(none.instances.size).toBe(0);
+      // A subnet named still works there.
+      await c2.send(new RunInstancesCommand(launch()));
+    } finally {
+      c1.destroy();
+      c2.destroy();
+      await elsewhere.stop();
+      await none.stop();
+    }
+    expect(() => new FakeEc2({ defaultSubnet: "subnet-0zz" })).toThrow(/not one of the subnets/);
   });
 
   it("DescribeInstances: filters by tag, tag key, state and id, with wildcards", async () => {
@@ -791,6 +802,227 @@ describe("fake EC2 through the real SDK: instances", () => {
       );
     });
 
+    it.each([
+      [
+        "InsufficientFreeAddressesInSubnet",
+        "InsufficientFreeAddressesInSubnet",
+        /^There are not enough free addresses in subnet 'subnet-0a'/,
+      ],
+      ["not-enough", "InvalidParameterValue", /^Not enough free addresses in subnet subnet-0a/],
+      ["ipv4", "InvalidParameterValue", /^There aren't sufficient free Ipv4 addresses or prefixes$/],
+    ] as const)(
+      "fullSubnets (%s): a launch there is refused as EC2 says it; other subnets work",
+      async (style, code, message) => {
+        fake.faults.fullSubnets.set("subnet-0a", style);
+        const err = await ec2Error(ec2.send(new RunInstancesCommand(launch())), code, 400);
+        expect(err.message).toMatch(message);
+        const inB = launch({
+          NetworkInterfaces: [{ DeviceIndex: 0, SubnetId: "subnet-0b", AssociatePublicIpAddress: false }],
+        });
+        expect((await ec2.send(new RunInstancesCommand(inB))).Instances?.[0]?.SubnetId).toBe("subnet-0b");
+      },
+    );
+
+    it("typesNotInZone: Unsupported naming the type and the zone, only in those subnets", async () => {
+      fake.faults.typesNotInZone.set("m5.large", new Set(["subnet-0a"]));
+      const err = await ec2Error(ec2.send(new RunInstancesCommand(launch())), "Unsupported", 400);
+      expect(err.message).toBe(
+        "Your requested instance type (m5.large) is not supported in your requested Availability Zone " +
+          "(us-east-1a). Please retry your request by not specifying an Availability Zone or choosing " +
+          "us-east-1b, us-east-1c.",
+      );
+      await ec2.send(new RunInstancesCommand(launch({ InstanceType: "m5.xlarge" })));
+    });
+
+    it("unsupportedSpotTypes: a spot request of the type is an Unsupported configuration; on-demand works", async () => {
+      fake.faults.unsupportedSpotTypes.add("m5.large");
+      const spot = launch({ InstanceMarketOptions: { MarketType: "spot" } });
+      const err = await ec2Error(ec2.send(new RunInstancesCommand(spot)), "Unsupported", 400);
+      expect(err.message).toMatch(/^The requested configuration is currently not supported\./);
+      expect(err.message).not.toContain("m5.large");
+      await ec2.send(new RunInstancesCommand(launch()));
+    });
+
+    it("maxSpotInstances: spot instances beyond it are MaxSpotInstanceCountExceeded; on-demand ones are not counted", async () => {
+      const liveSpot = [...fake.instances.values()].filter(
+        (i) => i.spot !== null && (i.state === "running" || i.state === "pending"),
+      ).length;
+      fake.faults.maxSpotInstances = liveSpot + 1;
+      const spot = launch({ InstanceMarketOptions: { MarketType: "spot" } });
+      await ec2.send(new RunInstancesCommand(spot));
+      const err = await ec2Error(
+        ec2.send(new RunInstancesCommand(spot)),
+        "MaxSpotInstanceCountExceeded",
+        400,
+      );
+      expect(err.message).toBe("Max spot instance count exceeded");
+      await ec2.send(new RunInstancesCommand(launch()));
+    });
+
+    it("missingImages: InvalidAMIID.NotFound naming the image, creating nothing", async () => {
+      fake.faults.missingImages.add("ami-0123456789abcdef0");
+      const before = fake.instances.size;
+      const err = await ec2Error(ec2.send(new RunInstancesCommand(launch())), "InvalidAMIID.NotFound", 400);
+      expect(err.message).toBe("The image id '[ami-0123456789abcdef0]' does not exist");
+      expect(fake.instances.size).toBe(before);
+      await ec2.send(new RunInstancesCommand(launch({ ImageId: "ami-0another" })));
+    });
+
+    it("terminatedCountMs: terminated instances still count toward maxInstances for that long", async () => {
+      // Its own endpoint: the shared one holds instances terminated by other tests.
+      const own = await new FakeEc2({ terminatedLingerMs: 0 }).start();
+      const client = clientFor(own);
+      try {
+        own.faults.maxInstances = 1;
+        own.faults.terminatedCountMs = 600_000;
+        const a = (await client.send(new RunInstancesCommand(launch()))).Instances![0]!.InstanceId!;
+        await client.send(new TerminateInstancesCommand({ InstanceIds: [a] }));
+        expect(own.instances.get(a)!.state).toBe("terminated");
+        // Gone from the API (terminatedLingerMs 0), yet counted.
+        await ec2Error(
+          client.send(new DescribeInstancesCommand({ InstanceIds: [a] })),
+          "InvalidInstanceID.NotFound",
+        );
+        const err = await ec2Error(
+          client.send(new RunInstancesCommand(launch())),
+          "InstanceLimitExceeded",
+          400,
+        );
+        expect(err.message).toMatch(/0 pending or running, 1 recently terminated/);
+        own.faults.terminatedCountMs = 0;
+        await client.send(new RunInstancesCommand(launch()));
+      } finally {
+        client.destroy();
+        await own.stop();
+      }
+    });
+
+    it("listDelayMs: a new instance is missing from DescribeInstances (listed and by id) until the delay has passed", async () => {
+      fake.faults.listDelayMs = 600_000;
+      const id = (await ec2.send(new RunInstancesCommand(launch({ InstanceType: "t3.nano" })))).Instances![0]!
+        .InstanceId!;
+      const byType = { Filters: [{ Name: "instance-type", Values: ["t3.nano"] }] };
+      expect(allInstances(await ec2.send(new DescribeInstancesCommand(byType)))).toEqual([]);
+      await ec2Error(
+        ec2.send(new DescribeInstancesCommand({ InstanceIds: [id] })),
+        "InvalidInstanceID.NotFound",
+      );
+      // Older instances are listed as ever; other calls know the new one.
+      expect(allInstances(await ec2.send(new DescribeInstancesCommand({}))).length).toBeGreaterThan(0);
+      await ec2.send(new CreateTagsCommand({ Resources: [id], Tags: [{ Key: "k", Value: "v" }] }));
+      fake.faults.listDelayMs = 0;
+      expect(
+        allInstances(await ec2.send(new DescribeInstancesCommand(byType))).map((i) => i.InstanceId),
+      ).toEqual([id]);
+    });
+
+    it("tagNotFoundMs: CreateTags and DeleteTags on a new instance answer InvalidInstanceID.NotFound, changing nothing", async () => {
+      const [old] = fake.addInstances(1, {});
+      fake.faults.tagNotFoundMs = 600_000;
+      const id = (await ec2.send(new RunInstancesCommand(launch()))).Instances![0]!.InstanceId!;
+      const tag = { Resources: [id], Tags: [{ Key: "DispatchCloudIdleBehavior", Value: "hold" }] };
+      await ec2Error(ec2.send(new CreateTagsCommand(tag)), "InvalidInstanceID.NotFound");
+      await ec2Error(
+        ec2.send(new DeleteTagsCommand({ Resources: [id], Tags: [{ Key: "DispatchCloudInstanceSetID" }] })),
+        "InvalidInstanceID.NotFound",
+      );
+      expect(fake.instances.get(id)!.tags).toEqual({ DispatchCloudInstanceSetID: "zzzzz" });
+      // An instance launched long ago is tagged as ever.
+      await ec2.send(new CreateTagsCommand({ ...tag, Resources: [old!.id] }));
+      fake.faults.tagNotFoundMs = 0;
+      await ec2.send(new CreateTagsCommand(tag));
+      expect(fake.instances.get(id)!.tags["DispatchCloudIdleBehavior"]).toBe("hold");
+    });
+
+    it("terminateNotFoundMs: TerminateInstances on a new instance answers NotFound and the instance runs on", async () => {
+      fake.faults.terminateNotFoundMs = 600_000;
+      const id = (await ec2.send(new RunInstancesCommand(launch()))).Instances![0]!.InstanceId!;
+      await ec2Error(
+        ec2.send(new TerminateInstancesCommand({ InstanceIds: [id] })),
+        "InvalidInstanceID.NotFound",
+      );
+      expect(fake.instances.get(id)!.state).toBe("running");
+      expect(allInstances(await ec2.send(new DescribeInstancesCommand({ InstanceIds: [id] })))).toHaveLength(
+        1,
+      );
+      fake.faults.terminateNotFoundMs = 0;
+      await ec2.send(new TerminateInstancesCommand({ InstanceIds: [id] }));
+      expect(fake.instances.get(id)!.state).toBe("terminated");
+    });
+
+    it("loseNext drop: the launch happens, the connection closes without an answer; a retry with the token gets it", async () => {
+      fake.faults.loseNext.push({ action: "RunInstances", mode: "drop" });
+      const before = fake.instances.size;
+      const req = launch({ ClientToken: "lost-answer-drop" });
+      const err = await ec2.send(new RunInstancesCommand(req)).catch((e: unknown) => e as Error);
+      expect(err).toBeInstanceOf(Error);
+      expect((err as Error & { code?: string }).code).toBe("ECONNRESET");
+      expect(fake.instances.size).toBe(before + 1);
+      const launched = [...fake.instances.values()].at(-1)!;
+      expect(launched.params["ClientToken"]).toBe("lost-answer-drop");
+      expect(fake.calls.at(-1)).toMatchObject({
+        action: "RunInstances",
+        status: 200,
+        code: null,
+        lost: "drop",
+      });
+      expect(fake.history.at(-1)).toMatchObject({ instanceId: launched.id, event: "launched" });
+      const again = await ec2.send(new RunInstancesCommand(req));
+      expect(again.Instances?.[0]?.InstanceId).toBe(launched.id);
+      expect(fake.instances.size).toBe(before + 1);
+      expect(fake.faults.loseNext).toEqual([]);
+    });
+
+    it("loseNext late: the answer is held until the client gives up (its timeout); TerminateInstances too", async () => {
+      const impatient = new EC2Client({
+        endpoint: fake.url,
+        region: "us-east-1",
+        credentials: { accessKeyId: "AKIAFAKEEC2TEST", secretAccessKey: "fake-ec2-test-secret" },
+        maxAttempts: 1,
+        requestHandler: { requestTimeout: 300, throwOnRequestTimeout: true },
+      });
+      try {
+        const id = (await impatient.send(new RunInstancesCommand(launch()))).Instances![0]!.InstanceId!;
+        fake.faults.loseNext.push({ action: "TerminateInstances", mode: "late" });
+        const err = await impatient
+          .send(new TerminateInstancesCommand({ InstanceIds: [id] }))
+          .catch((e: unknown) => e as Error);
+        expect((err as Error).name).toBe("TimeoutError");
+        expect(fake.instances.get(id)!.state).toBe("terminated");
+        expect(fake.calls.at(-1)).toMatchObject({ action: "TerminateInstances", lost: "late" });
+      } finally {
+        impatient.destroy();
+      }
+    });
+
+    it("lostAnswerRate: that fraction of the successful requests of lostAnswerActions loses its answer", async () => {
+      const from = fake.calls.length;
+      fake.faults.lostAnswerRate = 1;
+      fake.faults.lostAnswerActions = new Set(["CreateTags"]);
+      const [a] = fake.addInstances(1, {});
+      await ec2.send(new DescribeInstancesCommand({}));
+      const err = await ec2
+        .send(new CreateTagsCommand({ Resources: [a!.id], Tags: [{ Key: "k", Value: "lost" }] }))
+        .catch((e: unknown) => e as Error);
+      expect(err).toBeInstanceOf(Error);
+      expect(fake.instances.get(a!.id)!.tags["k"]).toBe("lost");
+      // A refused request has nothing to lose: its error arrives.
+      await ec2Error(
+        ec2.send(
+          new CreateTagsCommand({ Resources: ["i-0123456789abcdef0"], Tags: [{ Key: "k", Value: "v" }] }),
+        ),
+        "InvalidInstanceID.NotFound",
+      );
+      fake.faults.lostAnswerRate = 0;
+      await ec2.send(new CreateTagsCommand({ Resources: [a!.id], Tags: [{ Key: "k", Value: "v" }] }));
+      expect(
+        fake.calls
+          .slice(from)
+          .filter((c) => c.action === "CreateTags")
+          .map((c) => c.lost),
+      ).toEqual(["drop", null, null]);
+    });
+
     it("checks in order: subnet errors, then capacity, then the instance limit, then the vCPU limit", async () => {
       fake.faults.subnetErrors.set("subnet-0a", "InsufficientFreeAddressesInSubnet");
       fake.faults.typesAtCapacity.add("m5.large");
@@ -1102,6 +1334,16 @@ describe("fake EC2 instances backed by local sshd VMs", () => {
     );
     await expect(connect(inst.PrivateIpAddress!, user, key.privateKey)).rejects.toThrow();
     expect(fake.instances.get(other.InstanceId!)!.state).toBe("running");
+
+    // A repeated ClientToken arriving while the first launch's VM still starts gets that launch, with its address.
+    const byToken = launch({ KeyName: "dispatch", UserData: b64(userData), ClientToken: "vm-token-1" });
+    const [t1, t2] = await Promise.all([0, 1].map(() => ec2.send(new RunInstancesCommand(byToken))));
+    expect(t2!.Instances?.[0]?.InstanceId).toBe(t1!.Instances?.[0]?.InstanceId);
+    expect(t2!.Instances?.[0]?.PrivateIpAddress).toBe(t1!.Instances?.[0]?.PrivateIpAddress);
+    expect(t1!.Instances?.[0]?.PrivateIpAddress?.startsWith(ADDRESS_PREFIX)).toBe(true);
+    expect([...fake.instances.values()].filter((i) => i.params["ClientToken"] === "vm-token-1")).toHaveLength(
+      1,
+    );
 
     // stop() destroys the VM still running.
     await fake.stop();

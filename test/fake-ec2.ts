@@ -4,8 +4,14 @@
  * DescribeKeyPairs, ImportKeyPair and DescribeSpotPriceHistory against it. It checks each request's parameters
  * as EC2 does (and a little more strictly where the dispatcher's driver has rules to keep: one network interface
  * without a public IP, one instance per request), answers errors in EC2's error XML with EC2's HTTP status, and
- * has injectable faults (`faults`, mutable at any time): slow answers, one-shot errors, throttling, 500s, and for
- * RunInstances errors per subnet, types at capacity, an instance limit and a vCPU limit.
+ * has injectable faults (`faults`, mutable at any time, `resetFaults()` to clear): slow answers, one-shot errors,
+ * throttling, 500s; for RunInstances errors per subnet, subnets out of addresses (each of EC2's ways of saying so),
+ * types at capacity or not offered in a zone, spot configurations EC2 does not support, an image that does not
+ * exist, an instance limit (optionally still counting recently terminated instances), a spot instance count and a
+ * vCPU limit; answers lost after the work was done (the connection dropped, or held until the client gives up);
+ * and EC2's eventual consistency (a new instance missing from DescribeInstances, CreateTags/DeleteTags and
+ * TerminateInstances answering InvalidInstanceID.NotFound for a while after its launch). A RunInstances without
+ * a subnet launches in the default VPC's default subnet, and a repeated ClientToken gets the first launch back.
  *
  * With `localVms`, each instance is backed by a local-driver VM (openssh mode: its own sshd on its own
  * 127.0.0.x:22, which is the instance's private IP) whose init command is the decoded UserData (preceded, with
@@ -48,7 +54,24 @@ export interface FakeEc2Options {
   spotPrices?: { instanceType: string; availabilityZone: string; price: number; timestamp: Date }[];
   /** How long a terminated instance stays listed (state terminated); default 2000 ms. */
   terminatedLingerMs?: number;
+  /**
+   * Where a RunInstances without a subnet launches: the default VPC's default subnet (one of `subnets`; default the
+   * first). null: the account has no default VPC, and such a request is refused (VPCIdNotSpecified).
+   */
+  defaultSubnet?: string | null;
 }
+
+/** How an answer is lost: `drop` closes the connection without one; `late` holds it until the client gives up. */
+export type LostAnswerMode = "drop" | "late";
+
+/** How EC2 says a subnet has no free address left (it says it in each of these ways). */
+export type SubnetFullStyle =
+  /** 400 InsufficientFreeAddressesInSubnet "There are not enough free addresses in subnet '...' ..." */
+  | "InsufficientFreeAddressesInSubnet"
+  /** 400 InvalidParameterValue "Not enough free addresses in subnet ..." */
+  | "not-enough"
+  /** 400 InvalidParameterValue "There aren't sufficient free Ipv4 addresses or prefixes" (no subnet named) */
+  | "ipv4";
 
 export interface Ec2Faults {
   throttleRate: number; // 0..1: fraction of ALL requests answered 503 RequestLimitExceeded
@@ -60,6 +83,63 @@ export interface Ec2Faults {
   subnetErrors: Map<string, string>; // subnet id -> error code every RunInstances in it gets
   /** One-shot errors: the next request of `action` (or any action when "*") fails with `code`/`status`. */
   next: { action: string; code: string; status?: number; message?: string }[];
+
+  /** Subnets with no free address left, and how EC2 says so. */
+  fullSubnets: Map<string, SubnetFullStyle>;
+  /** Instance type -> subnets whose availability zone does not offer it: Unsupported, naming the type. */
+  typesNotInZone: Map<string, Set<string>>;
+  /** Spot requests of these types: Unsupported "The requested configuration is currently not supported". */
+  unsupportedSpotTypes: Set<string>;
+  /** 0 = none; spot instances (pending and running) beyond it -> MaxSpotInstanceCountExceeded. */
+  maxSpotInstances: number;
+  /** Images that do not exist: RunInstances -> InvalidAMIID.NotFound. */
+  missingImages: Set<string>;
+
+  /**
+   * Lost answers: this fraction of the successful requests of `lostAnswerActions` is carried out, and then its
+   * answer is lost (`lostAnswerMode`).
+   */
+  lostAnswerRate: number;
+  lostAnswerActions: Set<string>; // default RunInstances only
+  lostAnswerMode: LostAnswerMode;
+  /** One-shot lost answers: the next successful request of `action` (or any, "*") is done and its answer lost. */
+  loseNext: { action: string; mode?: LostAnswerMode }[];
+
+  /** Eventual consistency: for this long after its launch, DescribeInstances neither lists nor knows an instance. */
+  listDelayMs: number;
+  /** For this long after its launch, CreateTags and DeleteTags on an instance answer InvalidInstanceID.NotFound. */
+  tagNotFoundMs: number;
+  /** For this long after its launch, TerminateInstances answers InvalidInstanceID.NotFound and leaves it running. */
+  terminateNotFoundMs: number;
+  /** For this long after their termination, instances still count toward maxInstances (as EC2's limit does). */
+  terminatedCountMs: number;
+}
+
+/** Every fault off. */
+export function noFaults(): Ec2Faults {
+  return {
+    throttleRate: 0,
+    serverErrorRate: 0,
+    slowMs: 0,
+    maxInstances: 0,
+    vcpuLimit: 0,
+    typesAtCapacity: new Set(),
+    subnetErrors: new Map(),
+    next: [],
+    fullSubnets: new Map(),
+    typesNotInZone: new Map(),
+    unsupportedSpotTypes: new Set(),
+    maxSpotInstances: 0,
+    missingImages: new Set(),
+    lostAnswerRate: 0,
+    lostAnswerActions: new Set(["RunInstances"]),
+    lostAnswerMode: "drop",
+    loseNext: [],
+    listDelayMs: 0,
+    tagNotFoundMs: 0,
+    terminateNotFoundMs: 0,
+    terminatedCountMs: 0,
+  };
 }
 
 export interface FakeInstance {
@@ -147,6 +227,21 @@ export function ec2ImportedKeyFingerprint(publicKeyLine: string): string {
   return parsePublicKey(publicKeyLine).fingerprint;
 }
 
+/** EC2's answer to a launch in a subnet with no free address left, in the given style. */
+function subnetFullError(style: SubnetFullStyle, subnetId: string): Ec2Error {
+  switch (style) {
+    case "InsufficientFreeAddressesInSubnet":
+      return new Ec2Error(
+        "InsufficientFreeAddressesInSubnet",
+        `There are not enough free addresses in subnet '${subnetId}' to satisfy the requested number of instances.`,
+      );
+    case "not-enough":
+      return new Ec2Error("InvalidParameterValue", `Not enough free addresses in subnet ${subnetId}.`);
+    case "ipv4":
+      return new Ec2Error("InvalidParameterValue", "There aren't sufficient free Ipv4 addresses or prefixes");
+  }
+}
+
 class Ec2Error extends Error {
   constructor(
     readonly code: string,
@@ -159,6 +254,8 @@ class Ec2Error extends Error {
 
 interface InstanceExtra {
   seq: number;
+  /** Date.now() at launch (0 for records added by tests: long propagated). */
+  launchedAt: number;
   reservationId: string;
   networkInterfaceId: string;
   securityGroups: string[];
@@ -373,24 +470,26 @@ function parsePublicKey(line: string): ParsedKey {
 }
 
 export class FakeEc2 {
-  readonly faults: Ec2Faults = {
-    throttleRate: 0,
-    serverErrorRate: 0,
-    slowMs: 0,
-    maxInstances: 0,
-    vcpuLimit: 0,
-    typesAtCapacity: new Set(),
-    subnetErrors: new Map(),
-    next: [],
-  };
+  readonly faults: Ec2Faults = noFaults();
   readonly instances = new Map<string, FakeInstance>();
   readonly keyPairs = new Map<string, { name: string; fingerprint: string; publicKey: string }>();
-  /** Every request: action, params, HTTP status and error code (null when it succeeded). */
-  readonly calls: { action: string; params: Record<string, string>; status: number; code: string | null }[] =
-    [];
+  /**
+   * Every request: action, params, HTTP status and error code (null when it succeeded), and how its answer was
+   * lost (null: it was sent).
+   */
+  readonly calls: {
+    action: string;
+    params: Record<string, string>;
+    status: number;
+    code: string | null;
+    lost: LostAnswerMode | null;
+  }[] = [];
+  /** Launches, and terminations as TerminateInstances starts them (shutting-down), in order. */
+  readonly history: { at: number; instanceId: string; event: "launched" | "terminating" }[] = [];
 
   private readonly region: string;
   private readonly subnets: string[];
+  private readonly defaultSubnet: string | null;
   private readonly lingerMs: number;
   private readonly spotPrices: FakeSpotPrice[];
   private readonly imds: FakeImds | undefined;
@@ -414,6 +513,10 @@ export class FakeEc2 {
   constructor(opts: FakeEc2Options = {}) {
     this.region = opts.region ?? "us-east-1";
     this.subnets = [...(opts.subnets ?? DEFAULT_SUBNETS)];
+    this.defaultSubnet = opts.defaultSubnet === undefined ? (this.subnets[0] ?? null) : opts.defaultSubnet;
+    if (this.defaultSubnet !== null && !this.subnets.includes(this.defaultSubnet)) {
+      throw new Error(`FakeEc2: the default subnet ${this.defaultSubnet} is not one of the subnets`);
+    }
     this.lingerMs = opts.terminatedLingerMs ?? 2000;
     this.spotPrices = opts.spotPrices ?? [];
     this.imds = opts.imds;
@@ -475,6 +578,11 @@ export class FakeEc2 {
     await this.vmSet?.stop();
   }
 
+  /** Switches every fault off. */
+  resetFaults(): void {
+    Object.assign(this.faults, noFaults());
+  }
+
   /** Adds n plain instances (records only, no VM) with these tags, e.g. for pagination tests. */
   addInstances(n: number, init: Partial<FakeInstance>): FakeInstance[] {
     const out: FakeInstance[] = [];
@@ -517,12 +625,14 @@ export class FakeEc2 {
     const params: QueryParams = {};
     let status = 200;
     let code: string | null = null;
+    let lost: LostAnswerMode | null = null;
     let xml: string;
     try {
       const body = await readBody(req);
       for (const [k, v] of new URL(req.url ?? "/", "http://fake").searchParams) params[k] = v;
       for (const [k, v] of new URLSearchParams(body)) params[k] = v;
       xml = await this.process(req, params, requestId);
+      lost = this.lostAnswer(params["Action"] ?? "");
     } catch (err) {
       const e =
         err instanceof Ec2Error
@@ -532,7 +642,20 @@ export class FakeEc2 {
       code = e.code;
       xml = xmlError(e.code, e.message, requestId);
     }
-    this.calls.push({ action: params["Action"] ?? "", params, status, code });
+    this.calls.push({ action: params["Action"] ?? "", params, status, code, lost });
+    if (lost === "drop") {
+      // Done, and the connection closes without an answer (the client sees a reset or "socket hang up").
+      req.socket.destroy();
+      return;
+    }
+    if (lost === "late") {
+      // Done, and the answer is held until the client has given up on it (its timeout closes the connection).
+      await new Promise<void>((ok) => {
+        if (res.destroyed || req.socket.destroyed) ok();
+        else res.once("close", () => ok());
+      });
+      return;
+    }
     if (res.destroyed) return;
     res.statusCode = status;
     res.setHeader("Content-Type", "text/xml;charset=UTF-8");
@@ -563,6 +686,20 @@ export class FakeEc2 {
       );
     }
     return responseDocument(action, requestId, await handler(params));
+  }
+
+  /** Whether the answer to a successful request of `action` is lost, and how (one-shots first, then the rate). */
+  private lostAnswer(action: string): LostAnswerMode | null {
+    const f = this.faults;
+    const i = f.loseNext.findIndex((n) => n.action === action || n.action === "*");
+    if (i >= 0) {
+      const [n] = f.loseNext.splice(i, 1);
+      return n?.mode ?? f.lostAnswerMode;
+    }
+    if (f.lostAnswerRate > 0 && f.lostAnswerActions.has(action) && Math.random() < f.lostAnswerRate) {
+      return f.lostAnswerMode;
+    }
+    return null;
   }
 
   /** slowMs, then the one-shot errors, then throttling, then server errors. */
@@ -605,6 +742,7 @@ export class FakeEc2 {
   private record(inst: FakeInstance, more: Partial<InstanceExtra>): InstanceExtra {
     const extra: InstanceExtra = {
       seq: ++this.seq,
+      launchedAt: 0,
       reservationId: hexId("r"),
       networkInterfaceId: hexId("eni"),
       securityGroups: [],
@@ -626,6 +764,21 @@ export class FakeEc2 {
     let extra = this.extras.get(inst.id);
     if (extra === undefined) extra = this.record(inst, {}); // Put into `instances` by a test directly.
     return extra;
+  }
+
+  /** Whether the instance was launched less than `ms` ago (EC2 may not know it everywhere yet). */
+  private young(inst: FakeInstance, ms: number): boolean {
+    return ms > 0 && Date.now() - this.extraOf(inst).launchedAt < ms;
+  }
+
+  /** Whether the instance counts toward maxInstances: pending or running, or recently terminated. */
+  private countsTowardLimit(inst: FakeInstance): boolean {
+    if (inst.state === "pending" || inst.state === "running") return true;
+    const ms = this.faults.terminatedCountMs;
+    if (ms <= 0) return false;
+    if (inst.state === "shutting-down") return true;
+    const at = this.extraOf(inst).terminatedAt;
+    return at !== null && Date.now() - at < ms;
   }
 
   /** Whether EC2 still shows the instance (a terminated one for terminatedLingerMs). */
@@ -658,8 +811,15 @@ export class FakeEc2 {
     return `10.${i}.${(n >> 8) & 255}.${n & 255}`;
   }
 
-  /** The instance ids of `InstanceId.N`; every one must be known (and still shown). */
-  private knownInstances(ids: string[], path = "InstanceId"): FakeInstance[] {
+  /**
+   * The instance ids of `InstanceId.N`; every one must be known (and still shown). `unknownYet` instances are
+   * answered as EC2 answers one it does not know (yet).
+   */
+  private knownInstances(
+    ids: string[],
+    path = "InstanceId",
+    unknownYet: (inst: FakeInstance) => boolean = () => false,
+  ): FakeInstance[] {
     const malformed = ids.filter(
       (id) => !/^i-[0-9a-f]{8}(?:[0-9a-f]{9})?$/.test(id) && !this.instances.has(id),
     );
@@ -673,7 +833,7 @@ export class FakeEc2 {
     const found: FakeInstance[] = [];
     for (const id of ids) {
       const inst = this.instances.get(id);
-      if (inst === undefined || !this.visible(inst)) missing.push(id);
+      if (inst === undefined || !this.visible(inst) || unknownYet(inst)) missing.push(id);
       else found.push(inst);
     }
     if (missing.length > 0) {
@@ -731,7 +891,15 @@ export class FakeEc2 {
     const deviceIndex = required(ni, "DeviceIndex", "NetworkInterface.1.DeviceIndex");
     if (deviceIndex !== "0")
       throw invalidValue("NetworkInterface.1.DeviceIndex", deviceIndex, "The primary interface is 0.");
-    const subnetId = required(ni, "SubnetId", "NetworkInterface.1.SubnetId");
+    // No subnet: the default VPC's default subnet, as EC2 does (if the account has a default VPC).
+    const askedSubnet = ni["SubnetId"];
+    if (askedSubnet === undefined && this.defaultSubnet === null) {
+      throw new Ec2Error(
+        "VPCIdNotSpecified",
+        "No default VPC for this user. GroupName is only supported for EC2-Classic and default VPC.",
+      );
+    }
+    const subnetId = askedSubnet ?? this.defaultSubnet ?? "";
     if (ni["AssociatePublicIpAddress"] !== "false") {
       throw invalidValue(
         "NetworkInterface.1.AssociatePublicIpAddress",
@@ -753,6 +921,10 @@ export class FakeEc2 {
     }
     if (!this.subnets.includes(subnetId)) {
       throw new Ec2Error("InvalidSubnetID.NotFound", `The subnet ID '${subnetId}' does not exist`);
+    }
+
+    if (this.faults.missingImages.has(imageId)) {
+      throw new Ec2Error("InvalidAMIID.NotFound", `The image id '[${imageId}]' does not exist`);
     }
 
     // Key pair and user data.
@@ -907,7 +1079,11 @@ export class FakeEc2 {
           );
         }
         const inst = this.instances.get(earlier.instanceId);
-        if (inst !== undefined) return this.reservationXml([inst]);
+        if (inst !== undefined) {
+          // The first launch's answer, once its instance has its address (its VM may still be starting).
+          await this.vms.get(inst.id)?.catch(() => undefined);
+          return this.reservationXml([inst]);
+        }
       }
     }
 
@@ -919,19 +1095,46 @@ export class FakeEc2 {
         `fake EC2: ${subnetError} in subnet ${subnetId} (${this.availabilityZone(subnetId)})`,
       );
     }
+    const full = this.faults.fullSubnets.get(subnetId);
+    if (full !== undefined) throw subnetFullError(full, subnetId);
+    const az = this.availabilityZone(subnetId);
+    if (this.faults.typesNotInZone.get(type)?.has(subnetId) === true) {
+      const elsewhere = this.subnets
+        .filter((sn) => !this.faults.typesNotInZone.get(type)?.has(sn))
+        .map((sn) => this.availabilityZone(sn));
+      throw new Ec2Error(
+        "Unsupported",
+        `Your requested instance type (${type}) is not supported in your requested Availability Zone (${az}). ` +
+          `Please retry your request by not specifying an Availability Zone or choosing ${elsewhere.join(", ")}.`,
+      );
+    }
+    if (spot !== null && this.faults.unsupportedSpotTypes.has(type)) {
+      throw new Ec2Error(
+        "Unsupported",
+        "The requested configuration is currently not supported. Please check the documentation for supported configurations.",
+      );
+    }
     if (this.faults.typesAtCapacity.has(type)) {
       throw new Ec2Error(
         "InsufficientInstanceCapacity",
-        `Not enough ${type} capacity in ${this.availabilityZone(subnetId)} for this request (fake EC2).`,
+        `Not enough ${type} capacity in ${az} for this request (fake EC2).`,
       );
     }
-    const live = [...this.instances.values()].filter((i) => i.state === "pending" || i.state === "running");
+    const all = [...this.instances.values()];
+    const live = all.filter((i) => i.state === "pending" || i.state === "running");
+    const counted = all.filter((i) => this.countsTowardLimit(i));
     const max = this.faults.maxInstances;
-    if (max > 0 && live.length + 1 > max) {
+    if (max > 0 && counted.length + 1 > max) {
+      const gone = counted.length - live.length;
       throw new Ec2Error(
         "InstanceLimitExceeded",
-        `This request would exceed the instance limit of ${max} (${live.length} pending or running) (fake EC2).`,
+        `This request would exceed the instance limit of ${max} (${live.length} pending or running` +
+          `${gone > 0 ? `, ${gone} recently terminated` : ""}) (fake EC2).`,
       );
+    }
+    const maxSpot = this.faults.maxSpotInstances;
+    if (spot !== null && maxSpot > 0 && live.filter((i) => i.spot !== null).length + 1 > maxSpot) {
+      throw new Ec2Error("MaxSpotInstanceCountExceeded", "Max spot instance count exceeded");
     }
     const vcpuLimit = this.faults.vcpuLimit;
     const used = live.reduce((sum, i) => sum + vcpusOf(i.type), 0);
@@ -942,7 +1145,6 @@ export class FakeEc2 {
       );
     }
     if (spot?.maxPrice !== undefined && spot.maxPrice !== null) {
-      const az = this.availabilityZone(subnetId);
       const latest = this.spotPrices
         .filter((sp) => sp.instanceType === type && sp.availabilityZone === az)
         .sort((a, b) => b.timestamp.getTime() - a.timestamp.getTime())[0];
@@ -971,6 +1173,7 @@ export class FakeEc2 {
       volumeTags,
     };
     this.record(inst, {
+      launchedAt: Date.now(),
       securityGroups,
       clientToken,
       volumes,
@@ -980,6 +1183,7 @@ export class FakeEc2 {
         (profileName === undefined ? null : `arn:aws:iam::${OWNER_ID}:instance-profile/${profileName}`),
     });
     if (clientToken !== null) this.clientTokens.set(clientToken, { instanceId: inst.id, requestKey });
+    this.history.push({ at: Date.now(), instanceId: inst.id, event: "launched" });
 
     if (this.localVms !== undefined && key !== undefined) {
       const vm = this.startVm(inst, key.publicKey);
@@ -1151,13 +1355,16 @@ export class FakeEc2 {
         typeof (v as { after?: unknown }).after === "number" &&
         (v as { key?: unknown }).key === key,
     );
-    const candidates = ids.length > 0 ? this.knownInstances(ids) : [...this.instances.values()];
+    const listDelay = this.faults.listDelayMs;
+    const unknownYet = (inst: FakeInstance) => this.young(inst, listDelay);
+    const candidates =
+      ids.length > 0 ? this.knownInstances(ids, "InstanceId", unknownYet) : [...this.instances.values()];
     this.dryRun(p);
     const after = token?.after ?? 0;
     const page: FakeInstance[] = [];
     let more = false;
     for (const inst of candidates) {
-      if (!this.visible(inst) || this.extraOf(inst).seq <= after) continue;
+      if (!this.visible(inst) || unknownYet(inst) || this.extraOf(inst).seq <= after) continue;
       if (!predicates.every((match) => match(inst))) continue;
       if (maxResults !== undefined && page.length === maxResults) {
         more = true;
@@ -1219,7 +1426,7 @@ export class FakeEc2 {
       if (!id.startsWith("i-"))
         throw new Ec2Error("InvalidID", `The ID '${id}' is not valid (the fake EC2 tags instances only)`);
     }
-    return this.knownInstances(ids, "ResourceId");
+    return this.knownInstances(ids, "ResourceId", (inst) => this.young(inst, this.faults.tagNotFoundMs));
   }
 
   private createTags(p: QueryParams): string {
@@ -1266,7 +1473,9 @@ export class FakeEc2 {
     const ids = listParam(p, "InstanceId");
     if (ids.length === 0)
       throw new Ec2Error("MissingParameter", "The request must contain the parameter InstanceId.1");
-    const insts = this.knownInstances(ids);
+    const insts = this.knownInstances(ids, "InstanceId", (inst) =>
+      this.young(inst, this.faults.terminateNotFoundMs),
+    );
     this.dryRun(p);
     const items: string[] = [];
     const finish: (() => void)[] = [];
@@ -1274,6 +1483,7 @@ export class FakeEc2 {
       const previous = inst.state;
       if (previous === "pending" || previous === "running") {
         inst.state = "shutting-down";
+        this.history.push({ at: Date.now(), instanceId: inst.id, event: "terminating" });
         const vm = this.vms.get(inst.id);
         if (vm !== undefined) {
           const done = (async () => {

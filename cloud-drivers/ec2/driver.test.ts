@@ -8,6 +8,8 @@ import path from "node:path";
 import { Writable } from "node:stream";
 import { Registry } from "prom-client";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import type { Config } from "../../config/schema.ts";
+import { createCreateGate } from "../../dispatcher/pool/create-gate.ts";
 import { type Clock, systemClock } from "../../lib/clock.ts";
 import { createLogger } from "../../lib/logger.ts";
 import { generateKeyPair } from "../../lib/ssh-keys.ts";
@@ -18,7 +20,15 @@ import { CapacityError, CloudError, CloudQuotaError, CloudRateLimitError } from 
 import { createDefaultRegistry, openInstanceSet } from "../registry.ts";
 import type { Instance, InstanceSet, InstanceType, Tags } from "../types.ts";
 import { METRIC, wrapInstanceSet } from "../wrappers.ts";
-import { ec2Driver, ec2PublicKey, ec2QuotaGroup, KEY_NAME_PREFIX, normalizePrices } from "./driver.ts";
+import {
+  ec2ClientToken,
+  ec2Driver,
+  ec2PublicKey,
+  ec2QuotaGroup,
+  KEY_NAME_PREFIX,
+  normalizePrices,
+  TAG_RETRY_DELAYS_MS,
+} from "./driver.ts";
 
 const SECRET_KEY = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY";
 const ACCESS_KEY = "AKIAIOSFODNN7EXAMPLE";
@@ -356,15 +366,16 @@ describe("ec2 driver against the fake EC2 endpoint", () => {
     });
 
     it.each([
-      ["InsufficientFreeAddressesInSubnet", CloudQuotaError],
-      ["InvalidSubnetID.NotFound", CloudError],
-      ["InvalidSubnet", CloudError],
-      ["Unsupported", CapacityError],
-      ["InsufficientInstanceCapacity", CapacityError],
-      ["InsufficientVolumeCapacity", CloudQuotaError],
+      ["InsufficientFreeAddressesInSubnet", CapacityError, "all"],
+      ["InvalidSubnetID.NotFound", CloudError, undefined],
+      ["InvalidSubnet", CloudError, undefined],
+      // An Unsupported that does not name the instance type is about the configuration: not capacity.
+      ["Unsupported", CloudError, undefined],
+      ["InsufficientInstanceCapacity", CapacityError, "instanceType"],
+      ["InsufficientVolumeCapacity", CloudQuotaError, undefined],
     ] as const)(
       "on %s the next subnet is tried; when every subnet fails, the last error counts",
-      async (code, cls) => {
+      async (code, cls, scope) => {
         const set = await openSet();
         fake.faults.subnetErrors.set("subnet-0a", code);
         const inst = await set.create(type(), IMAGE, {}, INIT, "");
@@ -385,10 +396,68 @@ describe("ec2 driver against the fake EC2 endpoint", () => {
           "subnet-0c",
           "subnet-0a",
         ]);
-        if (err instanceof CapacityError)
-          expect(err).toMatchObject({ scope: "instanceType", instanceType: "m5l" });
+        if (scope !== undefined) expect(err).toMatchObject({ scope, instanceType: "m5l" });
       },
     );
+
+    it.each([
+      ["InsufficientFreeAddressesInSubnet", "InsufficientFreeAddressesInSubnet"],
+      ["not-enough", "InvalidParameterValue"],
+      ["ipv4", "InvalidParameterValue"],
+    ] as const)(
+      "a subnet out of addresses (%s) sends the create to the next subnet; all of them out: capacity for every type",
+      async (style, code) => {
+        const set = await openSet();
+        fake.faults.fullSubnets.set("subnet-0a", style);
+        const inst = await set.create(type(), IMAGE, {}, INIT, "");
+        expect(fake.instances.get(inst.id)!.subnetId).toBe("subnet-0b");
+        expect(calls("RunInstances").map((c) => c.code)).toEqual([code, null]);
+
+        for (const s of SUBNETS) fake.faults.fullSubnets.set(s, style);
+        fake.calls.length = 0;
+        const err = await errorOf(set.create(type(), IMAGE, {}, INIT, ""));
+        expect(calls("RunInstances").map((c) => c.code)).toEqual([code, code, code]);
+        expect(err).toBeInstanceOf(CapacityError);
+        expect(err).toMatchObject({ code: "cloud.capacity", scope: "all" });
+        expect(err.message).toContain(`ec2 RunInstances: ${code}`);
+      },
+    );
+
+    it("a type at capacity in one subnet wins over the other subnets' errors: another type may launch there", async () => {
+      const set = await openSet();
+      fake.faults.fullSubnets.set("subnet-0a", "ipv4");
+      fake.faults.typesNotInZone.set("m5.large", new Set(["subnet-0b"]));
+      fake.faults.subnetErrors.set("subnet-0c", "InvalidSubnetID.NotFound");
+      const err = await errorOf(set.create(type(), IMAGE, {}, INIT, ""));
+      expect(calls("RunInstances").map((c) => c.code)).toEqual([
+        "InvalidParameterValue",
+        "Unsupported",
+        "InvalidSubnetID.NotFound",
+      ]);
+      expect(err).toMatchObject({ code: "cloud.capacity", scope: "instanceType", instanceType: "m5l" });
+      expect(err.message).toContain("Your requested instance type (m5.large) is not supported");
+    });
+
+    it("Unsupported naming the type (not offered in a zone) moves on; everywhere: capacity for that type", async () => {
+      const set = await openSet();
+      fake.faults.typesNotInZone.set("m5.large", new Set(["subnet-0a"]));
+      const inst = await set.create(type(), IMAGE, {}, INIT, "");
+      expect(fake.instances.get(inst.id)!.subnetId).toBe("subnet-0b");
+      fake.faults.typesNotInZone.set("m5.large", new Set(SUBNETS));
+      const err = await errorOf(set.create(type(), IMAGE, {}, INIT, ""));
+      expect(err).toMatchObject({ code: "cloud.capacity", scope: "instanceType", instanceType: "m5l" });
+    });
+
+    it("Unsupported configuration (no type named) is a CloudError, not capacity: the type is not blocked", async () => {
+      const set = await openSet();
+      fake.faults.unsupportedSpotTypes.add("m5.large");
+      const err = await errorOf(set.create(type({ preemptible: true }), IMAGE, {}, INIT, ""));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err).not.toBeInstanceOf(CapacityError);
+      expect(err.message).toMatch(/^ec2 RunInstances: Unsupported: The requested configuration is currently/);
+      // On-demand, the same type launches.
+      await set.create(type(), IMAGE, {}, INIT, "");
+    });
 
     it("moves on from a type at capacity in one zone to the next zone", async () => {
       const set = await openSet();
@@ -415,7 +484,7 @@ describe("ec2 driver against the fake EC2 endpoint", () => {
       ["InstanceLimitExceeded", 400, CloudQuotaError, undefined],
       ["InsufficientAddressCapacity", 500, CloudQuotaError, undefined],
       ["InsufficientVolumeCapacity", 400, CloudQuotaError, undefined],
-      ["MaxSpotInstanceCountExceeded", 400, CloudQuotaError, undefined],
+      ["MaxSpotInstanceCountExceeded", 400, CapacityError, "quotaGroup"],
       ["VcpuLimitExceeded", 400, CapacityError, "quotaGroup"],
       ["InternalError", 500, CloudError, undefined],
       ["AuthFailure", 401, CloudError, undefined],
@@ -433,15 +502,62 @@ describe("ec2 driver against the fake EC2 endpoint", () => {
     });
 
     it.each([
-      ["InsufficientInstanceCapacity", { scope: "instanceType", instanceType: "m5l" }],
-      ["Unsupported", { scope: "instanceType", instanceType: "m5l" }],
-      ["InsufficientFreeAddressesInSubnet", undefined],
-    ] as const)("RunInstances %s in the only subnet", async (code, capacity) => {
+      ["InsufficientInstanceCapacity", undefined, { scope: "instanceType", instanceType: "m5l" }],
+      [
+        "Unsupported",
+        "Your requested instance type (m5.large) is not supported in your requested Availability Zone (us-east-1c).",
+        { scope: "instanceType", instanceType: "m5l" },
+      ],
+      ["Unsupported", "The requested configuration is currently not supported.", undefined],
+      ["InsufficientFreeAddressesInSubnet", undefined, { scope: "all", instanceType: "m5l" }],
+      ["InvalidParameterValue", "Not enough free addresses in subnet subnet-0c.", { scope: "all" }],
+    ] as const)("RunInstances %s (%s) in the only subnet", async (code, message, capacity) => {
       const set = await openSet({ subnetId: "subnet-0c" });
-      fake.faults.next.push({ action: "RunInstances", code });
+      fake.faults.next.push({ action: "RunInstances", code, ...(message === undefined ? {} : { message }) });
       const err = await errorOf(set.create(type(), IMAGE, {}, INIT, ""));
-      if (capacity === undefined) expect(err).toBeInstanceOf(CloudQuotaError);
-      else expect(err).toMatchObject({ ...capacity, code: "cloud.capacity" });
+      if (capacity === undefined) {
+        expect(err).toBeInstanceOf(CloudError);
+        expect(err).not.toBeInstanceOf(CapacityError);
+      } else expect(err).toMatchObject({ ...capacity, code: "cloud.capacity" });
+    });
+
+    it("an image that does not exist is a plain CloudError naming it, tried in one subnet only", async () => {
+      const set = await openSet();
+      fake.faults.missingImages.add(IMAGE);
+      const err = await errorOf(set.create(type(), IMAGE, {}, INIT, ""));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err).toMatchObject({ code: "cloud.error" });
+      expect(err.message).toBe(
+        `ec2 RunInstances: InvalidAMIID.NotFound: The image id '[${IMAGE}]' does not exist`,
+      );
+      expect(calls("RunInstances")).toHaveLength(1);
+    });
+
+    it("the spot instance count limit blocks the spot quota group, not on-demand creates", async () => {
+      const set = await openSet();
+      const spotType = type({ name: "m5l.spot", preemptible: true });
+      fake.faults.maxSpotInstances = 1;
+      await set.create(spotType, IMAGE, {}, INIT, "");
+      const err = await errorOf(set.create(spotType, IMAGE, {}, INIT, ""));
+      expect(err).toMatchObject({ code: "cloud.capacity", scope: "quotaGroup", quotaGroup: "m-spot" });
+      expect(err.message).toContain("ec2 RunInstances: MaxSpotInstanceCountExceeded");
+      // Not subnet-specific: one try.
+      expect(calls("RunInstances").filter((c) => c.code !== null)).toHaveLength(1);
+
+      // As the pool's create gate takes it: spot creates of that group wait, on-demand ones do not.
+      const config = { cloud: { maxInstances: 0, maxConcurrentInstanceCreateOps: 0 } } as unknown as Config;
+      const gate = createCreateGate({
+        config,
+        clock: systemClock,
+        logger: log.logger,
+        instanceSet: set,
+        fleet: { all: () => 1, real: () => 1 },
+      });
+      gate.createFailed(spotType, err, log.logger);
+      expect(gate.refusalFor(spotType)).toMatchObject({ kind: "capacity" });
+      expect(gate.refusalFor(type())).toBeNull();
+      expect(gate.quota().atQuota).toBe(false);
+      await set.create(type(), IMAGE, {}, INIT, "");
     });
 
     it("limits the fake enforces map like injected codes", async () => {
@@ -612,16 +728,211 @@ describe("ec2 driver against the fake EC2 endpoint", () => {
       expect(listed.tags).toEqual({ Keep: "k" });
     });
 
-    it("destroy terminates the instance; destroying one that is gone succeeds", async () => {
+    it("destroy terminates the instance; InvalidInstanceID.NotFound is a CloudError, not proof it is gone", async () => {
       const set = await openSet();
       const inst = await set.create(type(), IMAGE, { T: "1" }, INIT, "");
       await inst.destroy();
       expect(calls("TerminateInstances")[0]!.params).toMatchObject({ "InstanceId.1": inst.id });
       expect(["shutting-down", "terminated"]).toContain(fake.instances.get(inst.id)!.state);
       expect(await set.instances({ T: "1" })).toEqual([]);
-      // Gone from EC2 (terminatedLingerMs 0): InvalidInstanceID.NotFound, which is success.
-      await inst.destroy();
+      // Gone from EC2 (terminatedLingerMs 0): NotFound, an error; the list no longer showing it is the proof.
+      const err = await errorOf(inst.destroy());
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err.message).toMatch(
+        /^ec2 TerminateInstances: InvalidInstanceID\.NotFound: .*not taken as gone/,
+      );
       expect(calls("TerminateInstances").map((c) => c.code)).toEqual([null, "InvalidInstanceID.NotFound"]);
+    });
+
+    it("a just-launched instance EC2 does not know yet is not taken as gone: it still runs, listed, and is destroyed later", async () => {
+      const set = await openSet();
+      const inst = await set.create(type(), IMAGE, { T: "young" }, INIT, "");
+      fake.faults.terminateNotFoundMs = 600_000;
+      const err = await errorOf(inst.destroy());
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err).toMatchObject({ code: "cloud.error" });
+      // EC2 said NotFound, and the instance runs on: still listed, so the pool destroys it again.
+      expect(fake.instances.get(inst.id)!.state).toBe("running");
+      expect((await set.instances({ T: "young" })).map((i) => i.id)).toEqual([inst.id]);
+      fake.faults.terminateNotFoundMs = 0;
+      await inst.destroy();
+      expect(fake.instances.get(inst.id)!.state).not.toBe("running");
+      expect(await set.instances({ T: "young" })).toEqual([]);
+    });
+
+    it("setTags right after launch: InvalidInstanceID.NotFound is sent again after a pause, then succeeds", async () => {
+      const clock = new FakeClock(Date.now());
+      const set = await openSet({}, clock);
+      const inst = await set.create(type(), IMAGE, { B: "run" }, INIT, "");
+      fake.faults.next.push({ action: "CreateTags", code: "InvalidInstanceID.NotFound" });
+      let settled = false;
+      const done = inst.setTags({ B: "hold" }).finally(() => {
+        settled = true;
+      });
+      await waitFor("the tag retry to wait", () => clock.pending === 1);
+      expect(settled).toBe(false);
+      await clock.advance(1000);
+      await done;
+      expect(calls("CreateTags").map((c) => c.code)).toEqual(["InvalidInstanceID.NotFound", null]);
+      expect(fake.instances.get(inst.id)!.tags).toEqual({ B: "hold" });
+      expect(inst.tags).toEqual({ B: "hold" });
+    });
+
+    it("setTags: still unknown after the retries is a CloudError; the tags stay as they were, so the next setTags sends them again", async () => {
+      const clock = new FakeClock(Date.now());
+      const set = await openSet({}, clock);
+      const inst = await set.create(type(), IMAGE, { B: "run" }, INIT, "");
+      fake.faults.tagNotFoundMs = 600_000;
+      const result = errorOf(inst.setTags({ B: "drain" }));
+      // Each pause in turn (1, 2 and 4 s), then no more.
+      for (const [i, delay] of TAG_RETRY_DELAYS_MS.entries()) {
+        await waitFor("a tag retry to wait", () => clock.pending === 1);
+        expect(calls("CreateTags")).toHaveLength(i + 1);
+        await clock.advance(delay);
+      }
+      const err = await result;
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err.message).toMatch(/^ec2 CreateTags: InvalidInstanceID\.NotFound/);
+      expect(calls("CreateTags").map((c) => c.code)).toEqual(Array(4).fill("InvalidInstanceID.NotFound"));
+      expect(inst.tags).toEqual({ B: "run" });
+      fake.faults.tagNotFoundMs = 0;
+      await inst.setTags({ B: "drain" });
+      expect(fake.instances.get(inst.id)!.tags).toEqual({ B: "drain" });
+    });
+
+    it("setTags on an instance launched long ago: NotFound fails at once (no waiting for a gone instance)", async () => {
+      const clock = new FakeClock(Date.now() + 10 * 60_000);
+      const set = await openSet({}, clock);
+      const inst = await set.create(type(), IMAGE, { B: "run" }, INIT, "");
+      fake.faults.next.push({ action: "CreateTags", code: "InvalidInstanceID.NotFound" });
+      expect(await errorOf(inst.setTags({ B: "hold" }))).toBeInstanceOf(CloudError);
+      expect(clock.pending).toBe(0);
+      expect(calls("CreateTags")).toHaveLength(1);
+    });
+  });
+
+  describe("idempotent creates (ClientToken)", () => {
+    const SECRET = "0123456789abcdef0123456789abcdef01234567";
+    const tags = (secret = SECRET) => ({
+      DispatchCloudInstanceSecret: secret,
+      DispatchCloudInstanceType: "m5l",
+    });
+
+    it("the ClientToken is a one-way hash of the instance secret and the subnet, 64 ASCII characters", async () => {
+      const set = await openSet();
+      await set.create(type(), IMAGE, tags(), INIT, "");
+      await set.create(type(), IMAGE, tags("f".repeat(40)), INIT, "");
+      const [a, b] = calls("RunInstances").map((c) => c.params["ClientToken"] ?? "");
+      expect(a).toBe(ec2ClientToken(SECRET, "subnet-0a"));
+      expect(b).toBe(ec2ClientToken("f".repeat(40), "subnet-0b"));
+      expect(a).toMatch(/^[0-9a-f]{64}$/);
+      expect(a).not.toContain(SECRET.slice(0, 8));
+      expect(ec2ClientToken(SECRET, "subnet-0b")).not.toBe(a);
+      expect(ec2ClientToken(SECRET, undefined)).not.toBe(a);
+      // Each subnet tried is its own launch request, with its own token.
+      fake.faults.subnetErrors.set("subnet-0c", "InsufficientInstanceCapacity");
+      fake.calls.length = 0;
+      await set.create(type(), IMAGE, tags("e".repeat(40)), INIT, "");
+      expect(calls("RunInstances").map((c) => c.params["ClientToken"])).toEqual([
+        ec2ClientToken("e".repeat(40), "subnet-0c"),
+        ec2ClientToken("e".repeat(40), "subnet-0a"),
+      ]);
+      // Tokens and secrets never reach a log line.
+      expect(log.lines.join("")).not.toContain(SECRET);
+      expect(log.lines.join("")).not.toContain(a);
+    });
+
+    it.each(["drop", "late"] as const)(
+      "a RunInstances whose answer is lost (%s) is sent again with the same token: one instance, and the create succeeds",
+      async (mode) => {
+        const set = await openSet({ requestTimeout: "1s" });
+        fake.faults.loseNext.push({ action: "RunInstances", mode });
+        const inst = await set.create(type(), IMAGE, tags(), INIT, "");
+        const run = calls("RunInstances");
+        expect(run.map((c) => [c.code, c.lost])).toEqual([
+          [null, mode],
+          [null, null],
+        ]);
+        expect(run[1]!.params["ClientToken"]).toBe(run[0]!.params["ClientToken"]);
+        expect(run[1]!.params["NetworkInterface.1.SubnetId"]).toBe("subnet-0a");
+        expect([...fake.instances.keys()]).toEqual([inst.id]);
+        expect(inst.tags).toEqual(tags());
+      },
+    );
+
+    it("lost twice: the create fails, but the one instance it launched is listed with its tags (the pool adopts it)", async () => {
+      const set = await openSet();
+      fake.faults.loseNext.push({ action: "RunInstances" }, { action: "RunInstances" });
+      const err = await errorOf(set.create(type(), IMAGE, tags(), INIT, ""));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err.message).toMatch(/^ec2 RunInstances: the connection closed without an answer: .*ECONNRESET/);
+      expect(calls("RunInstances").map((c) => c.lost)).toEqual(["drop", "drop"]);
+      expect(fake.instances.size).toBe(1);
+      const listed = await set.instances({ DispatchCloudInstanceSecret: SECRET });
+      expect(listed.map((i) => i.id)).toEqual([...fake.instances.keys()]);
+      expect(listed[0]!.tags).toEqual(tags());
+    });
+
+    it("while a create whose answer was lost is still in flight, its instance is left out of lists", async () => {
+      const set = await openSet({ requestTimeout: "1s" });
+      fake.faults.loseNext.push({ action: "RunInstances", mode: "late" });
+      const creating = set.create(type(), IMAGE, tags(), INIT, "");
+      // Launched, its answer held until the driver gives up on it: the create may still fail.
+      await waitFor("the launch", () => fake.instances.size === 1);
+      expect(await set.instances({})).toEqual([]);
+      const inst = await creating;
+      expect((await set.instances({})).map((i) => i.id)).toEqual([inst.id]);
+    });
+
+    it("lost twice: left out of lists until the create has failed, then listed for the pool to adopt", async () => {
+      const set = await openSet({ requestTimeout: "1s" });
+      fake.faults.loseNext.push(
+        { action: "RunInstances", mode: "late" },
+        { action: "RunInstances", mode: "late" },
+      );
+      const creating = errorOf(set.create(type(), IMAGE, tags(), INIT, ""));
+      await waitFor("the launch", () => fake.instances.size === 1);
+      expect(await set.instances({})).toEqual([]);
+      await waitFor("the resend", () => calls("RunInstances").length === 2);
+      expect(await set.instances({})).toEqual([]);
+      expect((await creating).message).toMatch(/^ec2 RunInstances: no answer within 1000 ms/);
+      expect((await set.instances({})).map((i) => i.id)).toEqual([...fake.instances.keys()]);
+    });
+
+    it("an EC2 error answer is not sent again (only a lost answer may hide a launch)", async () => {
+      const set = await openSet({ subnetId: "subnet-0a" });
+      fake.faults.next.push({ action: "RunInstances", code: "InternalError" });
+      expect(await errorOf(set.create(type(), IMAGE, tags(), INIT, ""))).toBeInstanceOf(CloudError);
+      expect(calls("RunInstances")).toHaveLength(1);
+    });
+  });
+
+  describe("the default VPC (no subnet configured)", () => {
+    it("sends no subnet: EC2 launches in the default VPC's default subnet", async () => {
+      const set = await openSet({ subnetId: undefined });
+      const inst = await set.create(type(), IMAGE, { DispatchCloudInstanceSecret: "a".repeat(40) }, INIT, "");
+      const p = calls("RunInstances")[0]!.params;
+      expect(p["NetworkInterface.1.SubnetId"]).toBeUndefined();
+      expect(p).toMatchObject({
+        "NetworkInterface.1.DeviceIndex": "0",
+        "NetworkInterface.1.AssociatePublicIpAddress": "false",
+        ClientToken: ec2ClientToken("a".repeat(40), undefined),
+      });
+      expect(fake.instances.get(inst.id)!.subnetId).toBe("subnet-0a");
+      expect(inst.address).toMatch(/^10\.0\./);
+      // One "subnet": a capacity error is final at once.
+      fake.faults.typesAtCapacity.add("m5.large");
+      expect(await errorOf(set.create(type(), IMAGE, {}, INIT, ""))).toMatchObject({ scope: "instanceType" });
+      expect(calls("RunInstances")).toHaveLength(2);
+    });
+
+    it("an account without a default VPC refuses it: a CloudError saying so", async () => {
+      await fake.stop();
+      fake = await new FakeEc2({ defaultSubnet: null, terminatedLingerMs: 0 }).start();
+      const set = await openSet({ subnetId: undefined });
+      const err = await errorOf(set.create(type(), IMAGE, {}, INIT, ""));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err.message).toMatch(/^ec2 RunInstances: VPCIdNotSpecified: No default VPC/);
     });
   });
 

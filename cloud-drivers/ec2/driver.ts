@@ -2,10 +2,11 @@
  * The `ec2` cloud: instances are EC2 instances, created and found through @aws-sdk/client-ec2 with the SDK's
  * own retries off (the pool owns retry policy). Every EC2 error goes through classifyEc2Error (errors.ts).
  * The registry imports this module lazily, so processes that do not use EC2 never load the SDK.
- * Close to 600 lines because each call (run, describe with paging, terminate, tags, spot and capacity
- * answers) maps EC2's shapes to the driver interface here; errors and parameters are their own modules.
+ * Over 700 lines because each call (run, describe with paging, terminate, tags, spot and capacity answers)
+ * maps EC2's shapes to the driver interface here, with what EC2's eventual consistency and lost answers need
+ * (an idempotent RunInstances, tag retries); errors and parameters are their own modules.
  */
-import { createHash, createPublicKey } from "node:crypto";
+import { createHash, createPublicKey, randomBytes } from "node:crypto";
 import {
   type _InstanceType,
   type BlockDeviceMapping,
@@ -20,15 +21,24 @@ import {
   ImportKeyPairCommand,
   RunInstancesCommand,
   type RunInstancesCommandInput,
+  type RunInstancesCommandOutput,
   type Tag,
   TerminateInstancesCommand,
 } from "@aws-sdk/client-ec2";
 import type { Clock } from "../../lib/clock.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import type { Logger } from "../../lib/logger.ts";
-import { CloudError } from "../errors.ts";
-import type { CloudDriver, Instance, InstanceSet, InstanceType, PricePoint, Tags } from "../types.ts";
-import { classifyEc2Error, ec2ErrorInfo, isSubnetSpecific, ThrottleBackoff } from "./errors.ts";
+import { CapacityError, CloudError } from "../errors.ts";
+import {
+  type CloudDriver,
+  type Instance,
+  type InstanceSet,
+  type InstanceType,
+  type PricePoint,
+  TAG,
+  type Tags,
+} from "../types.ts";
+import { classifyEc2Error, ec2ErrorInfo, isLostAnswer, isSubnetSpecific, ThrottleBackoff } from "./errors.ts";
 import { type Ec2Parameters, parseEc2Parameters } from "./params.ts";
 
 /** States listed by instances(): shutting-down and terminated instances are gone for the dispatcher. */
@@ -41,6 +51,34 @@ const GiB = 2 ** 30;
 const HOURS_PER_MONTH = 30 * 24;
 /** After a failed spot price refresh, try again after this long (or the update interval, if shorter). */
 const PRICE_RETRY_MS = 60_000;
+/** RunInstances sends per subnet: a request whose answer was lost is sent once more, with the same ClientToken. */
+export const RUN_ATTEMPTS = 2;
+/**
+ * EC2's eventual consistency: an instance launched less than this long ago may be unknown to CreateTags and
+ * DeleteTags for a while; those are sent again after each of TAG_RETRY_DELAYS_MS.
+ */
+export const TAG_RETRY_WINDOW_MS = 5 * 60_000;
+export const TAG_RETRY_DELAYS_MS = [1000, 2000, 4000] as const;
+/** Fixed input of the ClientToken hash (a version, so a new scheme never collides with an old one). */
+const CLIENT_TOKEN_PREFIX = "dispatch-cloud ec2 RunInstances ClientToken v1";
+
+/**
+ * The RunInstances ClientToken of a create: a one-way hash of the instance secret (and the subnet tried, so each
+ * subnet's launch is its own request), 64 ASCII characters as EC2 allows. A send repeated after a lost answer
+ * carries the same token and gets the first launch back instead of a second instance; the token reveals nothing
+ * of the secret.
+ */
+export function ec2ClientToken(secret: string, subnetId: string | undefined): string {
+  return createHash("sha256")
+    .update(`${CLIENT_TOKEN_PREFIX}\0${secret}\0${subnetId ?? "(default subnet)"}`)
+    .digest("hex");
+}
+
+/** The instance secret among a create's tags (`<prefix>InstanceSecret`), if there is exactly one. */
+function instanceSecretOf(tags: Tags): string | undefined {
+  const found = Object.entries(tags).filter(([k, v]) => k.endsWith(TAG.instanceSecret) && v !== "");
+  return found.length === 1 ? found[0]![1] : undefined;
+}
 
 export const ec2Driver: CloudDriver = {
   async instanceSet(params, instanceSetId, _sharedTags, deps) {
@@ -183,6 +221,10 @@ class Ec2InstanceSet implements InstanceSet {
   /** Spot price history by `<instance type> <availability zone>`, shared by every instance. */
   private readonly spotPrices = new Map<string, SpotPrices>();
   private readonly secrets: string[];
+  /** Aborted by stop(): ends the waits between tag retries. */
+  readonly stopped = new AbortController();
+  /** ClientTokens of the creates in flight: their instances are left out of lists until the create returns. */
+  private readonly launching = new Set<string>();
 
   constructor(
     readonly p: Ec2Parameters,
@@ -247,6 +289,7 @@ class Ec2InstanceSet implements InstanceSet {
   }
 
   async stop(): Promise<void> {
+    this.stopped.abort();
     this.client.destroy();
   }
 
@@ -298,11 +341,36 @@ class Ec2InstanceSet implements InstanceSet {
         },
       };
     }
+    // Without a secret among the tags (not the pool's creates), a token of this create alone.
+    const tokenSeed = instanceSecretOf(tags) ?? randomBytes(20).toString("hex");
     const subnets: (string | undefined)[] = this.p.subnetIds.length > 0 ? this.p.subnetIds : [undefined];
+    const tokens = subnets.map((subnetId) => ec2ClientToken(tokenSeed, subnetId));
+    for (const t of tokens) this.launching.add(t);
+    try {
+      return await this.launch(input, type, tags, subnets, tokens);
+    } finally {
+      for (const t of tokens) this.launching.delete(t);
+    }
+  }
+
+  /**
+   * RunInstances in each subnet in turn (from the next one round-robin) until one launches the instance or fails
+   * for a reason that is not the subnet's.
+   */
+  private async launch(
+    input: RunInstancesCommandInput,
+    type: InstanceType,
+    tags: Tags,
+    subnets: readonly (string | undefined)[],
+    tokens: readonly string[],
+  ): Promise<Instance> {
     const start = this.subnetCursor++ % subnets.length;
+    /** An instance-type capacity error from any subnet: another type may still launch (in that subnet). */
+    let typeCapacity: Error | undefined;
+    let lastError: Error | undefined;
     for (let i = 0; i < subnets.length; i++) {
-      const subnetId = subnets[(start + i) % subnets.length];
-      const last = i === subnets.length - 1;
+      const at = (start + i) % subnets.length;
+      const subnetId = subnets[at];
       input.NetworkInterfaces = [
         {
           DeviceIndex: 0,
@@ -312,33 +380,73 @@ class Ec2InstanceSet implements InstanceSet {
           ...(this.p.securityGroupIds.length === 0 ? {} : { Groups: [...this.p.securityGroupIds] }),
         },
       ];
+      input.ClientToken = tokens[at];
+      let out: RunInstancesCommandOutput;
       try {
-        const out = await this.call(
-          "RunInstances",
-          () => this.client.send(new RunInstancesCommand(input)),
-          type,
-          (err) => !last && isSubnetSpecific(err),
-        );
-        const inst = out.Instances?.[0];
-        if (inst?.InstanceId === undefined) {
-          throw new CloudError("ec2 RunInstances: the answer names no instance");
-        }
-        this.log.info(
-          { instanceId: inst.InstanceId, instanceType: type.name, subnetId },
-          "ec2 instance created",
-        );
-        return new Ec2Instance(this, inst, tags);
+        out = await this.runInstances(input, type, subnetId);
       } catch (err) {
-        if (last || !isSubnetSpecific(err)) throw err;
-        const { code } = ec2ErrorInfo(err);
+        const classified = this.classify("RunInstances", err, type);
+        if (!isSubnetSpecific(err)) throw classified;
+        lastError = classified;
+        if (classified instanceof CapacityError && classified.scope === "instanceType") {
+          typeCapacity = classified;
+        }
+        if (i < subnets.length - 1) {
+          this.log.warn(
+            { subnetId, code: ec2ErrorInfo(err).code, instanceType: type.name },
+            "ec2 RunInstances failed in a subnet; trying the next",
+          );
+        }
+        continue;
+      }
+      const inst = out.Instances?.[0];
+      if (inst?.InstanceId === undefined) {
+        throw new CloudError("ec2 RunInstances: the answer names no instance");
+      }
+      this.log.info(
+        { instanceId: inst.InstanceId, instanceType: type.name, subnetId },
+        "ec2 instance created",
+      );
+      return new Ec2Instance(this, inst, tags);
+    }
+    // Every subnet failed for a reason of its own: a type at capacity somewhere lets the pool try another type;
+    // otherwise the last subnet's error counts (out of addresses everywhere: capacity for every type).
+    throw typeCapacity ?? lastError ?? new CloudError("ec2 RunInstances: no subnet to try");
+  }
+
+  /**
+   * One RunInstances in one subnet. A send that got no answer at all (timeout, dropped connection) may have
+   * launched the instance: it is sent once more with the same ClientToken, which gets that launch back rather than
+   * a second instance. Errors are EC2's or the SDK's, unclassified.
+   */
+  private async runInstances(
+    input: RunInstancesCommandInput,
+    type: InstanceType,
+    subnetId: string | undefined,
+  ): Promise<RunInstancesCommandOutput> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        const out = await this.client.send(new RunInstancesCommand(input));
+        this.backoff.reset();
+        if (attempt > 1) {
+          this.log.info(
+            { instanceId: out.Instances?.[0]?.InstanceId, instanceType: type.name, subnetId, attempt },
+            "ec2 RunInstances answered after a lost answer (same ClientToken: one launch)",
+          );
+        }
+        return out;
+      } catch (err) {
+        if (attempt >= RUN_ATTEMPTS || !isLostAnswer(err)) throw err;
         this.log.warn(
-          { subnetId, code, instanceType: type.name },
-          "ec2 RunInstances failed in a subnet; trying the next",
+          {
+            instanceType: type.name,
+            subnetId,
+            error: this.classify("RunInstances", err, type).message,
+          },
+          "ec2 RunInstances got no answer; sending it again with the same ClientToken",
         );
       }
     }
-    // Unreachable: the last subnet's error is thrown above.
-    throw new CloudError("ec2 RunInstances: no subnet to try");
   }
 
   /** The key pair holding `publicKey`: found by fingerprint, else imported once. */
@@ -411,6 +519,9 @@ class Ec2InstanceSet implements InstanceSet {
         for (const inst of reservation.Instances ?? []) {
           const state = inst.State?.Name;
           if (inst.InstanceId === undefined || state === "shutting-down" || state === "terminated") continue;
+          // Launched by a create still in flight (its answer lost, being asked again): the create may yet fail,
+          // and the pool would then shut down an instance it had already handed bundles. Listed once it returns.
+          if (inst.ClientToken !== undefined && this.launching.has(inst.ClientToken)) continue;
           result.push(new Ec2Instance(this, inst, fromTagList(inst.Tags)));
         }
       }
@@ -530,7 +641,7 @@ class Ec2Instance implements Instance {
     const removed = Object.keys(old).filter((k) => !Object.hasOwn(tags, k) && !k.startsWith("aws:"));
     const { client } = this.set;
     if (changed.length > 0) {
-      await this.set.call("CreateTags", () =>
+      await this.tagCall("CreateTags", () =>
         client.send(
           new CreateTagsCommand({
             Resources: [this.id],
@@ -541,7 +652,7 @@ class Ec2Instance implements Instance {
       this.currentTags = { ...old, ...Object.fromEntries(changed) };
     }
     if (removed.length > 0) {
-      await this.set.call("DeleteTags", () =>
+      await this.tagCall("DeleteTags", () =>
         client.send(new DeleteTagsCommand({ Resources: [this.id], Tags: removed.map((Key) => ({ Key })) })),
       );
     }
@@ -549,19 +660,45 @@ class Ec2Instance implements Instance {
     this.currentTags = { ...Object.fromEntries(kept), ...tags };
   }
 
-  /** TerminateInstances; an instance EC2 no longer knows is already gone, which is success. */
-  async destroy(): Promise<void> {
-    try {
-      await this.set.call(
-        "TerminateInstances",
-        () => this.set.client.send(new TerminateInstancesCommand({ InstanceIds: [this.id] })),
-        undefined,
-        (err) => ec2ErrorInfo(err).code === "InvalidInstanceID.NotFound",
-      );
-    } catch (err) {
-      if (ec2ErrorInfo(err).code !== "InvalidInstanceID.NotFound") throw err;
-      this.set.log.info({ instanceId: this.id }, "ec2 instance to terminate is already gone");
+  /**
+   * CreateTags or DeleteTags (both idempotent). While the instance is new (TAG_RETRY_WINDOW_MS after its launch),
+   * InvalidInstanceID.NotFound is EC2 not knowing it everywhere yet: the call is sent again after each of
+   * TAG_RETRY_DELAYS_MS. Then, or for any other error, it fails (classified); the tags this instance remembers
+   * stay as they were, so the next setTags sends the change again.
+   */
+  private async tagCall<T>(operation: string, send: () => Promise<T>): Promise<T> {
+    const { set } = this;
+    for (let attempt = 0; ; attempt++) {
+      try {
+        return await set.call(operation, send, undefined, (err) => isNotFound(err));
+      } catch (err) {
+        const delay = TAG_RETRY_DELAYS_MS[attempt];
+        const young = set.clock.now() - this.launchTime < TAG_RETRY_WINDOW_MS;
+        if (!isNotFound(err)) throw err;
+        if (delay === undefined || !young || set.stopped.signal.aborted) throw set.classify(operation, err);
+        set.log.info(
+          { instanceId: this.id, operation, retryInMs: delay },
+          "ec2 does not know the new instance yet (eventual consistency); tagging it again shortly",
+        );
+        try {
+          await set.clock.sleep(delay, set.stopped.signal);
+        } catch {
+          throw set.classify(operation, err);
+        }
+      }
     }
+  }
+
+  /**
+   * TerminateInstances (idempotent: an instance already shutting down or terminated is fine). An instance EC2
+   * does not know (InvalidInstanceID.NotFound) is NOT taken as gone: EC2's eventual consistency means one
+   * launched moments ago may be unknown to this call and still run. It fails as a CloudError; the pool destroys
+   * the instance again while the cloud still lists it, and forgets it once a list no longer shows it.
+   */
+  async destroy(): Promise<void> {
+    await this.set.call("TerminateInstances", () =>
+      this.set.client.send(new TerminateInstancesCommand({ InstanceIds: [this.id] })),
+    );
   }
 
   /**
@@ -588,6 +725,10 @@ class Ec2Instance implements Instance {
     if (out[0]!.startTime > this.launchTime) out.unshift({ startTime: this.launchTime, price: type.price });
     return out;
   }
+}
+
+function isNotFound(err: unknown): boolean {
+  return ec2ErrorInfo(err).code === "InvalidInstanceID.NotFound";
 }
 
 function toTagList(tags: Tags): Tag[] {

@@ -6,6 +6,7 @@ import {
   classifyEc2Error,
   type Ec2ErrorContext,
   ec2ErrorInfo,
+  isLostAnswer,
   isSubnetSpecific,
   QUOTA_CODES,
   THROTTLING_CODES,
@@ -56,10 +57,51 @@ describe("classifyEc2Error", () => {
     expect(err.cause).toBeInstanceOf(EC2ServiceException);
   });
 
-  it("VcpuLimitExceeded -> CapacityError for the type's quota group", () => {
-    const err = classifyEc2Error(ec2Error("VcpuLimitExceeded"), ctx({ quotaGroup: "m-spot" }));
+  it.each(["VcpuLimitExceeded", "MaxSpotInstanceCountExceeded"])(
+    "%s -> CapacityError for the type's quota group (not a quota for every type)",
+    (code) => {
+      const err = classifyEc2Error(ec2Error(code), ctx({ quotaGroup: "m-spot" }));
+      expect(err).toBeInstanceOf(CapacityError);
+      expect(err).not.toBeInstanceOf(CloudQuotaError);
+      expect(err).toMatchObject({ scope: "quotaGroup", quotaGroup: "m-spot", instanceType: "m5l" });
+    },
+  );
+
+  it.each([
+    ["InsufficientFreeAddressesInSubnet", "There are not enough free addresses in subnet 'subnet-1a'."],
+    ["InvalidParameterValue", "Not enough free addresses in subnet subnet-1a."],
+    ["InvalidParameterValue", "There aren't sufficient free Ipv4 addresses or prefixes"],
+    ["InvalidParameterCombination", "There aren't sufficient free IPv6 addresses in the subnet"],
+  ])("a subnet out of addresses (%s: %s) -> CapacityError for every type", (code, message) => {
+    const err = classifyEc2Error(ec2Error(code, 400, message), ctx());
     expect(err).toBeInstanceOf(CapacityError);
-    expect(err).toMatchObject({ scope: "quotaGroup", quotaGroup: "m-spot", instanceType: "m5l" });
+    expect(err).toMatchObject({ scope: "all", code: "cloud.capacity" });
+    expect(err.message).toContain(message);
+  });
+
+  it.each([
+    [
+      "Unsupported",
+      "The requested configuration is currently not supported. Please check the documentation.",
+    ],
+    ["Unsupported", "The instance type c5.large is not supported in this zone"],
+    ["InvalidParameterValue", "Not enough free space"],
+  ])("%s without the requested type named (%s) -> CloudError, not capacity", (code, message) => {
+    const err = classifyEc2Error(ec2Error(code, 400, message), ctx());
+    expect(err).toBeInstanceOf(CloudError);
+    expect(err).not.toBeInstanceOf(CapacityError);
+  });
+
+  it("InvalidInstanceID.NotFound -> CloudError saying it is not taken as gone", () => {
+    const err = classifyEc2Error(
+      ec2Error("InvalidInstanceID.NotFound", 400, "The instance ID 'i-1' does not exist"),
+      ctx({ operation: "TerminateInstances" }),
+    );
+    expect(err).toBeInstanceOf(CloudError);
+    expect(err.message).toBe(
+      "ec2 TerminateInstances: InvalidInstanceID.NotFound: The instance ID 'i-1' does not exist " +
+        "(EC2 may not know a just-launched instance yet; it is not taken as gone)",
+    );
   });
 
   it.each([
@@ -113,6 +155,11 @@ describe("classifyEc2Error", () => {
     expect(r).toBeInstanceOf(CloudError);
     expect(r.message).toBe(
       "ec2 RunInstances: request failed: Error (ECONNREFUSED): connect ECONNREFUSED 127.0.0.1:1",
+    );
+    // The SDK names a reset connection TimeoutError: it is said as what it was.
+    const reset = Object.assign(new Error("socket hang up"), { name: "TimeoutError", code: "ECONNRESET" });
+    expect(classifyEc2Error(reset, ctx()).message).toBe(
+      "ec2 RunInstances: the connection closed without an answer: socket hang up (ECONNRESET)",
     );
     // A socket error's name is not an EC2 code, even when it looks like one.
     const named = Object.assign(new Error("x"), { name: "RequestLimitExceeded" });
@@ -189,6 +236,20 @@ describe("subnet-specific errors", () => {
   });
 
   it.each([
+    "Not enough free addresses in subnet subnet-1a.",
+    "There aren't sufficient free Ipv4 addresses or prefixes",
+    "The subnet ID 'subnet-1a' belongs to another VPC than the security groups",
+  ])("InvalidParameterValue about the subnet (%s) moves on too", (message) => {
+    expect(isSubnetSpecific(ec2Error("InvalidParameterValue", 400, message))).toBe(true);
+  });
+
+  it("another InvalidParameterValue does not", () => {
+    expect(isSubnetSpecific(ec2Error("InvalidParameterValue", 400, "Invalid value 'x' for UserData"))).toBe(
+      false,
+    );
+  });
+
+  it.each([
     "RequestLimitExceeded",
     "InstanceLimitExceeded",
     "VcpuLimitExceeded",
@@ -201,6 +262,16 @@ describe("subnet-specific errors", () => {
 
   it("nor does a connection error", () => {
     expect(isSubnetSpecific(new Error("socket hang up"))).toBe(false);
+  });
+});
+
+describe("isLostAnswer", () => {
+  it("is true when EC2 gave no answer (timeout, reset), false for any EC2 answer", () => {
+    const reset = Object.assign(new Error("socket hang up"), { name: "TimeoutError", code: "ECONNRESET" });
+    expect(isLostAnswer(reset)).toBe(true);
+    expect(isLostAnswer(Object.assign(new Error("timed out"), { name: "TimeoutError" }))).toBe(true);
+    expect(isLostAnswer(ec2Error("InternalError", 500))).toBe(false);
+    expect(isLostAnswer(ec2Error("RequestLimitExceeded", 503))).toBe(false);
   });
 });
 

@@ -22,21 +22,41 @@ export const THROTTLING_CODES: ReadonlySet<string> = new Set([
 export const QUOTA_CODES: ReadonlySet<string> = new Set([
   "InstanceLimitExceeded",
   "InsufficientAddressCapacity",
-  "InsufficientFreeAddressesInSubnet",
   "InsufficientVolumeCapacity",
-  "MaxSpotInstanceCountExceeded",
   "VolumeLimitExceeded",
 ]);
 
-/** The vCPU quota of the instance type's family (its quota group) is used up. */
-export const QUOTA_GROUP_CAPACITY_CODES: ReadonlySet<string> = new Set(["VcpuLimitExceeded"]);
+/**
+ * The quota of the instance type's quota group is used up: the vCPUs of its family, or (for a preemptible type,
+ * whose group ends in `-spot`) the account's spot instances. On-demand creates are not held up by the latter.
+ */
+export const QUOTA_GROUP_CAPACITY_CODES: ReadonlySet<string> = new Set([
+  "VcpuLimitExceeded",
+  "MaxSpotInstanceCountExceeded",
+]);
 
-/** No capacity for this instance type (in this place, at this price) for now. */
+/** No capacity for this instance type (in this place, at this price) for now, whatever the message. */
 export const TYPE_CAPACITY_CODES: ReadonlySet<string> = new Set([
   "InsufficientInstanceCapacity",
-  "Unsupported",
   "SpotMaxPriceTooLow",
 ]);
+
+/**
+ * The subnet has no free address left: EC2 says so with its own code, or as an InvalidParameterValue whose message
+ * says it ("Not enough free addresses in subnet ...", "There aren't sufficient free Ipv4 addresses or prefixes").
+ */
+export function isSubnetFull(info: Ec2ErrorInfo): boolean {
+  if (info.code === "InsufficientFreeAddressesInSubnet") return true;
+  return (
+    info.code?.startsWith("InvalidParameter") === true &&
+    /not enough free addresses|sufficient free ipv[46] addresses/i.test(info.message)
+  );
+}
+
+/** Whether an EC2 message names the requested instance type (by name, or as "requested instance type"). */
+function namesType(text: string, providerType: string): boolean {
+  return /requested instance type/i.test(text) || (providerType !== "" && text.includes(providerType));
+}
 
 /** Codes that depend on the subnet (or its availability zone): the next subnet may work. */
 const SUBNET_SPECIFIC_CODES: ReadonlySet<string> = new Set([
@@ -87,11 +107,24 @@ export function ec2ErrorInfo(err: unknown): Ec2ErrorInfo {
   return { code, status, message };
 }
 
-/** True when another subnet may succeed where this one failed (subnet, zone or capacity errors). */
+/**
+ * True when another subnet may succeed where this one failed: subnet, zone or capacity errors, including an
+ * InvalidParameter* answer about the subnet (e.g. out of addresses).
+ */
 export function isSubnetSpecific(err: unknown): boolean {
-  const { code } = ec2ErrorInfo(err);
+  const info = ec2ErrorInfo(err);
+  const code = info.code;
   if (code === undefined) return false;
-  return /subnet/i.test(code) || SUBNET_SPECIFIC_CODES.has(code);
+  if (/subnet/i.test(code) || SUBNET_SPECIFIC_CODES.has(code) || isSubnetFull(info)) return true;
+  return code.startsWith("InvalidParameter") && /\bsubnet\b/i.test(info.message);
+}
+
+/**
+ * No answer from EC2 at all (a timeout, a dropped connection): the request may have been carried out or not.
+ * Only such a failure is worth sending again, and only with the same idempotency token.
+ */
+export function isLostAnswer(err: unknown): boolean {
+  return ec2ErrorInfo(err).code === undefined;
 }
 
 export function isThrottling(info: Ec2ErrorInfo): boolean {
@@ -142,16 +175,22 @@ export interface Ec2ErrorContext {
 /**
  * THE mapping of an EC2/SDK error to the dispatcher's classes:
  * throttling -> CloudRateLimitError (earliestRetry = now + backoff); the quota codes -> CloudQuotaError;
- * VcpuLimitExceeded -> CapacityError for the quota group; InsufficientInstanceCapacity, Unsupported,
- * SpotMaxPriceTooLow and "instance type ... not supported" messages -> CapacityError for the instance type;
- * everything else (other codes, timeouts, connection errors) -> CloudError. The EC2 error is the cause.
+ * for a create: VcpuLimitExceeded and MaxSpotInstanceCountExceeded -> CapacityError for the type's quota group;
+ * a subnet out of addresses -> CapacityError for everything (no type can get an address);
+ * InsufficientInstanceCapacity, SpotMaxPriceTooLow, and Unsupported or "not supported" answers that name the
+ * requested instance type -> CapacityError for the instance type; everything else (other codes, an Unsupported
+ * configuration, InvalidInstanceID.NotFound, timeouts, connection errors) -> CloudError. The EC2 error is the cause.
  */
 export function classifyEc2Error(err: unknown, ctx: Ec2ErrorContext): Error {
   const info = ec2ErrorInfo(err);
   const text = redact(info.message, ctx.secrets ?? []);
   const what =
     info.code !== undefined ? `${info.code}: ${text}` : describeTransportError(err, text, ctx.timeoutMs);
-  const message = `ec2 ${ctx.operation}: ${what}`;
+  let message = `ec2 ${ctx.operation}: ${what}`;
+  if (info.code === "InvalidInstanceID.NotFound") {
+    // EC2's eventual consistency: an instance launched moments ago may be unknown to this call and still run.
+    message += " (EC2 may not know a just-launched instance yet; it is not taken as gone)";
+  }
   if (isThrottling(info)) {
     const delay = ctx.backoff.next();
     return new CloudRateLimitError(`${message} (no EC2 calls for ${delay / 1000} s)`, {
@@ -172,7 +211,16 @@ export function classifyEc2Error(err: unknown, ctx: Ec2ErrorContext): Error {
         cause: err,
       });
     }
-    if (TYPE_CAPACITY_CODES.has(code) || (/not supported/i.test(text) && /instance ?type/i.test(text))) {
+    if (isSubnetFull(info)) {
+      return new CapacityError(`${message} (no free address: no instance of any type can launch there)`, {
+        scope: "all",
+        instanceType: type.name,
+        cause: err,
+      });
+    }
+    const unsupportedType =
+      (code === "Unsupported" || /not supported/i.test(text)) && namesType(text, type.providerType);
+    if (TYPE_CAPACITY_CODES.has(code) || unsupportedType) {
       return new CapacityError(message, { scope: "instanceType", instanceType: type.name, cause: err });
     }
   }
@@ -183,6 +231,10 @@ function describeTransportError(err: unknown, text: string, timeoutMs: number | 
   const e = err as { name?: unknown; code?: unknown } | null;
   const name = typeof e?.name === "string" ? e.name : "Error";
   const sysCode = typeof e?.code === "string" ? ` (${e.code})` : "";
+  // The SDK names a reset connection TimeoutError too: it was no timeout, the connection closed.
+  if (e?.code === "ECONNRESET" || e?.code === "EPIPE" || e?.code === "ECONNABORTED") {
+    return `the connection closed without an answer: ${text}${sysCode}`;
+  }
   if (name === "TimeoutError" || e?.code === "ETIMEDOUT") {
     return `no answer${timeoutMs === undefined ? "" : ` within ${timeoutMs} ms`}: ${text}${sysCode}`;
   }
