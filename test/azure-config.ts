@@ -1,5 +1,5 @@
 /** The azure driver's config for tests against the fake Resource Manager (test/fake-arm.ts). */
-import type { FakeArm } from "./fake-arm.ts";
+import { FAKE_ARM_IMAGE, type FakeArm } from "./fake-arm.ts";
 
 const SUB = "00000000-0000-0000-0000-000000000001";
 
@@ -7,7 +7,7 @@ const SUB = "00000000-0000-0000-0000-000000000001";
 export function azureDriverYaml(fake: FakeArm, user: string, secretEnv: string): string {
   return [
     "  driver: azure",
-    `  imageId: /subscriptions/${SUB}/resourceGroups/dc-rg/providers/Microsoft.Compute/images/dc-image`,
+    `  imageId: ${FAKE_ARM_IMAGE}`,
     "  driverParameters:",
     `    subscriptionId: "${SUB}"`,
     '    tenantId: "00000000-0000-0000-0000-0000000000aa"',
@@ -22,6 +22,8 @@ export function azureDriverYaml(fake: FakeArm, user: string, secretEnv: string):
     "    subnet: default",
     `    adminUsername: ${user}`,
     "    pollInterval: 300ms",
+    // A request the fake holds without answering (a lost answer) is given up after this.
+    "    requestTimeout: 10s",
     "    deleteDanglingResourcesAfter: 2s",
   ].join("\n");
 }

@@ -1,8 +1,10 @@
 /**
  * The fake Azure Resource Manager endpoint (test/fake-arm.ts) through the real `@azure/identity`,
- * `@azure/arm-compute` and `@azure/arm-network` clients over HTTPS: the token flow, NIC and VM creates as
- * long-running operations, tag updates, nextLink paging, deletes and deleteOption, every fault, and one VM backed
- * by a local sshd VM (reachable by the NIC's private IP with the osProfile key, customData run, gone after stop()).
+ * `@azure/arm-compute` and `@azure/arm-network` clients over HTTPS: the token flow, api-versions, NIC and VM
+ * creates as long-running operations, images that must exist, data disks, untagged implicit disks, a second PUT as
+ * a full create-or-update, tag updates, nextLink paging, deletes and deleteOption, every fault (lost answers and
+ * busy NICs included), and one VM backed by a local sshd VM (reachable by the NIC's private IP with the osProfile
+ * key, customData run, gone after stop()).
  */
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { request } from "node:https";
@@ -60,6 +62,8 @@ function clientsFor(fake: FakeArm): Clients {
 
 const subnetId = `/subscriptions/${SUB}/resourceGroups/${RG}/providers/Microsoft.Network/virtualNetworks/dc-vnet/subnets/default`;
 const imageId = `/subscriptions/${SUB}/resourceGroups/images-rg/providers/Microsoft.Compute/images/dc-image-1`;
+const galleryImage = `/subscriptions/${SUB}/resourceGroups/img/providers/Microsoft.Compute/galleries/g1/images/dc`;
+const IMAGES = [imageId, `${galleryImage}/versions/1.0.0`];
 const nicId = (name: string) =>
   `/subscriptions/${SUB}/resourceGroups/${RG}/providers/Microsoft.Network/networkInterfaces/${name}`;
 
@@ -198,6 +202,9 @@ function resetFaults(fake: FakeArm): void {
     sizeErrors: new Map(),
     failAfterAccept: null,
     next: [],
+    anotherOperationRate: 0,
+    lostAnswerRate: 0,
+    lostAnswers: [],
   });
 }
 
@@ -278,7 +285,7 @@ describe("fake ARM through the real SDK: resources", () => {
   let c: Clients;
 
   beforeAll(async () => {
-    fake = await new FakeArm({ pageSize: 100 }).start();
+    fake = await new FakeArm({ pageSize: 100, images: IMAGES }).start();
     c = clientsFor(fake);
   });
   afterAll(async () => {
@@ -286,7 +293,7 @@ describe("fake ARM through the real SDK: resources", () => {
   });
   afterEach(() => resetFaults(fake));
 
-  it("creates a NIC then a VM as long-running operations; the OS disk appears with the VM's tags", async () => {
+  it("creates a NIC then a VM as long-running operations; the OS disk appears, without the VM's tags", async () => {
     const nic = await createNic(c, "vm-a-nic");
     expect(nic.provisioningState).toBe("Succeeded");
     expect(nic.ipConfigurations?.[0]?.privateIPAddress).toMatch(/^10\.0\.\d+\.\d+$/);
@@ -332,9 +339,11 @@ describe("fake ARM through the real SDK: resources", () => {
       osDiskName: "vm-a-osdisk",
     });
     expect(fake.nics.get("vm-a-nic")!.vmId).toBe(fv.id);
-    expect(fake.disks.get("vm-a-osdisk")).toMatchObject({ tags: spot.tags, vmId: fv.id });
+    // Azure does not copy a VM's tags to the OS disk it makes.
+    expect(fake.disks.get("vm-a-osdisk")).toMatchObject({ tags: {}, vmId: fv.id, createOption: "FromImage" });
     const disk = await c.compute.disks.get(RG, "vm-a-osdisk");
     expect(disk.managedBy).toBe(fv.id);
+    expect(disk.tags).toEqual({});
 
     // A NIC in use by a VM can take no other VM and cannot be deleted; nor can the VM's disk.
     await armError(
@@ -552,7 +561,7 @@ describe("fake ARM through the real SDK: resources", () => {
     await c.compute.virtualMachines.createOrUpdate(RG, "vm-e", keep, POLL);
     await c.compute.virtualMachines.delete(RG, "vm-e", POLL);
     expect(fake.vms.has("vm-e")).toBe(false);
-    expect(fake.disks.get("vm-e-osdisk")).toMatchObject({ vmId: null, tags: keep.tags });
+    expect(fake.disks.get("vm-e-osdisk")).toMatchObject({ vmId: null, tags: {} });
     expect(fake.nics.get("vm-e-nic")).toMatchObject({ vmId: null });
     // Dangling now: they can go.
     await c.compute.disks.delete(RG, "vm-e-osdisk", POLL);
@@ -563,6 +572,235 @@ describe("fake ARM through the real SDK: resources", () => {
     await c.compute.virtualMachines.delete(RG, "vm-e", POLL);
     await c.network.networkInterfaces.beginDeleteAndWait(RG, "vm-e-nic", POLL);
     expect(fake.calls.slice(-2).map((x) => x.status)).toEqual([204, 204]);
+  });
+
+  it("takes only the api-versions a resource type knows: NoRegisteredProviderFound or InvalidApiVersionParameter", async () => {
+    const { token } = await c.credential.getToken("https://management.azure.com/.default");
+    const rg = `/subscriptions/${SUB}/resourceGroups/${RG}/providers`;
+    const old = await raw(fake, "GET", `${rg}/Microsoft.Compute/virtualMachines?api-version=2019-01-01`, {
+      token,
+    });
+    expect(old.status).toBe(400);
+    expect(old.json).toMatchObject({ error: { code: "NoRegisteredProviderFound" } });
+    const message = (old.json as { error: { message: string } }).error.message;
+    expect(message).toMatch(
+      /API version '2019-01-01' for type 'virtualMachines'\. The supported api-versions are '.*2026-03-01/,
+    );
+    // A version of another resource type is no better.
+    const nic = await raw(fake, "GET", `${rg}/Microsoft.Network/networkInterfaces?api-version=2026-03-01`, {
+      token,
+    });
+    expect(nic.json).toMatchObject({ error: { code: "NoRegisteredProviderFound" } });
+    const disks = await raw(fake, "GET", `${rg}/Microsoft.Compute/disks?api-version=2026-03-01`, { token });
+    expect(disks.json).toMatchObject({ error: { code: "NoRegisteredProviderFound" } });
+    const bad = await raw(fake, "GET", `${rg}/Microsoft.Compute/virtualMachines?api-version=latest`, {
+      token,
+    });
+    expect(bad.json).toMatchObject({ error: { code: "InvalidApiVersionParameter" } });
+    const ok = await raw(fake, "GET", `${rg}/Microsoft.Compute/disks?api-version=2025-01-02`, { token });
+    expect(ok.status).toBe(200);
+    // What the SDKs send is accepted (the whole suite runs on it); these are the versions they pin.
+    const sent = (re: RegExp) =>
+      new Set(fake.calls.filter((x) => re.test(x.path) && x.status < 400).map((x) => x.apiVersion));
+    await collect(c.compute.virtualMachines.list(RG));
+    await collect(c.compute.disks.listByResourceGroup(RG));
+    await collect(c.network.networkInterfaces.list(RG));
+    expect(sent(/\/virtualMachines$/)).toEqual(new Set(["2026-03-01"]));
+    expect(sent(/\/disks$/)).toEqual(new Set(["2025-01-02"]));
+    expect(sent(/\/networkInterfaces$/)).toEqual(new Set(["2025-05-01"]));
+  });
+
+  it("makes VMs of existing images only: 404 NotFound or GalleryImageNotFound; a gallery image definition id is its latest version", async () => {
+    await createNic(c, "vm-i-nic");
+    const withImage = (id: string) =>
+      vmParams("vm-i-nic", {
+        storageProfile: {
+          imageReference: { id },
+          osDisk: { createOption: "FromImage", deleteOption: "Delete" },
+        },
+      });
+    const missing = await armError(
+      c.compute.virtualMachines.createOrUpdate(
+        RG,
+        "vm-i",
+        withImage(imageId.replace("dc-image-1", "nope")),
+        POLL,
+      ),
+      "NotFound",
+      404,
+    );
+    expect(missing.message).toMatch(/The Image '.*\/images\/nope' cannot be found in 'westus2' region/);
+    await armError(
+      c.compute.virtualMachines.createOrUpdate(RG, "vm-i", withImage(`${galleryImage}/versions/9.9.9`), POLL),
+      "GalleryImageNotFound",
+      404,
+    );
+    await armError(
+      c.compute.virtualMachines.createOrUpdate(
+        RG,
+        "vm-i",
+        withImage(galleryImage.replace("/dc", "/other")),
+        POLL,
+      ),
+      "GalleryImageNotFound",
+      404,
+    );
+    // Azure's "latest" is the definition id without /versions; a version literally named "latest" does not exist.
+    await armError(
+      c.compute.virtualMachines.createOrUpdate(
+        RG,
+        "vm-i",
+        withImage(`${galleryImage}/versions/latest`),
+        POLL,
+      ),
+      "GalleryImageNotFound",
+      404,
+    );
+    expect(fake.vms.has("vm-i")).toBe(false);
+    const vm = await c.compute.virtualMachines.createOrUpdate(RG, "vm-i", withImage(galleryImage), POLL);
+    expect(vm.provisioningState).toBe("Succeeded");
+    expect(fake.vms.get("vm-i")?.imageId).toBe(galleryImage);
+    await c.compute.virtualMachines.delete(RG, "vm-i", POLL);
+  });
+
+  it("makes empty data disks with the VM: untagged, listed, attached; deleted or detached by deleteOption (default Detach)", async () => {
+    await createNic(c, "vm-dd-nic");
+    const params = vmParams("vm-dd-nic", {
+      storageProfile: {
+        imageReference: { id: imageId },
+        osDisk: { createOption: "FromImage", deleteOption: "Delete" },
+        dataDisks: [
+          { lun: 0, name: "vm-dd-scratch", createOption: "Empty", diskSizeGB: 101, deleteOption: "Delete" },
+          { lun: 1, name: "vm-dd-keep", createOption: "Empty", diskSizeGB: 8 },
+        ],
+      },
+    });
+    const vm = await c.compute.virtualMachines.createOrUpdate(RG, "vm-dd", params, POLL);
+    expect(vm.storageProfile?.dataDisks?.map((d) => [d.lun, d.name, d.diskSizeGB, d.deleteOption])).toEqual([
+      [0, "vm-dd-scratch", 101, "Delete"],
+      [1, "vm-dd-keep", 8, "Detach"],
+    ]);
+    const id = fake.vms.get("vm-dd")!.id;
+    expect(fake.disks.get("vm-dd-scratch")).toMatchObject({
+      createOption: "Empty",
+      sizeGb: 101,
+      tags: {},
+      vmId: id,
+    });
+    const listed = await collect(c.compute.disks.listByResourceGroup(RG));
+    expect(listed.find((d) => d.name === "vm-dd-scratch")).toMatchObject({
+      managedBy: id,
+      diskState: "Attached",
+      diskSizeGB: 101,
+      creationData: { createOption: "Empty" },
+    });
+    await armError(c.compute.disks.delete(RG, "vm-dd-scratch", POLL), "OperationNotAllowed", 409);
+    // Bad data disks, naming the field.
+    for (const [disk, target] of [
+      [{ lun: 0, createOption: "Empty" }, "dataDisks[0].diskSizeGB"],
+      [{ lun: 64, createOption: "Empty", diskSizeGB: 1 }, "dataDisks[0].lun"],
+      [{ lun: 0, createOption: "Attach", diskSizeGB: 1 }, "dataDisks[0].createOption"],
+    ] as const) {
+      await createNic(c, "vm-dx-nic");
+      const err = await armError(
+        c.compute.virtualMachines.createOrUpdate(
+          RG,
+          "vm-dx",
+          vmParams("vm-dx-nic", {
+            storageProfile: { imageReference: { id: imageId }, dataDisks: [disk as never] },
+          }),
+          POLL,
+        ),
+        "InvalidParameter",
+        400,
+      );
+      expect(err.message).toContain(target);
+    }
+    await c.compute.virtualMachines.delete(RG, "vm-dd", POLL);
+    expect(fake.disks.has("vm-dd-scratch")).toBe(false);
+    expect(fake.disks.has("vm-dd-osdisk")).toBe(false);
+    expect(fake.disks.get("vm-dd-keep")).toMatchObject({ vmId: null });
+    await c.compute.disks.delete(RG, "vm-dd-keep", POLL);
+  });
+
+  it("a second PUT of a VM is a full create-or-update: tags replaced, a data disk added; immutable changes are 409 PropertyChangeNotAllowed", async () => {
+    await createNic(c, "vm-u-nic");
+    const first = vmParams("vm-u-nic", { tags: { a: "1", b: "2" } });
+    await c.compute.virtualMachines.createOrUpdate(RG, "vm-u", first, POLL);
+    const before = fake.calls.length;
+    const again = await c.compute.virtualMachines.createOrUpdate(
+      RG,
+      "vm-u",
+      {
+        ...first,
+        tags: { c: "3" },
+        storageProfile: {
+          ...first.storageProfile,
+          dataDisks: [{ lun: 0, createOption: "Empty", diskSizeGB: 4, deleteOption: "Delete" }],
+        },
+      },
+      POLL,
+    );
+    expect(fake.calls.slice(before).find((x) => x.method === "PUT")?.status).toBe(200);
+    expect(again.tags).toEqual({ c: "3" });
+    expect(fake.vms.get("vm-u")!.tags).toEqual({ c: "3" });
+    const added = fake.vms.get("vm-u")!.dataDisks;
+    expect(added).toHaveLength(1);
+    expect(fake.disks.get(added[0]!.name.toLowerCase())).toMatchObject({
+      sizeGb: 4,
+      vmId: fake.vms.get("vm-u")!.id,
+    });
+    // The same NIC, its own: no NicInUse. Immutable properties:
+    const os = first.osProfile!;
+    for (const [over, target] of [
+      [
+        { osProfile: { ...os, customData: Buffer.from("#!/bin/sh\necho other\n").toString("base64") } },
+        "osProfile.customData",
+      ],
+      [{ osProfile: { ...os, computerName: "compute-2" } }, "osProfile.computerName"],
+      [
+        {
+          storageProfile: {
+            ...first.storageProfile,
+            imageReference: { id: `${galleryImage}/versions/1.0.0` },
+          },
+        },
+        "storageProfile.imageReference",
+      ],
+      [{ priority: "Spot", evictionPolicy: "Delete" }, "priority"],
+    ] as const) {
+      const err = await armError(
+        c.compute.virtualMachines.createOrUpdate(
+          RG,
+          "vm-u",
+          { ...first, ...(over as Partial<VirtualMachine>) },
+          POLL,
+        ),
+        "PropertyChangeNotAllowed",
+        409,
+      );
+      expect(err.message).toBe(`Changing property '${target}' is not allowed.`);
+    }
+    expect(fake.vms.get("vm-u")!.customData).toBe("#!/bin/sh\necho hello\n");
+    await c.compute.virtualMachines.delete(RG, "vm-u", POLL);
+    expect([...fake.disks.keys()].some((k) => k.startsWith("vm-u"))).toBe(false);
+
+    // A PUT of a VM whose create failed provisions it again (and fails again while its size still cannot be had).
+    await createNic(c, "vm-r-nic");
+    fake.faults.sizeErrors.set("Standard_D2s_v3", "AllocationFailed");
+    await lroFailure(
+      c.compute.virtualMachines.createOrUpdate(RG, "vm-r", vmParams("vm-r-nic"), POLL),
+      "AllocationFailed",
+    );
+    await lroFailure(
+      c.compute.virtualMachines.createOrUpdate(RG, "vm-r", vmParams("vm-r-nic"), POLL),
+      "AllocationFailed",
+    );
+    fake.faults.sizeErrors.clear();
+    const retried = await c.compute.virtualMachines.createOrUpdate(RG, "vm-r", vmParams("vm-r-nic"), POLL);
+    expect(retried.provisioningState).toBe("Succeeded");
+    expect([...fake.disks.keys()].filter((k) => k.startsWith("vm-r"))).toEqual(["vm-r-osdisk"]);
+    await c.compute.virtualMachines.delete(RG, "vm-r", POLL);
   });
 
   describe("faults", () => {
@@ -674,7 +912,7 @@ describe("fake ARM through the real SDK: resources", () => {
         expect(put?.status).toBe(201);
         expect(fake.vms.get(name)?.provisioningState).toBe("Failed");
         expect(fake.nics.get(`${name}-nic`)?.vmId).toBe(fake.vms.get(name)?.id);
-        expect(fake.disks.get(`${name}-osdisk`)?.tags).toEqual(vmParams("x").tags);
+        expect(fake.disks.get(`${name}-osdisk`)).toMatchObject({ tags: {}, vmId: fake.vms.get(name)?.id });
         // Deleting the failed VM takes its disk and NIC (deleteOption Delete).
         await c.compute.virtualMachines.delete(RG, name, POLL);
         expect([fake.vms.has(name), fake.disks.has(`${name}-osdisk`), fake.nics.has(`${name}-nic`)]).toEqual([
@@ -709,6 +947,81 @@ describe("fake ARM through the real SDK: resources", () => {
       expect(ok.provisioningState).toBe("Succeeded");
       expect(fake.vms.get("vm-f1")?.provisioningState).toBe("Failed");
       expect(fake.disks.has("vm-f2-osdisk")).toBe(true);
+    });
+
+    it("lostAnswers drop: the work is done, the connection closes without an answer", async () => {
+      await createNic(c, "la-nic");
+      fake.faults.lostAnswers.push({ method: "PUT", path: /\/virtualMachines\/vm-la$/, mode: "drop" });
+      let caught: unknown;
+      try {
+        await c.compute.virtualMachines.createOrUpdate(RG, "vm-la", vmParams("la-nic"), POLL);
+      } catch (err) {
+        caught = err;
+      }
+      expect((caught as { statusCode?: number }).statusCode).toBeUndefined();
+      expect(fake.faults.lostAnswers).toEqual([]);
+      expect(fake.calls.find((x) => x.method === "PUT" && x.path.endsWith("/vm-la"))).toMatchObject({
+        status: 201,
+        lost: "drop",
+      });
+      // The VM exists all the same, and the next requests are answered.
+      expect((await c.compute.virtualMachines.get(RG, "vm-la")).provisioningState).toBe("Succeeded");
+      await c.compute.virtualMachines.delete(RG, "vm-la", POLL);
+    });
+
+    it("lostAnswers hold: no answer until the client gives up; the work is done", async () => {
+      await createNic(c, "lh-nic");
+      fake.faults.lostAnswers.push({ method: "DELETE", path: /\/networkInterfaces\/lh-nic$/, mode: "hold" });
+      const ac = new AbortController();
+      const deleting = c.network.networkInterfaces.beginDeleteAndWait(RG, "lh-nic", {
+        ...POLL,
+        abortSignal: ac.signal,
+      });
+      await waitFor("the held DELETE", () =>
+        fake.calls.some((x) => x.lost === "hold" && x.path.endsWith("/lh-nic")),
+      );
+      expect(fake.nics.has("lh-nic")).toBe(false);
+      ac.abort();
+      await expect(deleting).rejects.toThrow(/abort/i);
+    });
+
+    it("lostAnswerRate 1: PUT, PATCH and DELETE answers are lost, GETs are answered", async () => {
+      fake.faults.lostAnswerRate = 1;
+      const before = fake.calls.length;
+      const creating = createNic(c, "lr-nic");
+      await waitFor("the PUT done, its answer lost", () =>
+        fake.calls.slice(before).some((x) => x.lost !== undefined),
+      );
+      fake.releaseLostAnswers(); // (a held one: the client here has no request timeout)
+      await expect(creating).rejects.toThrow();
+      expect(fake.nics.has("lr-nic")).toBe(true);
+      expect((await c.network.networkInterfaces.get(RG, "lr-nic")).name).toBe("lr-nic");
+      fake.faults.lostAnswerRate = 0;
+      await c.network.networkInterfaces.beginDeleteAndWait(RG, "lr-nic", POLL);
+    });
+
+    it("anotherOperationRate 1: NIC PUTs and DELETEs are 429 RetryableErrorDueToAnotherOperation for that NIC; VMs are not", async () => {
+      await createNic(c, "ao-nic");
+      fake.faults.anotherOperationRate = 1;
+      fake.faults.retryAfterSeconds = 4;
+      const err = await armError(
+        c.network.networkInterfaces.beginDeleteAndWait(RG, "ao-nic", POLL),
+        "RetryableErrorDueToAnotherOperation",
+        429,
+      );
+      expect(err.message).toMatch(
+        /is updating resource .*\/networkInterfaces\/ao-nic\. The call can be retried in 4 seconds\./,
+      );
+      expect(
+        (
+          err as Error & { response?: { headers: { get(n: string): string | undefined } } }
+        ).response?.headers.get("retry-after"),
+      ).toBe("4");
+      await armError(createNic(c, "ao-nic-2"), "RetryableErrorDueToAnotherOperation", 429);
+      await c.compute.virtualMachines.createOrUpdate(RG, "vm-ao", vmParams("ao-nic"), POLL);
+      expect(fake.vms.has("vm-ao")).toBe(true);
+      fake.faults.anotherOperationRate = 0;
+      await c.compute.virtualMachines.delete(RG, "vm-ao", POLL);
     });
 
     it("a 429 on the operation status poll reaches the caller", async () => {
@@ -790,7 +1103,10 @@ describe("fake ARM VMs backed by local sshd VMs", () => {
   beforeAll(async () => {
     user = requireOpenSsh();
     stateDir = mkdtempSync(path.join(tmpdir(), "fake-arm-vms-"));
-    fake = await new FakeArm({ localVms: { stateDir, user, addressPrefix: ADDRESS_PREFIX } }).start();
+    fake = await new FakeArm({
+      localVms: { stateDir, user, addressPrefix: ADDRESS_PREFIX },
+      images: IMAGES,
+    }).start();
     c = clientsFor(fake);
   }, 60_000);
   afterAll(async () => {

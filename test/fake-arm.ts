@@ -10,15 +10,23 @@
  *   DELETE as a long-running operation, list with nextLink), subnets (GET), and the operation status endpoints
  *   that the `Azure-AsyncOperation` and `Location` headers point to.
  *
- * Every ARM request needs `api-version` (400 MissingApiVersionParameter) and a bearer token the token endpoint
- * issued (401 AuthenticationFailed / InvalidAuthenticationToken). Request bodies are checked as the driver's rules
- * need (one NIC with a dynamic private IP in a known subnet; a VM with a size, a managed or gallery image, a Linux
- * osProfile with SSH keys only, existing NICs not used by another VM). Errors are ARM's JSON. Faults (`faults`,
- * mutable at any time) apply in order: slowMs, next, throttleRate, serverErrorRate, then the VM-create ones.
+ * Every ARM request needs a bearer token the token endpoint issued (401 AuthenticationFailed /
+ * InvalidAuthenticationToken) and an `api-version` the resource type knows (400 MissingApiVersionParameter,
+ * InvalidApiVersionParameter for a malformed one, NoRegisteredProviderFound listing the supported versions for an
+ * unknown one; API_VERSIONS holds a subset of Azure's lists that includes what the pinned SDKs send). Request
+ * bodies are checked as the driver's rules need (one NIC with a dynamic private IP in a known subnet; a VM with a
+ * size, an existing managed image or gallery image version (or gallery image definition: its latest version), a
+ * Linux osProfile with SSH keys only, existing NICs not used by another VM, empty data disks). An unknown image is
+ * 404 NotFound (managed image) or GalleryImageNotFound. Errors are ARM's JSON. Faults (`faults`, mutable at any
+ * time) apply in order: slowMs, next, throttleRate, serverErrorRate, anotherOperationRate, then the VM-create
+ * ones; lostAnswers and lostAnswerRate apply after the work was done.
  *
- * As in Azure: a VM create that fails after being accepted leaves the VM (Failed), its NIC and its OS disk behind;
- * deleting a VM deletes its OS disk and NICs only when the VM asked for `deleteOption: "Delete"` on them; a NIC or
- * disk in use by a VM cannot be deleted. Resource names are unique across the fake's resource groups.
+ * As in Azure: a PUT of an existing VM is a full create-or-update (tags replaced, data disks added or detached;
+ * a change of an immutable property such as osProfile or the image is 409 PropertyChangeNotAllowed); a VM create
+ * that fails after being accepted leaves the VM (Failed), its NIC and its disks behind; the OS disk and the data
+ * disks a VM creates carry no tags (the VM's are not copied); deleting a VM deletes its OS disk, data disks and
+ * NICs only when the VM asked for `deleteOption: "Delete"` on each (Azure's default is Detach); a NIC or disk in
+ * use by a VM cannot be deleted. Resource names are unique across the fake's resource groups.
  *
  * With `localVms`, each VM is backed by a local-driver VM (openssh: its own sshd on 127.0.x.y:22, which becomes the
  * NIC's private IP) whose init script is the decoded customData and whose authorized key is the osProfile's key.
@@ -57,11 +65,14 @@ export interface FakeArmOptions {
   tenantId?: string; // default "00000000-0000-0000-0000-0000000000aa"
   /** client id -> secret accepted by the token endpoint; default { "dc-client": "dc-secret" }. */
   clients?: Record<string, string>;
-  /**
-   * Existing resource groups (default ["dc-rg"]); each holds the virtual networks and subnets of `subnets`. Images:
-   * any id is accepted if it looks like a managed image or gallery image version id.
-   */
+  /** Existing resource groups (default ["dc-rg"]); each holds the virtual networks and subnets of `subnets`. */
   resourceGroups?: string[];
+  /**
+   * The images that exist (more with addImage): managed image ids (`.../providers/Microsoft.Compute/images/<name>`)
+   * and gallery image version ids (`.../galleries/<g>/images/<i>/versions/<v>`, which also makes the image
+   * definition id `.../galleries/<g>/images/<i>` usable: its latest version). Default: [FAKE_ARM_IMAGE].
+   */
+  images?: string[];
   /** "vnet/subnet" names in every resource group; default ["dc-vnet/default"]. */
   subnets?: string[];
   location?: string; // default "westus2"
@@ -104,7 +115,23 @@ export interface ArmFaults {
     message?: string;
     retryAfter?: number;
   }[];
+  /**
+   * 0..1 of NIC PUTs and DELETEs refused with 429 RetryableErrorDueToAnotherOperation (another operation holds that
+   * one NIC; Retry-After: retryAfterSeconds): a lock on one resource, not the subscription's rate limit.
+   */
+  anotherOperationRate: number;
+  /**
+   * 0..1 of the successful PUT, PATCH and DELETE requests to ARM resources whose answer is lost after the work was
+   * done: half of them dropped (the connection closed without an answer), half held (no answer until the client
+   * gives up and closes the connection, or the fake stops).
+   */
+  lostAnswerRate: number;
+  /** One-shots: the next successful request matching method + path regex is done, then its answer is lost. */
+  lostAnswers: { method: string; path: RegExp; mode: LostAnswerMode }[];
 }
+
+/** How an answer is lost: "drop" closes the connection at once, "hold" never answers (until the client gives up). */
+export type LostAnswerMode = "drop" | "hold";
 
 export interface FakeVm {
   name: string;
@@ -122,6 +149,8 @@ export interface FakeVm {
   evictionPolicy: string | null;
   maxPrice: number | null;
   imageId: string;
+  /** Its data disks by LUN (names of disks in `disks`). */
+  dataDisks: { lun: number; name: string }[];
   body: unknown /* the PUT body as sent */;
 }
 
@@ -139,6 +168,10 @@ export interface FakeDisk {
   id: string;
   tags: Record<string, string>;
   vmId: string | null;
+  /** FromImage: an OS disk; Empty: a data disk. */
+  createOption: "FromImage" | "Empty";
+  sizeGb: number;
+  storageAccountType: string;
 }
 
 /** Every request the fake answered. */
@@ -148,9 +181,30 @@ export interface FakeArmCall {
   apiVersion: string | null;
   status: number;
   code: string | null;
+  /** Set when the answer was lost after the work was done (faults.lostAnswers, lostAnswerRate). */
+  lost?: LostAnswerMode;
 }
 
 const DEFAULT_SUBSCRIPTION = "00000000-0000-0000-0000-000000000001";
+const NETWORK_API_VERSIONS = [
+  "2022-07-01",
+  "2022-09-01",
+  "2022-11-01",
+  "2023-02-01",
+  "2023-04-01",
+  "2023-05-01",
+  "2023-06-01",
+  "2023-09-01",
+  "2023-11-01",
+  "2024-01-01",
+  "2024-03-01",
+  "2024-05-01",
+  "2024-07-01",
+  "2024-10-01",
+  "2025-01-01",
+  "2025-03-01",
+  "2025-05-01",
+] as const;
 const DEFAULT_TENANT = "00000000-0000-0000-0000-0000000000aa";
 const ASYNC_FAILURE_CODES = new Set([
   "AllocationFailed",
@@ -204,11 +258,43 @@ interface VmMeta extends ResourceMeta {
   nicDelete: Map<string, boolean>; // lower-cased NIC id -> deleteOption Delete
   diskDelete: boolean;
   storageAccountType: string;
+  /** The data disks asked for, by LUN (created with the VM, or when a PUT adds them). */
+  dataDiskSpecs: Map<number, DataDiskSpec>;
   /** Settles once the create has finished one way or the other (a delete waits for it). */
   settled: Promise<void>;
   /** The running delete, once one was asked for. */
   deleting: Promise<void> | null;
   local: Instance | null;
+}
+
+interface DataDiskSpec {
+  lun: number;
+  name: string;
+  sizeGb: number;
+  deleteOption: "Delete" | "Detach";
+  storageAccountType: string;
+  caching: string;
+}
+
+/** A VM PUT body, checked: what a create makes or an update compares. */
+interface VmSpec {
+  location: string;
+  tags: Record<string, string>;
+  size: string;
+  imageId: string;
+  osDiskName: string;
+  diskDelete: boolean;
+  storageAccountType: string;
+  dataDisks: DataDiskSpec[];
+  computerName: string;
+  adminUsername: string;
+  customData: string /* decoded */;
+  publicKeys: string[];
+  nics: FakeNic[];
+  nicDelete: Map<string, boolean>;
+  priority: string | null;
+  evictionPolicy: string | null;
+  maxPrice: number | null;
 }
 
 interface Route {
@@ -275,6 +361,50 @@ const MANAGED_IMAGE =
   /^\/subscriptions\/[^/]+\/resourceGroups\/[^/]+\/providers\/Microsoft\.Compute\/images\/[^/]+$/i;
 const GALLERY_IMAGE_VERSION =
   /^\/subscriptions\/[^/]+\/resourceGroups\/[^/]+\/providers\/Microsoft\.Compute\/galleries\/[^/]+\/images\/[^/]+\/versions\/[^/]+$/i;
+/** A gallery image definition id: Azure's documented way to ask for its latest version (no `/versions/...`). */
+const GALLERY_IMAGE =
+  /^\/subscriptions\/[^/]+\/resourceGroups\/[^/]+\/providers\/Microsoft\.Compute\/galleries\/[^/]+\/images\/[^/]+$/i;
+
+/** The image the fake knows by default (test/azure-config.ts uses it). */
+export const FAKE_ARM_IMAGE = `/subscriptions/${DEFAULT_SUBSCRIPTION}/resourceGroups/dc-rg/providers/Microsoft.Compute/images/dc-image`;
+
+/**
+ * The api-versions each resource type accepts: a subset of what Azure lists for it, including those the pinned
+ * SDKs send (@azure/arm-compute 24: virtualMachines 2026-03-01, disks 2025-01-02; @azure/arm-network 36:
+ * 2025-05-01). The operation status endpoints of a provider take any of its versions.
+ */
+export const API_VERSIONS: Readonly<Record<string, readonly string[]>> = {
+  "Microsoft.Compute/virtualMachines": [
+    "2021-03-01",
+    "2021-07-01",
+    "2021-11-01",
+    "2022-03-01",
+    "2022-08-01",
+    "2022-11-01",
+    "2023-03-01",
+    "2023-07-01",
+    "2023-09-01",
+    "2024-03-01",
+    "2024-07-01",
+    "2024-11-01",
+    "2025-04-01",
+    "2026-03-01",
+  ],
+  "Microsoft.Compute/disks": [
+    "2021-04-01",
+    "2021-08-01",
+    "2021-12-01",
+    "2022-03-02",
+    "2022-07-02",
+    "2023-01-02",
+    "2023-04-02",
+    "2023-10-02",
+    "2024-03-02",
+    "2025-01-02",
+  ],
+  "Microsoft.Network/networkInterfaces": NETWORK_API_VERSIONS,
+  "Microsoft.Network/virtualNetworks/subnets": NETWORK_API_VERSIONS,
+};
 
 export class FakeArm {
   readonly faults: ArmFaults = {
@@ -286,6 +416,9 @@ export class FakeArm {
     sizeErrors: new Map(),
     failAfterAccept: null,
     next: [],
+    anotherOperationRate: 0,
+    lostAnswerRate: 0,
+    lostAnswers: [],
   };
   /** By lower-cased name. */
   readonly vms = new Map<string, FakeVm>();
@@ -298,6 +431,8 @@ export class FakeArm {
   private readonly tenantId: string;
   private readonly clients: Record<string, string>;
   private readonly resourceGroups: string[];
+  /** Lower-cased image ids. */
+  private readonly images = new Set<string>();
   private readonly subnets: string[];
   private readonly location: string;
   private readonly localVms: FakeArmOptions["localVms"];
@@ -310,6 +445,8 @@ export class FakeArm {
   private readonly vmMeta = new Map<string, VmMeta>();
   private readonly diskMeta = new Map<string, ResourceMeta>();
   private readonly background = new Set<Promise<void>>();
+  /** Ends of the answers being held (lost "hold"): each closes its connection. */
+  private readonly held = new Set<() => void>();
   private vmSet: InstanceSet | undefined;
   private server: Server | undefined;
   private tls: SelfSignedCert | undefined;
@@ -323,6 +460,7 @@ export class FakeArm {
     this.tenantId = opts.tenantId ?? DEFAULT_TENANT;
     this.clients = { ...(opts.clients ?? { "dc-client": "dc-secret" }) };
     this.resourceGroups = [...(opts.resourceGroups ?? ["dc-rg"])];
+    for (const image of opts.images ?? [FAKE_ARM_IMAGE]) this.addImage(image);
     this.subnets = [...(opts.subnets ?? ["dc-vnet/default"])];
     this.location = opts.location ?? "westus2";
     this.localVms = opts.localVms;
@@ -402,6 +540,19 @@ export class FakeArm {
     if (this.tls !== undefined) rmSync(this.tls.dir, { recursive: true, force: true });
   }
 
+  /** Ends every held answer (lost "hold") now: their connections close without an answer. */
+  releaseLostAnswers(): void {
+    for (const done of [...this.held]) done();
+  }
+
+  /** Makes an image exist: a managed image id or a gallery image version id. */
+  addImage(id: string): void {
+    if (!MANAGED_IMAGE.test(id) && !GALLERY_IMAGE_VERSION.test(id)) {
+      throw new Error(`FakeArm.addImage: not a managed image or gallery image version id: ${id}`);
+    }
+    this.images.add(id.toLowerCase());
+  }
+
   /** Leaves a dangling NIC as a failed or interrupted create would (tagged as given). */
   addDanglingNic(name: string, tags: Record<string, string>): FakeNic {
     const rg = this.resourceGroups[0] ?? "dc-rg";
@@ -416,7 +567,13 @@ export class FakeArm {
 
   /** Leaves a dangling OS disk as a failed or interrupted create would (tagged as given). */
   addDanglingDisk(name: string, tags: Record<string, string>): FakeDisk {
-    return this.recordDisk(name, this.resourceGroups[0] ?? "dc-rg", this.location, { ...tags }, null);
+    return this.recordDisk(name, this.resourceGroups[0] ?? "dc-rg", this.location, {
+      tags: { ...tags },
+      vmId: null,
+      createOption: "FromImage",
+      sizeGb: 30,
+      storageAccountType: "Premium_LRS",
+    });
   }
 
   // ---- HTTP ----
@@ -460,7 +617,19 @@ export class FakeArm {
         }
       }
     }
-    this.calls.push({ method, path: url.pathname, apiVersion, status, code });
+    const lost = this.loseAnswer(method, url.pathname, status);
+    this.calls.push({
+      method,
+      path: url.pathname,
+      apiVersion,
+      status,
+      code,
+      ...(lost === null ? {} : { lost }),
+    });
+    if (lost !== null) {
+      await this.withhold(res, lost);
+      return;
+    }
     if (res.destroyed) return;
     res.statusCode = status;
     res.setHeader("x-ms-request-id", randomUUID());
@@ -472,6 +641,44 @@ export class FakeArm {
     }
     res.setHeader("Content-Type", "application/json; charset=utf-8");
     res.end(JSON.stringify(body));
+  }
+
+  /** Whether the answer to this (done) request is lost, and how: a one-shot, or lostAnswerRate. */
+  private loseAnswer(method: string, path: string, status: number): LostAnswerMode | null {
+    if (status >= 400 || !path.toLowerCase().startsWith("/subscriptions/")) return null;
+    const f = this.faults;
+    const i = f.lostAnswers.findIndex(
+      (l) => (l.method === "*" || l.method.toUpperCase() === method) && l.path.test(path),
+    );
+    if (i >= 0) {
+      const [l] = f.lostAnswers.splice(i, 1);
+      return l?.mode ?? "drop";
+    }
+    if (
+      ["PUT", "PATCH", "DELETE"].includes(method) &&
+      f.lostAnswerRate > 0 &&
+      Math.random() < f.lostAnswerRate
+    ) {
+      return Math.random() < 0.5 ? "drop" : "hold";
+    }
+    return null;
+  }
+
+  /** Loses an answer: closes the connection now (drop), or once the client has given up or the fake stops (hold). */
+  private async withhold(res: ServerResponse, mode: LostAnswerMode): Promise<void> {
+    if (mode === "hold" && !res.destroyed) {
+      await new Promise<void>((resolve) => {
+        const done = () => {
+          this.held.delete(done);
+          resolve();
+        };
+        this.held.add(done);
+        res.once("close", done);
+        this.stopped.signal.addEventListener("abort", done, { once: true });
+      });
+    }
+    res.socket?.destroy();
+    res.destroy();
   }
 
   private async process(
@@ -531,6 +738,22 @@ export class FakeArm {
     }
     if (f.serverErrorRate > 0 && Math.random() < f.serverErrorRate) {
       throw new ArmError(500, "InternalServerError", "An internal server error occurred (fake ARM).");
+    }
+    const nic = /\/providers\/Microsoft\.Network\/networkInterfaces\/[^/]+$/i.exec(url.pathname);
+    if (
+      nic !== null &&
+      (method === "PUT" || method === "DELETE") &&
+      f.anotherOperationRate > 0 &&
+      Math.random() < f.anotherOperationRate
+    ) {
+      const seconds = f.retryAfterSeconds;
+      throw new ArmError(
+        429,
+        "RetryableErrorDueToAnotherOperation",
+        `Operation ${method === "PUT" ? "PutNetworkInterfaceOperation" : "DeleteNetworkInterfaceOperation"} (${randomUUID()}) is updating resource ${decodeURIComponent(url.pathname)}. The call can be retried in ${seconds} seconds.`,
+        undefined,
+        seconds,
+      );
     }
     if (this.stopping) throw new ArmError(503, "ServiceUnavailable", "The fake ARM endpoint is stopping.");
     return this.arm(method, url, segments, text, apiVersion);
@@ -722,6 +945,7 @@ export class FakeArm {
     const name = r.rest[0];
     const unsupported = () =>
       new ArmError(405, "MethodNotAllowed", `The fake ARM does not support ${method} on ${url.pathname}.`);
+    this.checkApiVersion(r, apiVersion);
     if (r.rg === null) {
       if (r.type === "locations" && r.rest[1]?.toLowerCase() === "operations" && r.rest[2] !== undefined) {
         if (method !== "GET") throw unsupported();
@@ -795,6 +1019,58 @@ export class FakeArm {
       }
       default:
         throw typeErr();
+    }
+  }
+
+  /**
+   * ARM's api-version rules: a malformed version is InvalidApiVersionParameter, one the resource type does not
+   * know is NoRegisteredProviderFound naming the versions it knows (both 400). Types the fake does not serve are
+   * left to the routing's own errors.
+   */
+  private checkApiVersion(r: Route, apiVersion: string): void {
+    const provider =
+      r.provider === "microsoft.compute" ? COMPUTE : r.provider === "microsoft.network" ? NETWORK : "";
+    let type: string | undefined;
+    let versions: readonly string[] | undefined;
+    if (r.type === "locations") {
+      type = "locations/operations";
+      const prefix = `${provider}/`;
+      versions = [
+        ...new Set(
+          Object.entries(API_VERSIONS)
+            .filter(([k]) => provider !== "" && k.startsWith(prefix))
+            .flatMap(([, v]) => v),
+        ),
+      ].sort();
+    } else {
+      const known = Object.keys(API_VERSIONS).find((k) => {
+        const [p, t, sub] = k.split("/");
+        return (
+          p?.toLowerCase() === r.provider &&
+          t?.toLowerCase() === r.type &&
+          (sub === undefined || r.rest[1]?.toLowerCase() === sub.toLowerCase())
+        );
+      });
+      if (known !== undefined) {
+        type = known.slice(provider.length + 1);
+        versions = API_VERSIONS[known];
+      }
+    }
+    if (type === undefined || versions === undefined || versions.length === 0) return;
+    const list = [...versions].reverse().join(", ");
+    if (!/^\d{4}-\d{2}-\d{2}(-preview)?$/.test(apiVersion)) {
+      throw new ArmError(
+        400,
+        "InvalidApiVersionParameter",
+        `The api-version '${apiVersion}' is invalid. The supported versions are '${list}'.`,
+      );
+    }
+    if (!versions.includes(apiVersion)) {
+      throw new ArmError(
+        400,
+        "NoRegisteredProviderFound",
+        `No registered resource provider found for location '${this.location}' and API version '${apiVersion}' for type '${type}'. The supported api-versions are '${list}'. The supported locations are '${this.location}'.`,
+      );
     }
   }
 
@@ -1207,10 +1483,9 @@ export class FakeArm {
     name: string,
     rg: string,
     location: string,
-    tags: Record<string, string>,
-    vmId: string | null,
+    init: Omit<FakeDisk, "name" | "id">,
   ): FakeDisk {
-    const disk: FakeDisk = { name, id: this.resourceId(rg, `${COMPUTE}/disks`, name), tags, vmId };
+    const disk: FakeDisk = { name, id: this.resourceId(rg, `${COMPUTE}/disks`, name), ...init };
     this.disks.set(name.toLowerCase(), disk);
     this.diskMeta.set(name.toLowerCase(), { resourceGroup: rg, location, created: new Date() });
     return disk;
@@ -1238,6 +1513,8 @@ export class FakeArm {
   private diskJson(disk: FakeDisk): Json {
     const meta = this.diskMeta.get(disk.name.toLowerCase());
     const vm = [...this.vms.values()].find((v) => v.id === disk.vmId);
+    const os = disk.createOption === "FromImage";
+    const premium = disk.storageAccountType.startsWith("Premium");
     return {
       name: disk.name,
       id: disk.id,
@@ -1245,15 +1522,14 @@ export class FakeArm {
       location: meta?.location ?? this.location,
       tags: { ...disk.tags },
       ...(disk.vmId === null ? {} : { managedBy: disk.vmId }),
-      sku: { name: "Premium_LRS", tier: "Premium" },
+      sku: { name: disk.storageAccountType, tier: premium ? "Premium" : "Standard" },
       properties: {
-        osType: "Linux",
-        hyperVGeneration: "V2",
+        ...(os ? { osType: "Linux", hyperVGeneration: "V2" } : {}),
         creationData: {
-          createOption: "FromImage",
-          ...(vm === undefined ? {} : { imageReference: { id: vm.imageId } }),
+          createOption: disk.createOption,
+          ...(os && vm !== undefined ? { imageReference: { id: vm.imageId } } : {}),
         },
-        diskSizeGB: 30,
+        diskSizeGB: disk.sizeGb,
         diskIOPSReadWrite: 120,
         diskMBpsReadWrite: 25,
         encryption: { type: "EncryptionAtRestWithPlatformKey" },
@@ -1262,9 +1538,8 @@ export class FakeArm {
         timeCreated: (meta?.created ?? new Date()).toISOString(),
         provisioningState: "Succeeded",
         diskState: disk.vmId === null ? "Unattached" : "Attached",
-        diskSizeBytes: 30 * 2 ** 30,
+        diskSizeBytes: disk.sizeGb * 2 ** 30,
         uniqueId: randomUUID(),
-        tier: "P4",
       },
     };
   }
@@ -1277,6 +1552,11 @@ export class FakeArm {
     return vm;
   }
 
+  /**
+   * A VM PUT: a create, or (the VM exists) a full create-or-update: the body replaces the model, so its tags replace
+   * the VM's; data disks may be added (made now) or left out (detached); a change of a property Azure does not let
+   * a running VM change is 409 PropertyChangeNotAllowed. A PUT of a VM whose create failed provisions it again.
+   */
   private putVm(rg: string, name: string, body: Json, apiVersion: string) {
     if (!/^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?$/.test(name)) {
       throw new ArmError(
@@ -1287,14 +1567,278 @@ export class FakeArm {
     }
     this.nameConflict(rg, name, this.vmMeta);
     const existing = this.vms.get(name.toLowerCase());
-    if (existing !== undefined) {
-      if (existing.provisioningState === "Deleting") {
-        throw new ArmError(409, "OperationNotAllowed", `The virtual machine '${name}' is being deleted.`);
-      }
-      // A second PUT updates the tags only here (a retried create gets the VM back).
-      existing.tags = checkTags(body["tags"]);
-      return { status: 200, body: this.vmJson(existing) };
+    if (existing?.provisioningState === "Deleting") {
+      throw new ArmError(409, "OperationNotAllowed", `The virtual machine '${name}' is being deleted.`);
     }
+    if (existing?.provisioningState === "Creating") {
+      throw new ArmError(
+        409,
+        "OperationNotAllowed",
+        `Operation 'PUT' is not allowed on the virtual machine '${name}' while its create is in progress (fake ARM).`,
+      );
+    }
+    const spec = this.parseVm(rg, name, body, existing);
+    if (existing !== undefined) return this.updateVm(existing, spec, body, apiVersion);
+
+    // The create-specific faults.
+    const size = spec.size;
+    const sizeError = this.faults.sizeErrors.get(size);
+    if (sizeError !== undefined && !ASYNC_FAILURE_CODES.has(sizeError)) {
+      throw new ArmError(
+        409,
+        sizeError,
+        sizeError === "SkuNotAvailable"
+          ? `The requested VM size for resource 'Following SKUs have failed for Capacity Restrictions: ${size}' is currently not available in location '${this.location}'. Please try another size or deploy to a different location or different zone. See https://aka.ms/azureskunotavailable for details.`
+          : `fake ARM: ${sizeError} for VM size ${size}`,
+      );
+    }
+    const live = [...this.vms.values()].filter(
+      (v) => v.provisioningState === "Creating" || v.provisioningState === "Succeeded",
+    ).length;
+    if (this.faults.maxVms > 0 && live >= this.faults.maxVms) {
+      throw new ArmError(
+        409,
+        "OperationNotAllowed",
+        `Operation could not be completed as it results in exceeding approved Total Regional Cores quota. Additional details - Deployment Model: Resource Manager, Location: ${this.location}, Current Limit: ${this.faults.maxVms * 2}, Current Usage: ${live * 2}, Additional Required: 2, (Minimum) New Limit Required: ${live * 2 + 2}. Submit a request for Quota increase at https://aka.ms/ProdportalCRP/#blade/Microsoft_Azure_Capacity/UsageAndQuota.ReactView (fake ARM: maxVms ${this.faults.maxVms}).`,
+      );
+    }
+    let asyncError = this.sizeFailure(size);
+    if (
+      asyncError === null &&
+      this.faults.failAfterAccept !== null &&
+      this.faults.failAfterAccept.count > 0
+    ) {
+      const f = this.faults.failAfterAccept;
+      asyncError = { code: f.code, message: `fake ARM: the accepted create failed with ${f.code}.` };
+      f.count--;
+      if (f.count <= 0) this.faults.failAfterAccept = null;
+    }
+
+    const vm: FakeVm = {
+      name,
+      id: this.resourceId(rg, `${COMPUTE}/virtualMachines`, name),
+      size,
+      tags: spec.tags,
+      location: spec.location,
+      provisioningState: "Creating",
+      nicIds: spec.nics.map((n) => n.id),
+      osDiskName: spec.osDiskName,
+      customData: spec.customData,
+      adminUsername: spec.adminUsername,
+      publicKeys: spec.publicKeys,
+      priority: spec.priority,
+      evictionPolicy: spec.evictionPolicy,
+      maxPrice: spec.maxPrice,
+      imageId: spec.imageId,
+      dataDisks: spec.dataDisks.map((d) => ({ lun: d.lun, name: d.name })),
+      body,
+    };
+    for (const nic of spec.nics) nic.vmId = vm.id;
+    this.vms.set(name.toLowerCase(), vm);
+    const meta: VmMeta = {
+      resourceGroup: rg,
+      location: spec.location,
+      created: new Date(),
+      vmUuid: randomUUID(),
+      computerName: spec.computerName,
+      nicDelete: spec.nicDelete,
+      diskDelete: spec.diskDelete,
+      storageAccountType: spec.storageAccountType,
+      dataDiskSpecs: new Map(spec.dataDisks.map((d) => [d.lun, d])),
+      settled: Promise.resolve(),
+      deleting: null,
+      local: null,
+    };
+    this.vmMeta.set(name.toLowerCase(), meta);
+    const created = this.vmJson(vm);
+    const op = this.newOp(COMPUTE);
+    this.provision(vm, meta, op, asyncError);
+    return { status: 201, body: created, headers: this.lroHeaders(op, apiVersion, true) };
+  }
+
+  /** The allocation failure sizeErrors sets for `size` (an accepted create then fails with it), or null. */
+  private sizeFailure(size: string): { code: string; message: string } | null {
+    const sizeError = this.faults.sizeErrors.get(size);
+    if (sizeError === undefined || !ASYNC_FAILURE_CODES.has(sizeError)) return null;
+    return {
+      code: sizeError,
+      message:
+        sizeError === "AllocationFailed"
+          ? `Allocation failed. We do not have sufficient capacity for the requested VM size ${size} in this region. Read more about improving likelihood of allocation success at http://aka.ms/allocation-guidance`
+          : `fake ARM: ${sizeError} for VM size ${size}. Read more about improving likelihood of allocation success at http://aka.ms/allocation-guidance`,
+    };
+  }
+
+  /**
+   * Brings an accepted VM create (or a PUT of a Failed VM) to its end: its disks made (untagged: Azure does not
+   * copy the VM's tags to them), its local VM started (localVms), then Succeeded, or Failed with `asyncError`.
+   */
+  private provision(
+    vm: FakeVm,
+    meta: VmMeta,
+    op: Operation,
+    asyncError: { code: string; message: string } | null,
+  ): void {
+    vm.provisioningState = "Creating";
+    const finish = (error: { code: string; message: string } | null) => {
+      this.makeDisks(vm, meta);
+      if (vm.provisioningState === "Deleting") {
+        this.finishOp(
+          op,
+          error ?? {
+            code: "OperationPreempted",
+            message: "Operation execution has been preempted by a more recent operation.",
+          },
+        );
+        return;
+      }
+      vm.provisioningState = error === null ? "Succeeded" : "Failed";
+      this.finishOp(op, error);
+    };
+    if (asyncError !== null || this.localVms === undefined || meta.local !== null) {
+      finish(asyncError);
+      return;
+    }
+    const settled = (async () => {
+      try {
+        const local = await this.startLocalVm(vm);
+        meta.local = local;
+        const ip = local.address.replace(/:\d+$/, "");
+        const primaryId = vm.nicIds[0]?.toLowerCase();
+        const primary = [...this.nics.values()].find((n) => n.id.toLowerCase() === primaryId);
+        if (primary !== undefined) primary.privateIp = ip;
+        finish(null);
+      } catch (err) {
+        finish({
+          code: "OSProvisioningInternalError",
+          message: `fake ARM: the local VM behind ${vm.name} failed to start: ${(err as Error).message}`,
+        });
+      }
+    })();
+    meta.settled = settled;
+    this.track(settled);
+  }
+
+  /** The VM's OS disk and data disks, attached to it, made if they do not exist yet. */
+  private makeDisks(vm: FakeVm, meta: VmMeta): void {
+    if (!this.disks.has(vm.osDiskName.toLowerCase())) {
+      this.recordDisk(vm.osDiskName, meta.resourceGroup, meta.location, {
+        tags: {},
+        vmId: vm.id,
+        createOption: "FromImage",
+        sizeGb: 30,
+        storageAccountType: meta.storageAccountType,
+      });
+    }
+    for (const d of meta.dataDiskSpecs.values()) {
+      if (this.disks.has(d.name.toLowerCase())) continue;
+      this.recordDisk(d.name, meta.resourceGroup, meta.location, {
+        tags: {},
+        vmId: vm.id,
+        createOption: "Empty",
+        sizeGb: d.sizeGb,
+        storageAccountType: d.storageAccountType,
+      });
+    }
+  }
+
+  /** A PUT of an existing VM: immutable properties compared, the rest applied (see putVm). */
+  private updateVm(vm: FakeVm, spec: VmSpec, body: Json, apiVersion: string) {
+    const meta = this.vmMeta.get(vm.name.toLowerCase());
+    if (meta === undefined) throw new ArmError(500, "InternalServerError", "fake ARM: a VM without its meta");
+    const same = (a: unknown, b: unknown) => JSON.stringify(a) === JSON.stringify(b);
+    const changes: [string, boolean][] = [
+      ["osProfile.computerName", meta.computerName === spec.computerName],
+      ["osProfile.adminUsername", vm.adminUsername === spec.adminUsername],
+      ["osProfile.customData", vm.customData === spec.customData],
+      ["osProfile.linuxConfiguration.ssh.publicKeys", same(vm.publicKeys, spec.publicKeys)],
+      ["storageProfile.imageReference", vm.imageId.toLowerCase() === spec.imageId.toLowerCase()],
+      ["storageProfile.osDisk.name", vm.osDiskName.toLowerCase() === spec.osDiskName.toLowerCase()],
+      ["priority", vm.priority === spec.priority],
+      ["evictionPolicy", vm.evictionPolicy === spec.evictionPolicy],
+      ["billingProfile.maxPrice", vm.maxPrice === spec.maxPrice],
+      [
+        "networkProfile.networkInterfaces",
+        same(
+          vm.nicIds.map((id) => id.toLowerCase()),
+          spec.nics.map((n) => n.id.toLowerCase()),
+        ),
+      ],
+    ];
+    for (const d of spec.dataDisks) {
+      const had = meta.dataDiskSpecs.get(d.lun);
+      if (had === undefined) continue;
+      changes.push([
+        `storageProfile.dataDisks[lun ${d.lun}].name`,
+        had.name.toLowerCase() === d.name.toLowerCase(),
+      ]);
+      changes.push([`storageProfile.dataDisks[lun ${d.lun}].diskSizeGB`, had.sizeGb === d.sizeGb]);
+    }
+    const changed = changes.find(([, ok]) => !ok);
+    if (changed !== undefined) {
+      throw new ArmError(
+        409,
+        "PropertyChangeNotAllowed",
+        `Changing property '${changed[0]}' is not allowed.`,
+        changed[0],
+      );
+    }
+    vm.tags = spec.tags;
+    vm.size = spec.size;
+    vm.body = body;
+    meta.diskDelete = spec.diskDelete;
+    meta.nicDelete = spec.nicDelete;
+    // Data disks left out are detached (they stay, unattached); new ones are made and attached.
+    const wanted = new Map(spec.dataDisks.map((d) => [d.lun, d]));
+    for (const [lun, had] of meta.dataDiskSpecs) {
+      if (wanted.has(lun)) continue;
+      const disk = this.disks.get(had.name.toLowerCase());
+      if (disk !== undefined && disk.vmId === vm.id) disk.vmId = null;
+    }
+    meta.dataDiskSpecs = new Map(
+      spec.dataDisks.map((d) => {
+        const had = meta.dataDiskSpecs.get(d.lun);
+        return [d.lun, had === undefined ? d : { ...had, deleteOption: d.deleteOption, caching: d.caching }];
+      }),
+    );
+    vm.dataDisks = [...meta.dataDiskSpecs.values()].map((d) => ({ lun: d.lun, name: d.name }));
+    const op = this.newOp(COMPUTE);
+    if (vm.provisioningState === "Failed") {
+      this.provision(vm, meta, op, this.sizeFailure(vm.size));
+    } else {
+      this.makeDisks(vm, meta);
+      this.finishOp(op, null);
+    }
+    return { status: 200, body: this.vmJson(vm), headers: this.lroHeaders(op, apiVersion, true) };
+  }
+
+  /** An image id the VM may use: it must exist (404 NotFound or GalleryImageNotFound, as Azure answers). */
+  private checkImage(imageId: string, location: string): void {
+    const id = imageId.toLowerCase();
+    if (MANAGED_IMAGE.test(imageId)) {
+      if (this.images.has(id)) return;
+      throw new ArmError(404, "NotFound", `The Image '${imageId}' cannot be found in '${location}' region.`);
+    }
+    const known = GALLERY_IMAGE_VERSION.test(imageId)
+      ? this.images.has(id)
+      : GALLERY_IMAGE.test(imageId) && [...this.images].some((i) => i.startsWith(`${id}/versions/`));
+    if (known) return;
+    if (GALLERY_IMAGE_VERSION.test(imageId) || GALLERY_IMAGE.test(imageId)) {
+      throw new ArmError(
+        404,
+        "GalleryImageNotFound",
+        `The gallery image ${imageId} is not available in ${location} region. Please contact image owner to replicate to this region, or change your requested region.`,
+        "imageReference",
+      );
+    }
+    throw invalidParameter(
+      "storageProfile.imageReference.id",
+      "It must be /subscriptions/.../providers/Microsoft.Compute/images/<name>, .../galleries/<g>/images/<i>/versions/<v> or .../galleries/<g>/images/<i> (its latest version).",
+    );
+  }
+
+  /** Checks a VM PUT body; `self` is the VM it updates (its own NICs and disks are not "in use"). */
+  private parseVm(rg: string, name: string, body: Json, self: FakeVm | undefined): VmSpec {
     const location = this.checkLocation(body);
     const tags = checkTags(body["tags"]);
     const props = objAt(body, "properties", "properties");
@@ -1313,17 +1857,22 @@ export class FakeArm {
     if (imageId === undefined) {
       throw invalidParameter(
         "storageProfile.imageReference.id",
-        "The fake ARM takes managed images and Shared Image Gallery versions by id (no marketplace images).",
+        "The fake ARM takes managed images and Azure Compute Gallery images by id (no marketplace images).",
       );
     }
-    if (!MANAGED_IMAGE.test(imageId) && !GALLERY_IMAGE_VERSION.test(imageId)) {
+    if (
+      !MANAGED_IMAGE.test(imageId) &&
+      !GALLERY_IMAGE_VERSION.test(imageId) &&
+      !GALLERY_IMAGE.test(imageId)
+    ) {
       throw invalidParameter(
         "storageProfile.imageReference.id",
-        "It must be /subscriptions/.../providers/Microsoft.Compute/images/<name> or .../galleries/<g>/images/<i>/versions/<v>.",
+        "It must be /subscriptions/.../providers/Microsoft.Compute/images/<name>, .../galleries/<g>/images/<i>/versions/<v> or .../galleries/<g>/images/<i> (its latest version).",
       );
     }
     const osDisk = objAt(storage, "osDisk", "storageProfile.osDisk");
-    const osDiskName = strAt(osDisk, "name", "storageProfile.osDisk.name") ?? `${name}-osdisk`;
+    const osDiskName =
+      strAt(osDisk, "name", "storageProfile.osDisk.name") ?? self?.osDiskName ?? `${name}-osdisk`;
     if (!isResourceName(osDiskName, 80)) throw invalidParameter("storageProfile.osDisk.name");
     const createOption = strAt(osDisk, "createOption", "storageProfile.osDisk.createOption");
     if (createOption !== undefined && createOption.toLowerCase() !== "fromimage") {
@@ -1337,14 +1886,14 @@ export class FakeArm {
     const storageAccountType =
       strAt(managedDisk, "storageAccountType", "storageProfile.osDisk.managedDisk.storageAccountType") ??
       "Premium_LRS";
-    if (this.disks.has(osDiskName.toLowerCase())) {
-      throw new ArmError(
-        409,
-        "Conflict",
-        `A disk named '${osDiskName}' exists already.`,
-        "storageProfile.osDisk.name",
-      );
-    }
+    const diskTaken = (diskName: string, target: string) => {
+      const disk = this.disks.get(diskName.toLowerCase());
+      if (disk !== undefined && (self === undefined || disk.vmId !== self.id)) {
+        throw new ArmError(409, "Conflict", `A disk named '${diskName}' exists already.`, target);
+      }
+    };
+    diskTaken(osDiskName, "storageProfile.osDisk.name");
+    const dataDisks = this.parseDataDisks(name, storage, osDiskName, self, diskTaken);
 
     const os = objAt(props, "osProfile", "osProfile");
     if (os === undefined) throw missingParameter("osProfile");
@@ -1439,7 +1988,7 @@ export class FakeArm {
           `${target}.id`,
         );
       }
-      if (nic.vmId !== null) {
+      if (nic.vmId !== null && nic.vmId !== self?.id) {
         throw new ArmError(
           400,
           "NicInUse",
@@ -1499,118 +2048,85 @@ export class FakeArm {
       maxPrice = maxPriceRaw;
     }
 
-    // The create-specific faults.
-    const sizeError = this.faults.sizeErrors.get(size);
-    if (sizeError !== undefined && !ASYNC_FAILURE_CODES.has(sizeError)) {
-      throw new ArmError(
-        409,
-        sizeError,
-        sizeError === "SkuNotAvailable"
-          ? `The requested VM size for resource 'Following SKUs have failed for Capacity Restrictions: ${size}' is currently not available in location '${this.location}'. Please try another size or deploy to a different location or different zone. See https://aka.ms/azureskunotavailable for details.`
-          : `fake ARM: ${sizeError} for VM size ${size}`,
-      );
-    }
-    const live = [...this.vms.values()].filter(
-      (v) => v.provisioningState === "Creating" || v.provisioningState === "Succeeded",
-    ).length;
-    if (this.faults.maxVms > 0 && live >= this.faults.maxVms) {
-      throw new ArmError(
-        409,
-        "OperationNotAllowed",
-        `Operation could not be completed as it results in exceeding approved Total Regional Cores quota. Additional details - Deployment Model: Resource Manager, Location: ${this.location}, Current Limit: ${this.faults.maxVms * 2}, Current Usage: ${live * 2}, Additional Required: 2, (Minimum) New Limit Required: ${live * 2 + 2}. Submit a request for Quota increase at https://aka.ms/ProdportalCRP/#blade/Microsoft_Azure_Capacity/UsageAndQuota.ReactView (fake ARM: maxVms ${this.faults.maxVms}).`,
-      );
-    }
-    let asyncError: { code: string; message: string } | null = null;
-    if (sizeError !== undefined) {
-      asyncError = {
-        code: sizeError,
-        message:
-          sizeError === "AllocationFailed"
-            ? `Allocation failed. We do not have sufficient capacity for the requested VM size ${size} in this region. Read more about improving likelihood of allocation success at http://aka.ms/allocation-guidance`
-            : `fake ARM: ${sizeError} for VM size ${size}. Read more about improving likelihood of allocation success at http://aka.ms/allocation-guidance`,
-      };
-    } else if (this.faults.failAfterAccept !== null && this.faults.failAfterAccept.count > 0) {
-      const f = this.faults.failAfterAccept;
-      asyncError = { code: f.code, message: `fake ARM: the accepted create failed with ${f.code}.` };
-      f.count--;
-      if (f.count <= 0) this.faults.failAfterAccept = null;
-    }
+    // Last: the image must exist (the body is well-formed by now).
+    this.checkImage(imageId, location);
 
-    const vm: FakeVm = {
-      name,
-      id: this.resourceId(rg, `${COMPUTE}/virtualMachines`, name),
-      size,
-      tags,
+    return {
       location,
-      provisioningState: "Creating",
-      nicIds: nics.map((n) => n.id),
+      tags,
+      size,
+      imageId,
       osDiskName,
-      customData: Buffer.from(customDataB64, "base64").toString("utf8"),
+      diskDelete: diskDeleteOption?.toLowerCase() === "delete",
+      storageAccountType,
+      dataDisks,
+      computerName,
       adminUsername,
+      customData: Buffer.from(customDataB64, "base64").toString("utf8"),
       publicKeys,
+      nics,
+      nicDelete,
       priority,
       evictionPolicy,
       maxPrice,
-      imageId,
-      body,
     };
-    for (const nic of nics) nic.vmId = vm.id;
-    this.vms.set(name.toLowerCase(), vm);
-    const op = this.newOp(COMPUTE);
-    const meta: VmMeta = {
-      resourceGroup: rg,
-      location,
-      created: new Date(),
-      vmUuid: randomUUID(),
-      computerName,
-      nicDelete,
-      diskDelete: diskDeleteOption?.toLowerCase() === "delete",
-      storageAccountType,
-      settled: Promise.resolve(),
-      deleting: null,
-      local: null,
-    };
-    this.vmMeta.set(name.toLowerCase(), meta);
-    const created = this.vmJson(vm);
-    const finish = (error: { code: string; message: string } | null) => {
-      this.recordDisk(osDiskName, rg, location, { ...vm.tags }, vm.id);
-      if (vm.provisioningState === "Deleting") {
-        this.finishOp(
-          op,
-          error ?? {
-            code: "OperationPreempted",
-            message: "Operation execution has been preempted by a more recent operation.",
-          },
-        );
-        return;
+  }
+
+  /** `storageProfile.dataDisks`: empty managed disks on distinct LUNs (Azure's deleteOption default: Detach). */
+  private parseDataDisks(
+    vmName: string,
+    storage: Json | undefined,
+    osDiskName: string,
+    self: FakeVm | undefined,
+    diskTaken: (name: string, target: string) => void,
+  ): DataDiskSpec[] {
+    const raw = arrAt(storage, "dataDisks", "storageProfile.dataDisks") ?? [];
+    const out: DataDiskSpec[] = [];
+    const names = new Set([osDiskName.toLowerCase()]);
+    raw.forEach((d, i) => {
+      const target = `storageProfile.dataDisks[${i}]`;
+      if (typeof d !== "object" || d === null || Array.isArray(d)) throw invalidParameter(target);
+      const disk = d as Json;
+      const lun = disk["lun"];
+      if (typeof lun !== "number" || !Number.isInteger(lun) || lun < 0 || lun > 63) {
+        throw invalidParameter(`${target}.lun`, "A LUN is an integer from 0 to 63.");
       }
-      vm.provisioningState = error === null ? "Succeeded" : "Failed";
-      this.finishOp(op, error);
-    };
-    if (asyncError !== null) {
-      finish(asyncError);
-    } else if (this.localVms === undefined) {
-      finish(null);
-    } else {
-      const settled = (async () => {
-        try {
-          const local = await this.startLocalVm(vm);
-          meta.local = local;
-          const ip = local.address.replace(/:\d+$/, "");
-          const primary = nics[0];
-          if (primary !== undefined) primary.privateIp = ip;
-          finish(null);
-        } catch (err) {
-          finish({
-            code: "OSProvisioningInternalError",
-            message: `fake ARM: the local VM behind ${name} failed to start: ${(err as Error).message}`,
-          });
-        }
-      })();
-      meta.settled = settled;
-      this.track(settled);
-    }
-    return { status: 201, body: created, headers: this.lroHeaders(op, apiVersion, true) };
+      if (out.some((o) => o.lun === lun)) {
+        throw invalidParameter(`${target}.lun`, `LUN ${lun} is used by more than one data disk.`);
+      }
+      const createOption = strAt(disk, "createOption", `${target}.createOption`);
+      if (createOption === undefined) throw missingParameter(`${target}.createOption`);
+      if (createOption.toLowerCase() !== "empty") {
+        throw invalidParameter(`${target}.createOption`, "The fake ARM makes empty data disks only (Empty).");
+      }
+      const sizeGb = disk["diskSizeGB"];
+      if (typeof sizeGb !== "number" || !Number.isInteger(sizeGb) || sizeGb < 1 || sizeGb > 32767) {
+        throw invalidParameter(`${target}.diskSizeGB`, "An empty data disk needs a size of 1 to 32767 GiB.");
+      }
+      const del = strAt(disk, "deleteOption", `${target}.deleteOption`) ?? "Detach";
+      const deleteOption = (["Delete", "Detach"] as const).find((o) => o.toLowerCase() === del.toLowerCase());
+      if (deleteOption === undefined)
+        throw invalidParameter(`${target}.deleteOption`, "It must be Delete or Detach.");
+      const had = self?.dataDisks.find((x) => x.lun === lun)?.name;
+      const name =
+        strAt(disk, "name", `${target}.name`) ?? had ?? `${vmName}_disk${lun + 2}_${uuidNoDashes()}`;
+      if (!isResourceName(name, 80)) throw invalidParameter(`${target}.name`);
+      if (names.has(name.toLowerCase()))
+        throw invalidParameter(`${target}.name`, `Disk name ${name} is used twice.`);
+      names.add(name.toLowerCase());
+      diskTaken(name, `${target}.name`);
+      const managed = objAt(disk, "managedDisk", `${target}.managedDisk`);
+      out.push({
+        lun,
+        name,
+        sizeGb,
+        deleteOption,
+        storageAccountType:
+          strAt(managed, "storageAccountType", `${target}.managedDisk.storageAccountType`) ?? "Premium_LRS",
+        caching: strAt(disk, "caching", `${target}.caching`) ?? "None",
+      });
+    });
+    return out;
   }
 
   private startLocalVm(vm: FakeVm): Promise<Instance> {
@@ -1660,9 +2176,17 @@ export class FakeArm {
         }
         this.vms.delete(name.toLowerCase());
         this.vmMeta.delete(name.toLowerCase());
-        const disk = this.disks.get(vm.osDiskName.toLowerCase());
-        if (disk !== undefined && disk.vmId === vm.id) {
-          if (meta.diskDelete) {
+        const disks: [string, boolean][] = [
+          [vm.osDiskName, meta.diskDelete],
+          ...[...meta.dataDiskSpecs.values()].map((d): [string, boolean] => [
+            d.name,
+            d.deleteOption === "Delete",
+          ]),
+        ];
+        for (const [diskName, del] of disks) {
+          const disk = this.disks.get(diskName.toLowerCase());
+          if (disk === undefined || disk.vmId !== vm.id) continue;
+          if (del) {
             this.disks.delete(disk.name.toLowerCase());
             this.diskMeta.delete(disk.name.toLowerCase());
           } else {
@@ -1717,7 +2241,22 @@ export class FakeArm {
             deleteOption: meta?.diskDelete === true ? "Delete" : "Detach",
             diskSizeGB: 30,
           },
-          dataDisks: [],
+          dataDisks: [...(meta?.dataDiskSpecs.values() ?? [])].map((d) => {
+            const made = this.disks.get(d.name.toLowerCase());
+            return {
+              lun: d.lun,
+              name: d.name,
+              createOption: "Empty",
+              caching: d.caching,
+              managedDisk: {
+                storageAccountType: d.storageAccountType,
+                ...(made === undefined ? {} : { id: made.id }),
+              },
+              deleteOption: d.deleteOption,
+              diskSizeGB: d.sizeGb,
+              toBeDetached: false,
+            };
+          }),
         },
         osProfile: {
           computerName: meta?.computerName ?? vm.name,

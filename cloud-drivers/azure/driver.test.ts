@@ -1,7 +1,8 @@
 /**
  * The azure driver through the real @azure/arm-compute, @azure/arm-network and @azure/identity clients, over
  * HTTPS, against the fake Resource Manager endpoint (test/fake-arm.ts): long-running operations, paging, ARM
- * error answers, the client-credentials token flow.
+ * error answers, the client-credentials token flow, answers lost after the work was done (also across a restart:
+ * a fresh driver on the same fake), resources busy with another operation, missing images, untagged disks.
  */
 import { spawnSync } from "node:child_process";
 import { chmod, mkdtemp, rm } from "node:fs/promises";
@@ -22,6 +23,9 @@ import type { InstanceSet, InstanceType, Tags } from "../types.ts";
 import {
   azureDriver,
   azureQuotaGroup,
+  BUSY_TRIES,
+  instanceSetMarker,
+  namedForSet,
   newVmName,
   ownerVmName,
   resourceNames,
@@ -76,10 +80,17 @@ async function errorOf(p: Promise<unknown>): Promise<Error> {
 }
 
 describe("azure names and quota groups", () => {
-  it("names VMs dc-<12 base32> and their resources after them", () => {
-    const name = newVmName();
-    expect(name).toMatch(/^dc-[a-z2-7]{12}$/);
-    expect(newVmName()).not.toBe(name);
+  it("names VMs dc-<instance set marker>-<12 base32> and their resources after them", () => {
+    const marker = instanceSetMarker("zzzzz");
+    expect(marker).toMatch(/^[a-z2-7]{6}$/);
+    expect(instanceSetMarker("zzzzz")).toBe(marker);
+    expect(instanceSetMarker("zzzzy")).not.toBe(marker);
+    const name = newVmName(marker);
+    expect(name).toMatch(new RegExp(`^dc-${marker}-[a-z2-7]{12}$`));
+    expect(newVmName(marker)).not.toBe(name);
+    for (const r of Object.values(resourceNames(name))) expect(namedForSet(r, marker)).toBe(true);
+    expect(namedForSet(resourceNames(name).osDisk, instanceSetMarker("zzzzy"))).toBe(false);
+    expect(namedForSet(name, marker)).toBe(false);
     expect(resourceNames("dc-x")).toEqual({
       nic: "dc-x-nic",
       osDisk: "dc-x-osdisk",
@@ -113,7 +124,11 @@ describe("azure driver against the fake ARM endpoint", () => {
   let log: ReturnType<typeof capturedLogger>;
 
   async function startFake(opts: FakeArmOptions = {}): Promise<void> {
-    fake = await new FakeArm({ clients: { [CLIENT]: SECRET }, ...opts }).start();
+    fake = await new FakeArm({
+      clients: { [CLIENT]: SECRET },
+      images: [IMAGE, GALLERY_IMAGE],
+      ...opts,
+    }).start();
   }
 
   beforeEach(async () => {
@@ -176,7 +191,7 @@ describe("azure driver against the fake ARM endpoint", () => {
       const tags: Tags = { ...OWN, DispatchCloudInstanceType: "d2s", Owner: "ops" };
       const inst = await set.create(type(), IMAGE, tags, INIT, KEY);
 
-      expect(inst.id).toMatch(/^dc-[a-z2-7]{12}$/);
+      expect(inst.id).toMatch(new RegExp(`^dc-${instanceSetMarker("zzzzz")}-[a-z2-7]{12}$`));
       expect(inst.remoteUser).toBe("crunch");
       expect(inst.providerType).toBe("Standard_D2s_v3");
       expect(inst.tags).toEqual(tags);
@@ -266,6 +281,17 @@ describe("azure driver against the fake ARM endpoint", () => {
         },
       ]);
       expect(fake.vms.get(inst.id)!.imageId).toBe(GALLERY_IMAGE);
+      // Made with the VM, attached at LUN 0, untagged (as Azure makes it); deleted with it.
+      expect(fake.disks.get(`${inst.id}-scratch`)).toMatchObject({
+        createOption: "Empty",
+        sizeGb: 101,
+        storageAccountType: "Premium_LRS",
+        tags: {},
+        vmId: fake.vms.get(inst.id)!.id,
+      });
+      expect(fake.vms.get(inst.id)!.dataDisks).toEqual([{ lun: 0, name: `${inst.id}-scratch` }]);
+      await inst.destroy();
+      expectNothingLeft();
     });
 
     it("uses the image parameter when cloud.imageId is empty, and refuses to create without an image", async () => {
@@ -285,6 +311,36 @@ describe("azure driver against the fake ARM endpoint", () => {
       expect(bad.code).toBe("cloud.invalid_parameters");
       expect(bad.message).toContain("managed image id");
       expect(fake.calls.length).toBe(before);
+    });
+  });
+
+  describe("images", () => {
+    it("an image that does not exist: a CloudError that says so (not capacity); the NIC is deleted", async () => {
+      const set = await openSet();
+      for (const missing of [
+        IMAGE.replace("debian-12", "debian-13"),
+        GALLERY_IMAGE.replace("1.0.0", "9.9.9"),
+      ]) {
+        const err = (await errorOf(set.create(type(), missing, { ...OWN }, INIT, KEY))) as DispatchCloudError;
+        expect(err).toBeInstanceOf(CloudError);
+        expect(err.code).toBe("cloud.error");
+        expect(err.message).toContain("the image does not exist in this region, or cannot be read");
+        expect(err.message).toContain(missing);
+      }
+      expect(armCalls("DELETE", VM_PATH)).toHaveLength(0);
+      expectNothingLeft();
+    });
+
+    it("a gallery image definition id (Azure's form for its latest version) is used as it is", async () => {
+      const set = await openSet();
+      const latest = GALLERY_IMAGE.replace(/\/versions\/[^/]+$/, "");
+      const inst = await set.create(type(), latest, { ...OWN }, INIT, KEY);
+      expect(fake.vms.get(inst.id)!.imageId).toBe(latest);
+      const bad = (await errorOf(
+        set.create(type(), `${latest}/versions/latest`, { ...OWN }, INIT, KEY),
+      )) as DispatchCloudError;
+      expect(bad.code).toBe("cloud.invalid_parameters");
+      expect(bad.message).toContain("without /versions/...: its latest version");
     });
   });
 
@@ -387,6 +443,156 @@ describe("azure driver against the fake ARM endpoint", () => {
       const err = await errorOf(set.create(type(), IMAGE, { ...OWN }, INIT, KEY));
       expect(err).toBeInstanceOf(CloudError);
       expect(armCalls("PUT", VM_PATH)).toHaveLength(0);
+      expectNothingLeft();
+    });
+  });
+
+  describe("a VM create whose answer is lost: the VM is found, then used or deleted, never hidden", () => {
+    it("a VM create whose answer is lost after the VM was made: the driver finds the VM and returns it; one VM, listed", async () => {
+      const set = await openSet();
+      fake.faults.lostAnswers.push({ method: "PUT", path: VM_PATH, mode: "drop" });
+      const inst = await set.create(type(), IMAGE, { ...OWN }, INIT, KEY);
+      expect(armCalls("PUT", VM_PATH).map((c) => c.lost)).toEqual(["drop"]);
+      expect([...fake.vms.keys()]).toEqual([inst.id]);
+      expect(fake.vms.get(inst.id)!.provisioningState).toBe("Succeeded");
+      expect(inst.address).toBe(fake.nics.get(`${inst.id}-nic`)!.privateIp);
+      expect((await set.instances({ ...OWN })).map((i) => i.id)).toEqual([inst.id]);
+      // Nothing of it is taken for a leftover: no delete of any kind.
+      expect(fake.calls.filter((c) => c.method === "DELETE")).toEqual([]);
+      await inst.destroy();
+      expectNothingLeft();
+    });
+
+    it("an answer held past requestTimeout: the same (the driver gives up on the PUT, then finds the VM)", async () => {
+      const set = await openSet({ requestTimeout: "2s" });
+      fake.faults.lostAnswers.push({ method: "PUT", path: VM_PATH, mode: "hold" });
+      const inst = await set.create(type(), IMAGE, { ...OWN }, INIT, KEY);
+      expect(armCalls("PUT", VM_PATH).map((c) => c.lost)).toEqual(["hold"]);
+      expect([...fake.vms.keys()]).toEqual([inst.id]);
+      expect(log.lines.join("")).toContain("azure VM create got no answer; looking for the VM");
+      expect((await set.instances({ ...OWN })).map((i) => i.id)).toEqual([inst.id]);
+    });
+
+    it("a lost answer, and the VM then fails to provision: VM, NIC and disks deleted; a CloudError", async () => {
+      const set = await openSet();
+      fake.faults.sizeErrors.set("Standard_D2s_v3", "AllocationFailed");
+      fake.faults.lostAnswers.push({ method: "PUT", path: VM_PATH, mode: "drop" });
+      const err = await errorOf(set.create(type({ addedScratch: GiB }), IMAGE, { ...OWN }, INIT, KEY));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err.message).toMatch(/the create got no answer, and the VM it made then failed to provision/);
+      expect(armCalls("DELETE", VM_PATH)).toHaveLength(1);
+      expectNothingLeft();
+      expect(await set.instances({})).toEqual([]);
+    });
+
+    it("a 500 to the PUT, and no VM: only the NIC is deleted", async () => {
+      const set = await openSet();
+      fake.faults.next.push({ method: "PUT", path: VM_PATH, status: 500, code: "InternalServerError" });
+      const err = await errorOf(set.create(type(), IMAGE, { ...OWN }, INIT, KEY));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(armCalls("GET", VM_PATH).map((c) => c.status)).toEqual([404]);
+      expect(armCalls("DELETE", VM_PATH)).toHaveLength(0);
+      expectNothingLeft();
+    });
+
+    it("a lost answer and a VM that cannot be read: nothing deleted; the VM is listed for the pool to adopt", async () => {
+      const clock = new FakeClock(Date.now());
+      const set = await openSet({ deleteDanglingResourcesAfter: "1s" }, clock);
+      fake.faults.lostAnswers.push({ method: "PUT", path: VM_PATH, mode: "drop" });
+      for (let i = 0; i < STATUS_POLL_TRIES; i++)
+        fake.faults.next.push({ method: "GET", path: VM_PATH, status: 500, code: "InternalServerError" });
+      const creating = errorOf(set.create(type(), IMAGE, { ...OWN }, INIT, KEY));
+      for (let i = 1; i < STATUS_POLL_TRIES; i++) {
+        await waitFor("the driver waiting to GET the VM again", () => clock.pending > 0);
+        await clock.advance(50);
+      }
+      expect(await creating).toBeInstanceOf(CloudError);
+      expect(fake.calls.filter((c) => c.method === "DELETE")).toEqual([]);
+      const [vm] = [...fake.vms.values()];
+      await clock.advance(5000); // past deleteDanglingResourcesAfter: its NIC is not dangling, it is the VM's
+      expect((await set.instances({ ...OWN })).map((i) => i.id)).toEqual([vm!.name]);
+      expect(fake.nics.size).toBe(1);
+      expect(fake.calls.filter((c) => c.method === "DELETE")).toEqual([]);
+    });
+
+    it("a lost answer and a GET that does not see the VM yet: the NIC is in use, so the VM is left to the pool", async () => {
+      const set = await openSet();
+      fake.faults.lostAnswers.push({ method: "PUT", path: VM_PATH, mode: "drop" });
+      fake.faults.next.push({ method: "GET", path: VM_PATH, status: 404, code: "ResourceNotFound" });
+      const err = await errorOf(set.create(type(), IMAGE, { ...OWN }, INIT, KEY));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(armCalls("DELETE", NIC_PATH).map((c) => c.code)).toEqual(["NicInUse"]);
+      expect(log.lines.join("")).toContain("its VM exists; left to the pool");
+      const [vm] = [...fake.vms.values()];
+      expect((await set.instances({ ...OWN })).map((i) => i.id)).toEqual([vm!.name]);
+      // Not a leftover: later lists delete nothing.
+      await set.instances({});
+      expect(armCalls("DELETE", NIC_PATH)).toHaveLength(1);
+    });
+
+    it("after a restart (a fresh driver on the same cloud), the VM of a create whose answer never came is listed", async () => {
+      const before = await openSet();
+      fake.faults.lostAnswers.push({ method: "PUT", path: VM_PATH, mode: "hold" });
+      // The old process waits for an answer that does not come (and is then gone: its create never returns).
+      const stale = errorOf(before.create(type(), IMAGE, { ...OWN }, INIT, KEY));
+      await waitFor("the VM PUT done, its answer held", () => fake.calls.some((c) => c.lost === "hold"));
+      const [vm] = [...fake.vms.values()];
+      const clock = new FakeClock(Date.now());
+      const after = await openSet({ deleteDanglingResourcesAfter: "1s" }, clock);
+      await clock.advance(5000);
+      const listed = await after.instances({ ...OWN });
+      expect(listed.map((i) => i.id)).toEqual([vm!.name]);
+      expect(listed[0]!.address).toBe(fake.nics.get(`${vm!.name}-nic`)!.privateIp);
+      await clock.advance(5000);
+      await after.instances({ ...OWN });
+      expect(fake.nics.size).toBe(1); // the listed VM's NIC is no dangling NIC
+      // The pool of the new process uses it, or destroys it; here: destroys it. Nothing is left.
+      await listed[0]!.destroy();
+      expectNothingLeft();
+      fake.releaseLostAnswers();
+      expect(await stale).toBeInstanceOf(CloudError);
+      expectNothingLeft();
+    });
+  });
+
+  describe("a resource busy with another operation (RetryableErrorDueToAnotherOperation) is not a rate limit", () => {
+    const busy = (method: string, path: RegExp) => ({
+      method,
+      path,
+      status: 429,
+      code: "RetryableErrorDueToAnotherOperation",
+      message:
+        "Operation PutNetworkInterfaceOperation (x) is updating resource y. The call can be retried in 0 seconds.",
+      retryAfter: 0,
+    });
+
+    it("a NIC delete is sent again after Retry-After and succeeds", async () => {
+      const set = await openSet();
+      const inst = await set.create(type(), IMAGE, { ...OWN }, INIT, KEY);
+      fake.faults.next.push(busy("DELETE", NIC_PATH));
+      await inst.destroy();
+      expect(armCalls("DELETE", NIC_PATH).map((c) => c.status)).toEqual([429, 204]);
+      expectNothingLeft();
+    });
+
+    it("a NIC create and a VM create are sent again; the create succeeds", async () => {
+      const set = await openSet();
+      fake.faults.next.push(busy("PUT", NIC_PATH), busy("PUT", VM_PATH));
+      const inst = await set.create(type(), IMAGE, { ...OWN }, INIT, KEY);
+      expect(armCalls("PUT", NIC_PATH).map((c) => c.status)).toEqual([429, 201]);
+      expect(armCalls("PUT", VM_PATH).map((c) => c.status)).toEqual([429, 201]);
+      expect(fake.vms.has(inst.id)).toBe(true);
+      expect(log.lines.join("")).toContain("another operation holds the resource; sending the call again");
+    });
+
+    it(`still busy after ${BUSY_TRIES} sends: a CloudError for that call, not a pool-wide rate limit`, async () => {
+      const set = await openSet();
+      for (let i = 0; i < BUSY_TRIES; i++) fake.faults.next.push(busy("PUT", NIC_PATH));
+      const err = await errorOf(set.create(type(), IMAGE, { ...OWN }, INIT, KEY));
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err).not.toBeInstanceOf(CloudRateLimitError);
+      expect(err.message).toContain("RetryableErrorDueToAnotherOperation");
+      expect(armCalls("PUT", NIC_PATH)).toHaveLength(BUSY_TRIES);
       expectNothingLeft();
     });
   });
@@ -605,11 +811,17 @@ describe("azure driver against the fake ARM endpoint", () => {
       fake.addDanglingNic("dc-cccccccccccc-nic", { DispatchCloudInstanceSetID: "other" });
       fake.addDanglingDisk("dc-cccccccccccc-osdisk", { DispatchCloudInstanceSetID: "other" });
       fake.addDanglingNic("unrelated-nic", {});
+      // Left without their NIC (untagged, as Azure makes them): known as ours by the name alone.
+      const orphan = resourceNames(newVmName(instanceSetMarker("zzzzz")));
+      fake.addDanglingDisk(orphan.osDisk, {});
+      fake.addDanglingDisk(orphan.scratchDisk, {});
+      const others = resourceNames(newVmName(instanceSetMarker("other")));
+      fake.addDanglingDisk(others.osDisk, {});
 
       // Young: first seen now (NICs) or created just now (disks).
       await set.instances({});
       expect(fake.nics.size).toBe(4);
-      expect(fake.disks.size).toBe(4);
+      expect(fake.disks.size).toBe(7);
 
       // (The disks' age comes from their timeCreated, set by the fake's real clock a moment after `clock` began.)
       await clock.advance(11 * 60_000);
@@ -617,7 +829,9 @@ describe("azure driver against the fake ARM endpoint", () => {
       expect([...fake.nics.keys()].sort()).toEqual(
         [`${live.id}-nic`, "dc-cccccccccccc-nic", "unrelated-nic"].sort(),
       );
-      expect([...fake.disks.keys()].sort()).toEqual([`${live.id}-osdisk`, "dc-cccccccccccc-osdisk"].sort());
+      expect([...fake.disks.keys()].sort()).toEqual(
+        [`${live.id}-osdisk`, "dc-cccccccccccc-osdisk", others.osDisk].sort(),
+      );
       expect(fake.vms.has(live.id)).toBe(true);
       // At most once per deleteDanglingResourcesAfter: the next list does not even list disks.
       fake.addDanglingNic("dc-dddddddddddd-nic", { ...OWN });
@@ -701,6 +915,7 @@ describe("azure driver with sshd-backed VMs", () => {
     await chmod(dir, 0o711); // The VMs' login user reaches its root under it.
     fake = await new FakeArm({
       localVms: { stateDir: path.join(dir, "vms"), user, addressPrefix: "127.0.14." },
+      images: [IMAGE],
     }).start();
     set = await azureDriver.instanceSet(
       {

@@ -1,12 +1,14 @@
 /**
  * The `azure` cloud: instances are Azure VMs, each with its own NIC, created and found through
  * @azure/arm-compute and @azure/arm-network (authenticated by @azure/identity) with the SDK's own retries off
- * (the pool owns retry policy). Every Azure error goes through classifyAzureError (errors.ts). The registry
- * imports this module lazily, so processes that do not use Azure never load the SDK.
- * Over 500 lines because a VM is several Azure resources (VM, NIC, tags on both) created, found and destroyed
- * together; the error classification and the parameter schema are their own modules.
+ * (the pool owns retry policy, except that a call refused because another operation holds its one resource is
+ * sent again here). Every Azure error goes through classifyAzureError (errors.ts). The registry imports this module
+ * lazily, so processes that do not use Azure never load the SDK.
+ * Over 500 lines because a VM is several Azure resources (VM, NIC, disks, tags) created, found (also after a create
+ * whose answer was lost), collected when dangling and destroyed together; the error classification and the
+ * parameter schema are their own modules.
  */
-import { randomBytes } from "node:crypto";
+import { createHash, randomBytes } from "node:crypto";
 import type { Disk, VirtualMachine } from "@azure/arm-compute";
 import { ComputeManagementClient, restorePoller } from "@azure/arm-compute";
 import type { NetworkInterface } from "@azure/arm-network";
@@ -24,7 +26,15 @@ import {
   TAG,
   type Tags,
 } from "../types.ts";
-import { azureErrorInfo, classifyAzureError, isNotFound } from "./errors.ts";
+import {
+  armErrorCode,
+  azureErrorInfo,
+  busyRetryAfterMs,
+  classifyAzureError,
+  isNotFound,
+  isResourceBusy,
+  outcomeUnknown,
+} from "./errors.ts";
 import { type AzureParameters, IMAGE_FORMAT, isImageId, parseAzureParameters } from "./params.ts";
 
 /** VMs in this provisioning state are gone for the dispatcher. */
@@ -41,6 +51,13 @@ const ADDRESS_TRIES = 5;
  * counts as failed. A failed poll says nothing about the operation, so polling resumes from the saved state.
  */
 export const STATUS_POLL_TRIES = 6;
+/**
+ * Sends of one call refused because another operation holds its resource (RetryableErrorDueToAnotherOperation),
+ * each after the answer's Retry-After, before the call fails (as a CloudError: it is no rate limit).
+ */
+export const BUSY_TRIES = 5;
+/** The longest wait the driver takes before polling or sending again. */
+const MAX_WAIT_MS = 60_000;
 
 export const azureDriver: CloudDriver = {
   async instanceSet(params, instanceSetId, sharedTags, deps) {
@@ -53,17 +70,37 @@ export const azureDriver: CloudDriver = {
     if (ownTag === undefined) {
       log.warn("no instance set ID tag among the shared tags: dangling NICs and disks will not be collected");
     }
-    return new AzureInstanceSet(p, deps.clock, log, ownTag);
+    return new AzureInstanceSet(p, deps.clock, log, ownTag, instanceSetMarker(instanceSetId));
   },
 };
 
-/** `dc-` and 12 random base32 characters (lowercase letters and 2-7): a valid VM, computer and resource name. */
-export function newVmName(): string {
-  const alphabet = "abcdefghijklmnopqrstuvwxyz234567";
-  const bytes = randomBytes(12);
-  let out = "dc-";
-  for (const b of bytes) out += alphabet[b & 31];
+const BASE32 = "abcdefghijklmnopqrstuvwxyz234567";
+
+/**
+ * 6 base32 characters of the SHA-256 of the instance set ID. Every VM name (and so every NIC and disk name) carries
+ * it: Azure copies no tags to the disks a VM makes, so a disk left behind is known as this instance set's by its
+ * name even when its NIC is gone.
+ */
+export function instanceSetMarker(instanceSetId: string): string {
+  const hash = createHash("sha256").update(instanceSetId).digest();
+  let out = "";
+  for (const b of hash.subarray(0, 6)) out += BASE32[b & 31];
   return out;
+}
+
+/**
+ * `dc-<marker>-` and 12 random base32 characters (lowercase letters and 2-7): a valid VM, computer and resource
+ * name.
+ */
+export function newVmName(marker: string): string {
+  let out = `dc-${marker}-`;
+  for (const b of randomBytes(12)) out += BASE32[b & 31];
+  return out;
+}
+
+/** Whether a NIC or disk name is one resourceNames gives a VM of the instance set with this marker. */
+export function namedForSet(resourceName: string, marker: string): boolean {
+  return new RegExp(`^dc-${marker}-[a-z2-7]{12}-(?:nic|osdisk|scratch)$`).test(resourceName);
 }
 
 /** The names of the resources that belong to VM `name`. */
@@ -170,9 +207,10 @@ class AzureInstanceSet implements InstanceSet {
   /** Names of VMs whose create is under way in this process: their NIC and disks are not dangling. */
   private readonly creating = new Set<string>();
   /**
-   * Failed creates of this process whose cleanup has not finished, by VM name -> whether the VM may exist. Their
-   * VMs are never listed (a VM whose allocation failed would only hold bundles until timeoutBooting); each list
-   * past the collection interval tries their cleanup again.
+   * Failed creates of this process whose cleanup has not finished, by VM name -> whether their VM is to be deleted.
+   * Those VMs are never listed (a VM whose allocation failed would only hold bundles until timeoutBooting); each
+   * list past the collection interval tries their cleanup again. A create whose VM was never known to exist (false)
+   * hides nothing: should its VM turn up (its NIC is "in use"), it is left to the pool like any listed VM.
    */
   private readonly leftovers = new Map<string, boolean>();
   /** Dangling candidates by lower-cased resource id: when first seen. */
@@ -185,6 +223,8 @@ class AzureInstanceSet implements InstanceSet {
     readonly clock: Clock,
     readonly log: Logger,
     readonly ownTag: [string, string] | undefined,
+    /** In every resource name of this instance set (instanceSetMarker). */
+    readonly marker: string,
   ) {
     const tlsOptions = p.tlsCa === undefined ? {} : { tlsOptions: { ca: p.tlsCa } };
     const retryOptions = { maxRetries: 0 };
@@ -284,7 +324,7 @@ class AzureInstanceSet implements InstanceSet {
         { path: imageId !== "" ? "cloud.imageId" : "cloud.driverParameters.image" },
       );
     }
-    const name = newVmName();
+    const name = newVmName(this.marker);
     const names = resourceNames(name);
     const { resourceGroup } = this.p;
     this.creating.add(name);
@@ -293,21 +333,23 @@ class AzureInstanceSet implements InstanceSet {
       let nic: NetworkInterface;
       try {
         nic = await this.call(`create NIC ${names.nic}`, () =>
-          this.network.networkInterfaces.beginCreateOrUpdateAndWait(
-            resourceGroup,
-            names.nic,
-            {
-              location: this.p.location,
-              tags: { ...tags },
-              ipConfigurations: [
-                {
-                  name: IP_CONFIGURATION,
-                  subnet: { id: this.p.subnetId },
-                  privateIPAllocationMethod: "Dynamic",
-                },
-              ],
-            },
-            this.lro,
+          this.sendAgainWhileBusy(`create NIC ${names.nic}`, () =>
+            this.network.networkInterfaces.beginCreateOrUpdateAndWait(
+              resourceGroup,
+              names.nic,
+              {
+                location: this.p.location,
+                tags: { ...tags },
+                ipConfigurations: [
+                  {
+                    name: IP_CONFIGURATION,
+                    subnet: { id: this.p.subnetId },
+                    privateIPAllocationMethod: "Dynamic",
+                  },
+                ],
+              },
+              this.lro,
+            ),
           ),
         );
       } catch (err) {
@@ -324,22 +366,7 @@ class AzureInstanceSet implements InstanceSet {
       }
 
       // 2. The VM.
-      const body = vmBody(this.p, name, nicId, type, image, tags, initCommand, publicKey);
-      let accepted = false;
-      try {
-        const poller = this.compute.virtualMachines.createOrUpdate(resourceGroup, name, body, this.lro);
-        await poller.submitted();
-        accepted = true;
-        await this.untilCreated(name, poller, await poller.serialize(), type);
-      } catch (err) {
-        const error = this.classify(`create VM ${name}`, err, type);
-        this.log.warn(
-          { vm: name, instanceType: type.name, code: (error as DispatchCloudError).code, accepted },
-          "azure VM create failed; deleting what it left",
-        );
-        await this.cleanUp(name, accepted);
-        throw error;
-      }
+      await this.createVm(name, vmBody(this.p, name, nicId, type, image, tags, initCommand, publicKey), type);
 
       // 3. Its address: the NIC's private IP, assigned by now. An instance without one could never be reached
       // (the pool would wait timeoutBooting for it), so a few tries, then the create fails and is cleaned up.
@@ -370,6 +397,118 @@ class AzureInstanceSet implements InstanceSet {
   }
 
   /**
+   * The VM PUT, and the wait for its operation. When it fails, what it left is deleted and the classified error
+   * thrown, except after a PUT that got no answer (timed out, connection lost, 5xx): that PUT may have been done, so
+   * the VM is looked for (settleLostCreate) and, if it exists and provisions, the create goes on with it.
+   */
+  private async createVm(name: string, body: VirtualMachine, type: InstanceType): Promise<void> {
+    let accepted = false;
+    try {
+      // (Wrapped: a poller is a thenable, which an async function would await whole.)
+      const { poller } = await this.sendAgainWhileBusy(`create VM ${name}`, async () => {
+        const sent = this.compute.virtualMachines.createOrUpdate(this.p.resourceGroup, name, body, this.lro);
+        await sent.submitted();
+        return { poller: sent };
+      });
+      accepted = true;
+      await this.untilCreated(name, poller, await poller.serialize(), type);
+    } catch (err) {
+      const error = this.classify(`create VM ${name}`, err, type);
+      const code = (error as DispatchCloudError).code;
+      if (!accepted && outcomeUnknown(err, this.clock.now())) {
+        this.log.warn(
+          { vm: name, instanceType: type.name, code, err: error },
+          "azure VM create got no answer; looking for the VM",
+        );
+        const found = await this.settleLostCreate(name, type);
+        if (found === "succeeded") {
+          this.log.info({ vm: name }, "the VM of the unanswered create exists and has provisioned; using it");
+          return;
+        }
+        if (found === "failed") {
+          await this.cleanUp(name, true);
+          throw new CloudError(
+            `azure create VM ${name}: the create got no answer, and the VM it made then failed to provision`,
+            { cause: err },
+          );
+        }
+        // absent: nothing but the NIC to delete. unknown: nothing is deleted; if the VM exists it is listed (the
+        // pool adopts it), if not its NIC dangles until the collection deletes it.
+        if (found === "absent") await this.cleanUp(name, false);
+        throw error;
+      }
+      this.log.warn(
+        { vm: name, instanceType: type.name, code, accepted },
+        "azure VM create failed; deleting what it left",
+      );
+      await this.cleanUp(name, accepted);
+      throw error;
+    }
+  }
+
+  /**
+   * After a VM PUT that got no answer: GETs the VM until it has provisioned ("succeeded"), failed or is being
+   * deleted ("failed"), or is not there ("absent"); "unknown" after STATUS_POLL_TRIES failed GETs in a row.
+   */
+  private async settleLostCreate(
+    name: string,
+    type: InstanceType,
+  ): Promise<"succeeded" | "failed" | "absent" | "unknown"> {
+    for (let failures = 0; ; ) {
+      let state: string;
+      try {
+        const vm = await this.compute.virtualMachines.get(this.p.resourceGroup, name);
+        state = vm.provisioningState ?? "";
+        failures = 0;
+      } catch (err) {
+        if (isNotFound(err)) return "absent";
+        failures++;
+        const error = this.classify(`get VM ${name}`, err, type);
+        if (failures >= STATUS_POLL_TRIES) {
+          this.log.warn(
+            { vm: name, err: error },
+            "cannot find out whether the unanswered create made its VM",
+          );
+          return "unknown";
+        }
+        await this.wait(error);
+        continue;
+      }
+      if (state === "Succeeded") return "succeeded";
+      if (state === "Failed" || state === "Canceled" || state === "Deleting") return "failed";
+      await this.clock.sleep(this.p.pollIntervalMs);
+    }
+  }
+
+  /** Sleeps until a rate limit's earliestRetry, else pollInterval (at most MAX_WAIT_MS). */
+  private async wait(error: Error): Promise<void> {
+    const ms =
+      error instanceof CloudRateLimitError ? error.earliestRetry - this.clock.now() : this.p.pollIntervalMs;
+    await this.clock.sleep(Math.min(Math.max(ms, 0), MAX_WAIT_MS));
+  }
+
+  /**
+   * One call on one resource, sent again while ARM answers that another operation holds that resource
+   * (RetryableErrorDueToAnotherOperation: a lock on it, not a rate limit), after the answer's Retry-After (else
+   * pollInterval), at most BUSY_TRIES times in all; then the error stands.
+   */
+  async sendAgainWhileBusy<T>(operation: string, send: () => Promise<T>): Promise<T> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await send();
+      } catch (err) {
+        if (!isResourceBusy(err) || attempt >= BUSY_TRIES) throw err;
+        const ms = busyRetryAfterMs(err, this.clock.now()) ?? this.p.pollIntervalMs;
+        this.log.info(
+          { operation, attempt, waitMs: ms },
+          "azure: another operation holds the resource; sending the call again",
+        );
+        await this.clock.sleep(Math.min(Math.max(ms, 0), MAX_WAIT_MS));
+      }
+    }
+  }
+
+  /**
    * Waits for an accepted VM create. A status poll that fails (throttled, 5xx, no answer) is not the operation
    * failing: core-lro keeps such a failure as the poller's outcome, so polling goes on with a poller restored
    * from the state saved after the PUT, after Retry-After (or pollInterval), up to STATUS_POLL_TRIES in a row.
@@ -389,32 +528,38 @@ class AzureInstanceSet implements InstanceSet {
       } catch (err) {
         if (attempt >= STATUS_POLL_TRIES || azureErrorInfo(err, this.clock.now()).operationFailed) throw err;
         const error = this.classify(`poll the create of VM ${name}`, err, type);
-        const wait =
-          error instanceof CloudRateLimitError
-            ? error.earliestRetry - this.clock.now()
-            : this.p.pollIntervalMs;
         this.log.info({ vm: name, attempt, err: error }, "azure VM create status poll failed; polling again");
-        await this.clock.sleep(Math.min(Math.max(wait, 0), 60_000));
+        await this.wait(error);
         poller = restorePoller(this.compute, state, this.compute.virtualMachines.createOrUpdate, this.lro);
       }
     }
   }
 
   /**
-   * After a failed create: the VM (if its PUT was accepted), then the NIC and disks, each ignoring NotFound.
-   * Failures are logged, not thrown: the create is kept among the leftovers, tried again at the next collection.
+   * After a failed create: the VM (when it is known to exist), then the NIC and disks, each ignoring NotFound.
+   * Failures are logged, not thrown: the create is kept among the leftovers, tried again at the next collection. A
+   * NIC "in use" when no VM was known to exist means the VM exists after all (a PUT that got no answer was done):
+   * it is left to the pool, which lists it like any other.
    */
-  private async cleanUp(name: string, vmAccepted: boolean): Promise<void> {
+  private async cleanUp(name: string, deleteVm: boolean): Promise<void> {
     const names = resourceNames(name);
     try {
-      if (vmAccepted) await this.deleteVm(name);
+      if (deleteVm) await this.deleteVm(name);
       await Promise.all([
         this.deleteNic(names.nic),
-        ...(vmAccepted ? [this.deleteDisk(names.osDisk), this.deleteDisk(names.scratchDisk)] : []),
+        ...(deleteVm ? [this.deleteDisk(names.osDisk), this.deleteDisk(names.scratchDisk)] : []),
       ]);
       this.leftovers.delete(name);
     } catch (err) {
-      this.leftovers.set(name, vmAccepted);
+      if (!deleteVm && armErrorCode(err) === "NicInUse") {
+        this.leftovers.delete(name);
+        this.log.warn(
+          { vm: name },
+          "the NIC of a failed azure create is in use: its VM exists; left to the pool",
+        );
+        return;
+      }
+      this.leftovers.set(name, deleteVm);
       this.log.warn({ err, vm: name }, "cannot delete what a failed azure create left; trying again later");
     }
   }
@@ -437,9 +582,10 @@ class AzureInstanceSet implements InstanceSet {
     );
   }
 
+  /** A delete: NotFound is success; a busy resource is waited for (sendAgainWhileBusy). */
   private async ignoringNotFound(operation: string, send: () => Promise<unknown>): Promise<void> {
     try {
-      await send();
+      await this.sendAgainWhileBusy(operation, send);
     } catch (err) {
       if (isNotFound(err)) return;
       throw this.classify(operation, err);
@@ -471,7 +617,7 @@ class AzureInstanceSet implements InstanceSet {
       if (vm.name === undefined) continue;
       // A create of this process still under way returns its VM, or deletes it if it fails: listing it now would
       // hand the pool an instance that may vanish under its bundles.
-      if (this.creating.has(vm.name) || this.leftovers.has(vm.name)) continue;
+      if (this.creating.has(vm.name) || this.leftovers.get(vm.name) === true) continue;
       if ((SKIPPED_STATES as readonly string[]).includes(vm.provisioningState ?? "")) continue;
       const tags = vm.tags ?? {};
       if (!Object.entries(filter).every(([k, v]) => tags[k] === v)) continue;
@@ -523,6 +669,7 @@ class AzureInstanceSet implements InstanceSet {
       return owner !== undefined && (vmNames.has(owner) || this.creating.has(owner));
     };
     const candidates = new Set<string>();
+    const marker = this.marker;
     const old = (id: string, created: Date | undefined): boolean => {
       candidates.add(id);
       let seen = this.seen.get(id);
@@ -560,7 +707,10 @@ class AzureInstanceSet implements InstanceSet {
     for (const disk of disks) {
       if (disk.name === undefined || disk.id === undefined) continue;
       const owner = ownerVmName(disk.name)?.toLowerCase();
-      const ours = disk.tags?.[tagKey] === tagValue || (owner !== undefined && ourVmNames.has(owner));
+      const ours =
+        disk.tags?.[tagKey] === tagValue ||
+        (owner !== undefined && ourVmNames.has(owner)) ||
+        namedForSet(disk.name, marker);
       if (!ours) continue;
       if ((disk.managedBy ?? "") !== "" || disk.diskState === "Attached" || disk.diskState === "Reserved")
         continue;
@@ -614,9 +764,11 @@ class AzureInstance implements Instance {
   /** Replaces the VM's tag map (one PATCH with the full map; the NIC keeps its create-time tags). */
   async setTags(tags: Tags): Promise<void> {
     await this.set.call(`update tags of VM ${this.id}`, () =>
-      this.set.compute.virtualMachines
-        .update(this.set.p.resourceGroup, this.id, { tags: { ...tags } }, this.set.lro)
-        .pollUntilDone(),
+      this.set.sendAgainWhileBusy(`update tags of VM ${this.id}`, () =>
+        this.set.compute.virtualMachines
+          .update(this.set.p.resourceGroup, this.id, { tags: { ...tags } }, this.set.lro)
+          .pollUntilDone(),
+      ),
     );
     this.currentTags = { ...tags };
   }

@@ -4,10 +4,14 @@ import { describe, expect, it } from "vitest";
 import { CapacityError, CloudError, CloudQuotaError, CloudRateLimitError } from "../errors.ts";
 import {
   type AzureErrorContext,
+  armErrorCode,
   azureErrorInfo,
+  busyRetryAfterMs,
   classifyAzureError,
   DEFAULT_RETRY_AFTER_MS,
   isNotFound,
+  isResourceBusy,
+  outcomeUnknown,
 } from "./errors.ts";
 
 const NOW = Date.parse("2026-03-01T12:00:00Z");
@@ -184,6 +188,75 @@ describe("classifyAzureError", () => {
       operationFailed: true,
       message: "Allocation failed. Try again.",
     });
+  });
+
+  it("RetryableErrorDueToAnotherOperation (429 with Retry-After): a busy resource, CloudError, not a rate limit", () => {
+    const busy = armError(
+      429,
+      "RetryableErrorDueToAnotherOperation",
+      "Operation DeleteNetworkInterfaceOperation (x) is updating resource /subscriptions/s/resourceGroups/r/providers/Microsoft.Network/networkInterfaces/n. The call can be retried in 13 seconds.",
+      { "Retry-After": "13" },
+    );
+    const err = classifyAzureError(busy, { operation: "delete NIC n", now: NOW });
+    expect(err).toBeInstanceOf(CloudError);
+    expect(err).not.toBeInstanceOf(CloudRateLimitError);
+    expect((err as CloudError).code).toBe("cloud.error");
+    expect(err.message).toMatch(
+      /^azure delete NIC n: RetryableErrorDueToAnotherOperation: .*not a rate limit\)$/,
+    );
+    expect(isResourceBusy(busy)).toBe(true);
+    expect(isResourceBusy(err)).toBe(true); // through its cause
+    expect(busyRetryAfterMs(busy, NOW)).toBe(13_000);
+    // Without the header, the message's own delay.
+    const noHeader = armError(
+      429,
+      "RetryableErrorDueToAnotherOperation",
+      "... The call can be retried in 4 seconds.",
+    );
+    expect(busyRetryAfterMs(noHeader, NOW)).toBe(4000);
+    expect(classifyAzureError(armError(409, "AnotherOperationInProgress", "busy"), CREATE)).toBeInstanceOf(
+      CloudError,
+    );
+    expect(isResourceBusy(armError(429, "TooManyRequests", "slow down"))).toBe(false);
+  });
+
+  it("an image Azure cannot find: a CloudError that says so, never capacity", () => {
+    for (const [status, code, message] of [
+      [
+        404,
+        "NotFound",
+        "The Image '/subscriptions/s/resourceGroups/r/providers/Microsoft.Compute/images/x' cannot be found in 'westus2' region.",
+      ],
+      [
+        404,
+        "GalleryImageNotFound",
+        "The gallery image /subscriptions/s/.../versions/1.0.0 is not available in westus2 region.",
+      ],
+    ] as const) {
+      const err = classifyAzureError(armError(status, code, message), CREATE);
+      expect(err).toBeInstanceOf(CloudError);
+      expect(err).not.toBeInstanceOf(CapacityError);
+      expect(err.message).toContain(`${code}: ${message}`);
+      expect(err.message).toContain(
+        "the image does not exist in this region, or cannot be read: check cloud.imageId",
+      );
+    }
+  });
+
+  it("outcomeUnknown: no answer, or a 5xx, may have been done; a 4xx or a failed operation was not", () => {
+    expect(outcomeUnknown(new AbortError("The operation was aborted."))).toBe(true);
+    expect(outcomeUnknown(new RestError("socket hang up", { code: "ECONNRESET" }))).toBe(true);
+    expect(outcomeUnknown(armError(500, "InternalServerError", "x"))).toBe(true);
+    expect(outcomeUnknown(armError(429, "TooManyRequests", "x"))).toBe(false);
+    expect(outcomeUnknown(armError(409, "SkuNotAvailable", "x"))).toBe(false);
+    expect(outcomeUnknown(failedOperation("AllocationFailed", "x"))).toBe(false);
+  });
+
+  it("armErrorCode reads a driver error's cause", () => {
+    const sdk = armError(400, "NicInUse", "in use");
+    expect(armErrorCode(sdk)).toBe("NicInUse");
+    expect(armErrorCode(classifyAzureError(sdk, { operation: "delete NIC n", now: NOW }))).toBe("NicInUse");
+    expect(armErrorCode(new Error("x"))).toBeUndefined();
   });
 
   it("isNotFound", () => {

@@ -24,6 +24,23 @@ export const QUOTA_CODES: ReadonlySet<string> = new Set([
   "SubnetIsFull",
 ]);
 
+/**
+ * Another operation holds this one resource (the network provider's lock on one NIC, answered with HTTP 429 and a
+ * Retry-After): not the subscription's rate limit. The driver sends that call again after the wait (sendAgainWhileBusy
+ * in driver.ts); if the resource stays busy the call fails as a plain CloudError.
+ */
+export const RESOURCE_BUSY_CODES: ReadonlySet<string> = new Set([
+  "RetryableErrorDueToAnotherOperation",
+  "AnotherOperationInProgress",
+]);
+
+/** A VM create naming an image Azure cannot find (here: not replicated to this region, or not there at all). */
+export const IMAGE_NOT_FOUND_CODES: ReadonlySet<string> = new Set([
+  "GalleryImageNotFound",
+  "ImageNotFound",
+  "PlatformImageNotFound",
+]);
+
 /** Codes ARM uses for "slow down" (besides HTTP 429 itself). */
 export const THROTTLING_CODES: ReadonlySet<string> = new Set([
   "TooManyRequests",
@@ -107,6 +124,38 @@ function retryAfter(headers: { get?(name: string): string | undefined }, now: nu
   return Math.max(0, date - now);
 }
 
+/** ARM's error code of an SDK error, or of the SDK error a driver error was classified from (its cause). */
+export function armErrorCode(err: unknown, now = 0): string | undefined {
+  const direct = azureErrorInfo(err, now).code;
+  if (direct !== undefined) return direct;
+  const cause = (err as { cause?: unknown } | null)?.cause;
+  return cause === undefined ? undefined : azureErrorInfo(cause, now).code;
+}
+
+/** ARM answered that another operation holds the resource (RESOURCE_BUSY_CODES): send the same call again later. */
+export function isResourceBusy(err: unknown): boolean {
+  const code = armErrorCode(err);
+  return code !== undefined && RESOURCE_BUSY_CODES.has(code);
+}
+
+/** How long to wait before sending a call refused as busy again: Retry-After, else the message's "retried in N seconds". */
+export function busyRetryAfterMs(err: unknown, now: number): number | undefined {
+  const info = azureErrorInfo(err, now);
+  if (info.retryAfterMs !== undefined) return info.retryAfterMs;
+  const m = /retried in (\d+(?:\.\d+)?) seconds?/i.exec(info.message);
+  return m === null ? undefined : Number(m[1]) * 1000;
+}
+
+/**
+ * Whether a failed request may have been carried out all the same: no ARM answer at all (timed out, connection
+ * lost) or a 5xx. Only a 4xx answer (429 included) says that nothing was done.
+ */
+export function outcomeUnknown(err: unknown, now = 0): boolean {
+  const info = azureErrorInfo(err, now);
+  if (info.operationFailed) return false;
+  return info.status === undefined || info.status >= 500;
+}
+
 export function isNotFound(err: unknown): boolean {
   const e = err as { name?: unknown; statusCode?: unknown; code?: unknown } | null;
   if (e?.name !== "RestError") return false;
@@ -132,6 +181,8 @@ const FAMILY_QUOTA = /exceeding approved (\S+Family) Cores quota/i;
 
 /**
  * THE mapping of an Azure/SDK error to the dispatcher's classes:
+ * - another operation holds the resource (RESOURCE_BUSY_CODES, even as HTTP 429 with Retry-After) -> CloudError:
+ *   a lock on that one resource, which the driver has waited out and retried already, not a rate limit;
  * - HTTP 429, a throttling code, or any error answer with Retry-After -> CloudRateLimitError, earliestRetry =
  *   now + Retry-After (seconds or HTTP date), 20 s when the answer has none;
  * - SkuNotAvailable, AllocationFailed, ZonalAllocationFailed, OverconstrainedAllocationRequest,
@@ -139,6 +190,7 @@ const FAMILY_QUOTA = /exceeding approved (\S+Family) Cores quota/i;
  * - "exceeding approved <family> Cores quota" -> CapacityError for the type's quota group;
  * - QuotaExceeded & co., and any other code whose message speaks of a quota (OperationNotAllowed with the
  *   regional or low-priority cores quota, ...) or of a limit being exceeded -> CloudQuotaError;
+ * - an image Azure cannot find (IMAGE_NOT_FOUND_CODES, NotFound about an image) -> CloudError saying so;
  * - everything else (auth, other codes, 5xx, timeouts, connection errors) -> CloudError.
  * The SDK's error is the cause.
  */
@@ -155,6 +207,11 @@ export function classifyAzureError(err: unknown, ctx: AzureErrorContext): Error 
   const message = `azure ${ctx.operation}: ${what}`;
 
   const code = info.code;
+  if (code !== undefined && RESOURCE_BUSY_CODES.has(code)) {
+    return new CloudError(`${message} (another operation holds this resource; not a rate limit)`, {
+      cause: err,
+    });
+  }
   if (
     info.status === 429 ||
     (code !== undefined && THROTTLING_CODES.has(code)) ||
@@ -167,6 +224,12 @@ export function classifyAzureError(err: unknown, ctx: AzureErrorContext): Error 
     });
   }
   if (code === undefined) return new CloudError(message, { cause: err });
+  if (IMAGE_NOT_FOUND_CODES.has(code) || (code === "NotFound" && /\bimage\b/i.test(text))) {
+    return new CloudError(
+      `${message} (the image does not exist in this region, or cannot be read: check cloud.imageId)`,
+      { cause: err },
+    );
+  }
   const type = ctx.instanceType;
   if (type !== undefined && TYPE_CAPACITY_CODES.has(code)) {
     return new CapacityError(message, { scope: "instanceType", instanceType: type.name, cause: err });

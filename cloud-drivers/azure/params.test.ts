@@ -204,6 +204,11 @@ describe("azure driver parameters", () => {
         `/subscriptions/${SUB}/resourceGroups/r/providers/Microsoft.Compute/galleries/g/images/i/versions/1.2.3`,
       ),
     ).toBe(true);
+    // The latest version: the image definition id; not a version named "latest" (Azure takes that literally).
+    const definition = `/subscriptions/${SUB}/resourceGroups/r/providers/Microsoft.Compute/galleries/g/images/i`;
+    expect(isImageId(definition)).toBe(true);
+    expect(isImageId(`${definition}/versions/latest`)).toBe(false);
+    expect(isImageId(`${definition}/versions/LATEST`)).toBe(false);
     expect(isImageId("https://example.blob.core.windows.net/vhds/debian.vhd")).toBe(false);
     expect(isImageId("Debian:debian-12:12:latest")).toBe(false);
   });

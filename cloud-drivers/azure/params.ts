@@ -151,12 +151,16 @@ const SUBNET_ID =
 /** A managed image id. */
 export const MANAGED_IMAGE_ID =
   /^\/subscriptions\/[^/]+\/resourceGroups\/[^/]+\/providers\/Microsoft\.Compute\/images\/[^/]+$/i;
-/** A Shared Image Gallery (Azure Compute Gallery) image version id; `latest` is accepted as the version. */
+/**
+ * An Azure Compute Gallery (Shared Image Gallery) image version id, or an image definition id (no `/versions/...`),
+ * which is how Azure is asked for the definition's latest version. A version literally named `latest` is not that
+ * (Azure looks for a version of that name), so it is refused.
+ */
 export const GALLERY_IMAGE_VERSION_ID =
-  /^\/subscriptions\/[^/]+\/resourceGroups\/[^/]+\/providers\/Microsoft\.Compute\/galleries\/[^/]+\/images\/[^/]+(\/versions\/[^/]+)?$/i;
+  /^\/subscriptions\/[^/]+\/resourceGroups\/[^/]+\/providers\/Microsoft\.Compute\/galleries\/[^/]+\/images\/[^/]+(\/versions\/(?!latest$)[^/]+)?$/i;
 
 export const IMAGE_FORMAT =
-  "a managed image id (/subscriptions/<sub>/resourceGroups/<rg>/providers/Microsoft.Compute/images/<name>) or an Azure Compute Gallery image version id (.../Microsoft.Compute/galleries/<gallery>/images/<image>/versions/<version>)";
+  "a managed image id (/subscriptions/<sub>/resourceGroups/<rg>/providers/Microsoft.Compute/images/<name>) or an Azure Compute Gallery image version id (.../Microsoft.Compute/galleries/<gallery>/images/<image>/versions/<version>; without /versions/...: its latest version)";
 
 export function isImageId(value: string): boolean {
   return MANAGED_IMAGE_ID.test(value) || GALLERY_IMAGE_VERSION_ID.test(value);
