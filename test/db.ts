@@ -6,7 +6,7 @@
 import { createHash, randomBytes } from "node:crypto";
 import pg from "pg";
 import { afterAll, beforeAll, describe } from "vitest";
-import { hashToken, newRunnerToken } from "../lib/tokens.ts";
+import { hashToken, newRunnerToken, newUserToken } from "../lib/tokens.ts";
 import { type Db, openDb, redactDbUrl } from "../store/db.ts";
 import { listMigrations, migrate } from "../store/migrate.ts";
 import { createUser, insertBundle } from "../store/queries.ts";
@@ -170,6 +170,21 @@ export async function createTestUser(db: Db, opts: { isAdmin?: boolean } = {}): 
     isAdmin: opts.isAdmin ?? false,
     tokenHash: createHash("sha256").update(randomBytes(32)).digest("hex"),
   });
+}
+
+/** A user made directly in the database with a real user token (for API tests); returns its uuid and token. */
+export async function createTestUserWithToken(
+  db: Db,
+  opts: { isAdmin?: boolean } = {},
+): Promise<{ uuid: string; token: string }> {
+  const token = newUserToken();
+  const user = await createUser(db, {
+    uuid: testUserUuid(),
+    name: `u-${randomId(10)}`,
+    isAdmin: opts.isAdmin ?? false,
+    tokenHash: hashToken(token),
+  });
+  return { uuid: user.uuid, token };
 }
 
 /** A valid NewBundle for owner, with overrides. */

@@ -11,14 +11,12 @@ import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { runCli } from "../cli/cli.ts";
 import type { CliIo } from "../cli/io.ts";
-import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createBundleManager } from "../rest-server/bundle-manager.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import type { Db } from "../store/db.ts";
-import { createUser } from "../store/queries.ts";
 import { BUNDLE_CHANNEL } from "../store/types.ts";
-import { describeEachDb } from "./db.ts";
-import { injectClient, type Res } from "./rest-client.ts";
+import { createTestUserWithToken, describeEachDb } from "./db.ts";
+import { expectApiError, injectClient } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
 const item = (name: string, extra: object = {}) => ({
@@ -28,23 +26,8 @@ const item = (name: string, extra: object = {}) => ({
   ...extra,
 });
 
-async function makeUser(db: Db, isAdmin = false): Promise<{ uuid: string; token: string }> {
-  const token = newUserToken();
-  const uuid = newUserUuid(CLUSTER);
-  await createUser(db, {
-    uuid,
-    name: `u-${Math.random().toString(36).slice(2, 12)}`,
-    isAdmin,
-    tokenHash: hashToken(token),
-  });
-  return { uuid, token };
-}
-
-const expectError = (res: Res, status: number, code: string, path?: string) => {
-  expect(res.status, JSON.stringify(res.body)).toBe(status);
-  expect(res.body.error.code).toBe(code);
-  if (path !== undefined) expect(res.body.error.path).toBe(path);
-};
+const makeUser = (db: Db, isAdmin = false) => createTestUserWithToken(db, { isAdmin });
+const expectError = expectApiError;
 
 async function countBundles(db: Db, owner: string): Promise<number> {
   const { rows } = await db.query<{ n: number }>(

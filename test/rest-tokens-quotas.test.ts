@@ -11,37 +11,19 @@ import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ensureAdmin } from "../cli/commands/serve.ts";
 import { loadConfig } from "../config/load.ts";
-import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
+import { hashToken, newUserUuid } from "../lib/tokens.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import type { Db } from "../store/db.ts";
-import { createUser } from "../store/queries.ts";
-import { describeEachDb, openTestDb } from "./db.ts";
+import { createTestUserWithToken, describeEachDb, openTestDb } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
-import { injectClient, type Json, type Res } from "./rest-client.ts";
+import { expectApiError, injectClient, type Json } from "./rest-client.ts";
 
 const CLUSTER = "zzzzz";
 const HOUR = 3_600_000;
 const minimal = { command: ["echo", "hi"], image: "busybox" };
 
-/** A user made directly in the database; returns its uuid and token. */
-async function makeUser(db: Db, isAdmin = false): Promise<{ uuid: string; token: string }> {
-  const token = newUserToken();
-  const uuid = newUserUuid(CLUSTER);
-  await createUser(db, {
-    uuid,
-    name: `u-${Math.random().toString(36).slice(2, 12)}`,
-    isAdmin,
-    tokenHash: hashToken(token),
-  });
-  return { uuid, token };
-}
-
-const expectError = (res: Res, status: number, code: string, path?: string) => {
-  expect(res.status, JSON.stringify(res.body)).toBe(status);
-  expect(res.body.error.code).toBe(code);
-  expect(typeof res.body.error.message).toBe("string");
-  if (path !== undefined) expect(res.body.error.path).toBe(path);
-};
+const makeUser = (db: Db, isAdmin = false) => createTestUserWithToken(db, { isAdmin });
+const expectError = expectApiError;
 
 describeEachDb("REST tokens and quotas", (getDb) => {
   // An hour ahead of the database's clock, which dates the token a user is made with: tokens made through the
