@@ -21,7 +21,7 @@ vitest_status=$?
 [ $vitest_status -eq 0 ] || status=1
 
 if [ -f "$results" ]; then
-  node scripts/test-summary.mjs "$results" || status=1
+  node scripts/test-summary.mjs "$results" "$vitest_status" || status=1
 else
   echo "tests: 0 passed, 1 failed"
   status=1
