@@ -10,7 +10,8 @@
  * PostgreSQL: DISPATCH_CLOUD_TEST_PG_URL (scripts/test-services.sh starts one and prints it).
  */
 import { type ChildProcess, fork } from "node:child_process";
-import { mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync } from "node:fs";
+import http from "node:http";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { parseArgs } from "node:util";
@@ -32,7 +33,36 @@ const { values } = parseArgs({
   },
 });
 
-type ToParent = { ready: { url: string; token: string } } | { size: number; at: number };
+type ToParent =
+  | { ready: { url: string; token: string } }
+  | { size: number; at: number }
+  | { cpu: { serverMs: number; dbMs: number | null } };
+
+/**
+ * CPU used so far by this server process and, on PostgreSQL, by its database connections (their processes'
+ * /proc times; null when they cannot be read, e.g. a server on another machine). Figures that hold however
+ * busy the machine is, unlike the rates.
+ */
+async function cpuSoFar(
+  db: Awaited<ReturnType<typeof openTestDb>>,
+): Promise<{ serverMs: number; dbMs: number | null }> {
+  const u = process.cpuUsage();
+  const serverMs = (u.user + u.system) / 1000;
+  if (db.kind !== "pg") return { serverMs, dbMs: null };
+  const { rows } = await db.query<{ pid: number }>(
+    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+  );
+  let ticks = 0;
+  try {
+    for (const { pid } of rows) {
+      const f = readFileSync(`/proc/${pid}/stat`, "utf8").split(") ")[1]?.split(" ") ?? [];
+      ticks += Number(f[11]) + Number(f[12]);
+    }
+  } catch {
+    return { serverMs, dbMs: null };
+  }
+  return { serverMs, dbMs: ticks * 10 };
+}
 
 /** The server side, in its own process so the clients' work is not counted against it. */
 async function serve(kind: "pg" | "pglite"): Promise<void> {
@@ -62,6 +92,7 @@ async function serve(kind: "pg" | "pglite"): Promise<void> {
   const send = (m: ToParent) => process.send?.(m);
   process.on("message", async (m: string) => {
     if (m === "size") send({ size: queue.size, at: Date.now() });
+    if (m === "cpu") send({ cpu: await cpuSoFar(db) });
     if (m === "stop") {
       await app.close();
       await queue.stop();
@@ -87,6 +118,19 @@ function ask(child: ChildProcess): Promise<{ size: number; at: number }> {
   });
 }
 
+function askCpu(child: ChildProcess): Promise<{ serverMs: number; dbMs: number | null }> {
+  return new Promise((resolve) => {
+    const on = (m: ToParent) => {
+      if ("cpu" in m) {
+        child.off("message", on);
+        resolve(m.cpu);
+      }
+    };
+    child.on("message", on);
+    child.send("cpu");
+  });
+}
+
 const item = (i: number) => ({ command: ["true"], image: "busybox", name: `b${i}` });
 
 /** `clients` loops, each sending its share of `total` bundles, `per` at a time; returns the time taken. */
@@ -98,6 +142,9 @@ async function submit(
   clients: number,
 ): Promise<number> {
   const headers = { authorization: `Bearer ${token}`, "content-type": "application/json" };
+  // node:http with a keep-alive agent: fetch costs the client about 1.5 ms of CPU a request here, which on a
+  // 2-core machine is taken from the server being measured.
+  const agent = new http.Agent({ keepAlive: true, maxSockets: clients });
   let next = 0;
   const t0 = performance.now();
   await Promise.all(
@@ -111,17 +158,33 @@ async function submit(
           per === 1
             ? JSON.stringify(item(from))
             : JSON.stringify({ items: Array.from({ length: n }, (_, i) => item(from + i)) });
-        const res = await fetch(`${url}/api/v1/bundles${per === 1 ? "" : "/batch"}`, {
-          method: "POST",
-          headers,
-          body,
-        });
-        if (res.status !== 201) throw new Error(`HTTP ${res.status}: ${(await res.text()).slice(0, 300)}`);
-        await res.arrayBuffer();
+        const res = await post(agent, `${url}/api/v1/bundles${per === 1 ? "" : "/batch"}`, headers, body);
+        if (res.status !== 201) throw new Error(`HTTP ${res.status}: ${res.body.slice(0, 300)}`);
       }
     }),
   );
-  return performance.now() - t0;
+  const took = performance.now() - t0;
+  agent.destroy();
+  return took;
+}
+
+/** One POST over `agent`; resolves with the status and body text. */
+function post(
+  agent: http.Agent,
+  url: string,
+  headers: Record<string, string>,
+  body: string,
+): Promise<{ status: number; body: string }> {
+  return new Promise((resolve, reject) => {
+    const req = http.request(url, { method: "POST", agent, headers }, (res) => {
+      const chunks: Buffer[] = [];
+      res.on("data", (c: Buffer) => chunks.push(c));
+      res.on("end", () => resolve({ status: res.statusCode ?? 0, body: Buffer.concat(chunks).toString() }));
+      res.on("error", reject);
+    });
+    req.on("error", reject);
+    req.end(body);
+  });
 }
 
 /** Milliseconds from `since` until the queue holds `want` bundles (polled every 20 ms). */
@@ -134,9 +197,16 @@ async function queueCaughtUp(child: ChildProcess, want: number, since: number): 
   }
 }
 
+const cpuProf = process.env["BENCH_SERVER_CPU_PROF"];
+
 async function bench(kind: "pg" | "pglite"): Promise<void> {
   const child = fork(import.meta.filename, ["--serve", kind], {
-    execArgv: ["--import", "tsx"],
+    // BENCH_SERVER_CPU_PROF=DIR: a CPU profile of the server process, written to DIR.
+    execArgv: [
+      "--import",
+      "tsx",
+      ...(cpuProf === undefined ? [] : ["--cpu-prof", `--cpu-prof-dir=${cpuProf}`]),
+    ],
     stdio: ["ignore", "inherit", "inherit", "ipc"],
   });
   const { url, token } = await new Promise<{ url: string; token: string }>((resolve, reject) => {
@@ -153,15 +223,21 @@ async function bench(kind: "pg" | "pglite"): Promise<void> {
     ];
     for (const [name, total, per, clients] of phases) {
       process.stderr.write(`bench:submit [${kind}] ${name}: ${total} bundles...\n`);
+      if (total === 0) continue;
+      const cpu0 = await askCpu(child);
       const ms = await submit(url, token, total, per, clients);
       const lastAnswer = Date.now();
       inQueue += total;
       const lag = await queueCaughtUp(child, inQueue, lastAnswer);
+      const cpu1 = await askCpu(child);
+      const perBundle = (a: number | null, b: number | null) =>
+        a === null || b === null ? "n/a" : `${((b - a) / total).toFixed(3)} ms`;
       console.log(
         `${kind.padEnd(6)} ${name.padEnd(28)} ${String(total).padStart(7)} bundles in ${(ms / 1000).toFixed(2)} s: ` +
           `${Math.round((total * 1000) / ms)
             .toString()
-            .padStart(6)}/s; queue held all ${lag} ms after the last answer`,
+            .padStart(6)}/s; queue held all ${lag} ms after the last answer; CPU per bundle: server ` +
+          `${perBundle(cpu0.serverMs, cpu1.serverMs)}, PostgreSQL ${perBundle(cpu0.dbMs, cpu1.dbMs)}`,
       );
     }
   } finally {

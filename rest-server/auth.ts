@@ -57,30 +57,78 @@ const invalidToken = () => new DispatchCloudError("auth.invalid_token", "the tok
 export const LAST_USED_RESOLUTION_MS = 60_000;
 
 /**
+ * How long a token found live is trusted without asking the database again. Revocations through this server
+ * clear the cache at once; a change made elsewhere (another server process, SQL) takes effect within this.
+ */
+export const TOKEN_CACHE_MS = 1000;
+const TOKEN_CACHE_MAX = 10_000;
+
+type FoundToken = { user: User; token: ApiToken };
+
+/**
+ * Live tokens looked up in the last TOKEN_CACHE_MS, by hash, so a client sending many requests costs the
+ * database one lookup a second rather than one a request. Unknown tokens are never cached.
+ */
+export class TokenCache {
+  private readonly entries = new Map<string, { found: FoundToken; at: number }>();
+
+  get(hash: string, nowMs: number): FoundToken | undefined {
+    const e = this.entries.get(hash);
+    if (e === undefined) return undefined;
+    const expires = e.found.token.expiresAt;
+    if (nowMs - e.at >= TOKEN_CACHE_MS || nowMs < e.at || (expires !== null && expires.getTime() <= nowMs)) {
+      this.entries.delete(hash);
+      return undefined;
+    }
+    return e.found;
+  }
+
+  set(hash: string, found: FoundToken, nowMs: number): void {
+    this.entries.delete(hash);
+    if (this.entries.size >= TOKEN_CACHE_MAX) {
+      const oldest = this.entries.keys().next();
+      if (oldest.done !== true) this.entries.delete(oldest.value);
+    }
+    this.entries.set(hash, { found, at: nowMs });
+  }
+
+  /** Forgets every token (after a revocation or any change to tokens or users). */
+  clear(): void {
+    this.entries.clear();
+  }
+}
+
+/**
  * The user a request's token belongs to, and that token; a revoked or expired (at nowMs) token is
- * auth.invalid_token like an unknown one.
+ * auth.invalid_token like an unknown one. With a cache, a token found live in the last TOKEN_CACHE_MS is not
+ * looked up again.
  */
 export async function authenticateUser(
   db: Db,
   request: FastifyRequest,
   nowMs: number,
-): Promise<{ user: User; token: ApiToken }> {
+  cache?: TokenCache,
+): Promise<FoundToken> {
   const token = bearerToken(request);
   if (!isTokenShaped(token, USER_TOKEN_PREFIX)) throw invalidToken();
+  const hash = hashToken(token);
+  const cached = cache?.get(hash, nowMs);
+  if (cached !== undefined) return cached;
   const now = new Date(nowMs);
-  const found = await findLiveToken(db, hashToken(token), now);
+  const found = await findLiveToken(db, hash, now);
   if (found === null) throw invalidToken();
   const last = found.token.lastUsedAt;
   if (last === null || nowMs - last.getTime() >= LAST_USED_RESOLUTION_MS) {
     await touchToken(db, found.token.id, now, LAST_USED_RESOLUTION_MS);
   }
+  cache?.set(hash, found, nowMs);
   return found;
 }
 
 /** The onRequest hook of the users' API routes: sets request.caller and request.callerToken. */
-export function userAuthHook(db: Db, nowMs: () => number) {
+export function userAuthHook(db: Db, nowMs: () => number, cache?: TokenCache) {
   return async (request: FastifyRequest): Promise<void> => {
-    const { user, token } = await authenticateUser(db, request, nowMs());
+    const { user, token } = await authenticateUser(db, request, nowMs(), cache);
     request.caller = user;
     request.callerToken = token;
   };

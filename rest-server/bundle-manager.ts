@@ -58,6 +58,9 @@ export function decide(
   return { action: "stage", reason };
 }
 
+/** The longest rest between two passes under a stream of notifications. */
+const MAX_REST_MS = 1000;
+
 export function createBundleManager(opts: BundleManagerOptions): BundleManager {
   const { db } = opts;
   const log = opts.logger.child({ component: "bundle-manager" });
@@ -119,14 +122,20 @@ export function createBundleManager(opts: BundleManagerOptions): BundleManager {
       return;
     }
     running = (async () => {
-      do {
+      for (;;) {
         again = false;
+        const t0 = performance.now();
         try {
           await runOnce();
         } catch (err) {
           log.error({ err }, "bundle manager pass failed");
         }
-      } while (again && !stopped);
+        if (!again || stopped) break;
+        // Woken while it ran: under a stream of submissions, rest as long as the pass took (at most a second)
+        // so the passes take at most half the database's time and each stages more at once. On PGlite, whose
+        // one connection also serves every request, a pass per submission cost more than the submission.
+        await new Promise((r) => setTimeout(r, Math.min(MAX_REST_MS, performance.now() - t0)));
+      }
     })().finally(() => {
       running = undefined;
     });

@@ -3,10 +3,12 @@
  * createRestServer (server.ts), which registers the routes.
  */
 import type { Db } from "../store/db.ts";
+import type { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { LogNotifier } from "./logs.ts";
 import type { OutputStore } from "./outputs.ts";
 import type { SubmitLimits } from "./quotas.ts";
+import type { SubmitCoalescer } from "./submit-coalescer.ts";
 
 /** What the routes need, built once by createRestServer. */
 export interface RouteContext {
@@ -23,6 +25,10 @@ export interface RouteContext {
   instancePrice(instanceType: string): number | undefined;
   bundleMinimums: BundleMinimums;
   submitLimits: SubmitLimits;
+  /** Groups single submissions that no limit applies to into multi-row inserts. */
+  submitCoalescer: SubmitCoalescer;
+  /** Live tokens looked up in the last second (auth.ts); cleared when a token is revoked. */
+  tokenCache: TokenCache;
   /** Largest body of a batch submission (restServer.maxBatchRequestBodySize). */
   maxBatchBodySize: number;
   maxTokensPerUser: number;

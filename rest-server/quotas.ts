@@ -51,6 +51,11 @@ export function retryAfterSeconds(tokens: number, perSecond: number): number {
   return Math.max(1, Math.ceil((1 - tokens) / perSecond));
 }
 
+/** Whether a submission of `owner` is checked against `limits` at all (admins and unlimited setups are not). */
+export function limitsApply(owner: User, limits: SubmitLimits): boolean {
+  return !owner.isAdmin && (limits.maxQueuedBundlesPerUser > 0 || limits.submissionsPerSecond > 0);
+}
+
 /**
  * Runs `insert` (of `count` new bundles) unless it would take the owner over a limit; admins are never limited.
  * A request spends one submission from the bucket whatever its size (the rate guards requests); the queued cap
@@ -70,7 +75,7 @@ export async function insertWithinLimits<T>(
   const { limits, owner, count } = args;
   const maxQueued = limits.maxQueuedBundlesPerUser;
   const rate = limits.submissionsPerSecond;
-  if (owner.isAdmin || (maxQueued === 0 && rate === 0)) return { ok: true, value: await args.insert(db) };
+  if (!limitsApply(owner, limits)) return { ok: true, value: await args.insert(db) };
   return db.transaction(async (tx) => {
     const stored = await lockSubmitBucket(tx, {
       userUuid: owner.uuid,

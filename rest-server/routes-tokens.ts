@@ -147,7 +147,7 @@ async function subjectUser(
 
 export function registerTokenRoutes(app: FastifyInstance, ctx: RouteContext): void {
   const { db } = ctx;
-  const onRequest = userAuthHook(db, ctx.nowMs);
+  const onRequest = userAuthHook(db, ctx.nowMs, ctx.tokenCache);
   const view = (request: FastifyRequest, t: ApiToken) =>
     tokenView(t, { nowMs: ctx.nowMs(), currentId: callerTokenOf(request).id });
 
@@ -198,6 +198,7 @@ export function registerTokenRoutes(app: FastifyInstance, ctx: RouteContext): vo
       now: new Date(ctx.nowMs()),
     });
     if (revoked === null) throw new DispatchCloudError("token.not_found", `no token ${id}`, { path: "id" });
+    ctx.tokenCache.clear();
     request.log.info({ tokenId: id, owner: revoked.userUuid, by: caller.uuid }, "token revoked");
     return view(request, revoked);
   });

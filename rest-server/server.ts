@@ -28,6 +28,7 @@ import {
 } from "../lib/http-timeouts.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
+import { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { RouteContext } from "./context.ts";
 import { createLogNotifier } from "./logs.ts";
@@ -37,6 +38,7 @@ import { NO_SUBMIT_LIMITS, type SubmitLimits } from "./quotas.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";
 import { registerTokenRoutes } from "./routes-tokens.ts";
 import { registerUserRoutes } from "./routes-users.ts";
+import { createSubmitCoalescer } from "./submit-coalescer.ts";
 
 export interface RestServerOptions {
   db: Db;
@@ -107,6 +109,8 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
       vcpus: defaults.minBundleVcpus,
     },
     submitLimits: opts.quotas ?? NO_SUBMIT_LIMITS,
+    submitCoalescer: createSubmitCoalescer(opts.db),
+    tokenCache: new TokenCache(),
     maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
   };

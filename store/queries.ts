@@ -468,47 +468,65 @@ export async function insertBundles(
     }
     const byUuid = new Map<string, Bundle>();
     for (let start = 0; start < items.length; start += INSERT_CHUNK) {
-      const chunk = items.slice(start, start + INSERT_CHUNK).map(({ uuid, bundle: b }) => ({
-        uuid,
-        owner_uuid: ownerUuid,
-        name: b.name,
-        command: b.command,
-        image: b.image,
-        env: b.env,
-        resources: b.resources,
-        preemptible: b.preemptible,
-        priority: b.priority,
-        limits: b.limits,
-        dependencies: b.dependencies,
-        allow_failed_dependencies: b.allowFailedDependencies,
-        max_attempts: b.maxAttempts,
-      }));
-      const { rows } = await tx.query<BundleRow>(
-        `WITH b AS (
-           INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
-             limits, dependencies, allow_failed_dependencies, max_attempts, state)
-           SELECT r.uuid, r.owner_uuid, r.name, r.command, r.image, r.env, r.resources, r.preemptible, r.priority,
-             r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, 'created'
-           FROM jsonb_to_recordset($1::jsonb) AS r(uuid text, owner_uuid text, name text, command jsonb,
-             image text, env jsonb, resources jsonb, preemptible boolean, priority int, limits jsonb,
-             dependencies jsonb, allow_failed_dependencies boolean, max_attempts int)
-           RETURNING *
-         ), d AS (
-           INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
-           SELECT b.uuid, x.ord, x.dep->>'bundle', x.dep->>'subpath', x.dep->>'name'
-           FROM b, jsonb_array_elements(b.dependencies) WITH ORDINALITY AS x(dep, ord)
-         ), e AS (
-           INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
-           SELECT uuid, NULL, state, attempt, NULL, $2 FROM b
-         )
-         SELECT b.* FROM b`,
-        [JSON.stringify(chunk), `user:${ownerUuid}`],
-      );
-      for (const row of rows) byUuid.set(row.uuid, bundleFromRow(row));
+      const chunk = items.slice(start, start + INSERT_CHUNK);
+      for (const b of await insertBundleRows(tx, chunk, false)) byUuid.set(b.uuid, b);
     }
     await tx.query("SELECT pg_notify($1, $2)", [BUNDLE_CHANNEL, `* created ${items.length}`]);
     return items.map((it) => byUuid.get(it.uuid)!);
   });
+}
+
+/**
+ * One multi-row statement inserting bundles without dependency checks (each row's owner is its bundle's; the
+ * caller checked dependencies, or there are none): the rows, their dependency rows and first events, and with
+ * `notify` one NOTIFY `* created <n>` for them all. Atomic on its own, so it needs no transaction. Returns the
+ * rows in no particular order.
+ */
+export async function insertBundleRows(
+  db: Db,
+  items: readonly { uuid: string; bundle: NewBundle }[],
+  notify: boolean,
+): Promise<Bundle[]> {
+  if (items.length === 0) return [];
+  const rows = items.map(({ uuid, bundle: b }) => ({
+    uuid,
+    owner_uuid: b.ownerUuid,
+    name: b.name,
+    command: b.command,
+    image: b.image,
+    env: b.env,
+    resources: b.resources,
+    preemptible: b.preemptible,
+    priority: b.priority,
+    limits: b.limits,
+    dependencies: b.dependencies,
+    allow_failed_dependencies: b.allowFailedDependencies,
+    max_attempts: b.maxAttempts,
+  }));
+  const { rows: inserted } = await db.query<BundleRow>(
+    `WITH b AS (
+       INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
+         limits, dependencies, allow_failed_dependencies, max_attempts, state)
+       SELECT r.uuid, r.owner_uuid, r.name, r.command, r.image, r.env, r.resources, r.preemptible, r.priority,
+         r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, 'created'
+       FROM jsonb_to_recordset($1::jsonb) AS r(uuid text, owner_uuid text, name text, command jsonb,
+         image text, env jsonb, resources jsonb, preemptible boolean, priority int, limits jsonb,
+         dependencies jsonb, allow_failed_dependencies boolean, max_attempts int)
+       RETURNING *
+     ), d AS (
+       INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
+       SELECT b.uuid, x.ord, x.dep->>'bundle', x.dep->>'subpath', x.dep->>'name'
+       FROM b, jsonb_array_elements(b.dependencies) WITH ORDINALITY AS x(dep, ord)
+     ), e AS (
+       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+       SELECT uuid, NULL, state, attempt, NULL, 'user:' || owner_uuid FROM b
+     ), n AS (
+       SELECT pg_notify($2, '* created ' || count(*)) FROM b HAVING $3::boolean AND count(*) > 0
+     )
+     SELECT b.* FROM b WHERE (SELECT count(*) FROM n) >= 0`,
+    [JSON.stringify(rows), BUNDLE_CHANNEL, notify],
+  );
+  return inserted.map(bundleFromRow);
 }
 
 export async function getBundle(db: Db, uuid: string): Promise<Bundle | null> {
@@ -585,13 +603,14 @@ export async function createdBundlesReady(
   limit: number,
 ): Promise<{ bundle: Bundle; dependencyStates: { uuid: string; state: BundleState }[] }[]> {
   const { rows } = await db.query<BundleRow & { dependency_states: { uuid: string; state: BundleState }[] }>(
-    `SELECT b.*, coalesce((
+    // A bundle without dependencies (most of them) skips the per-row lookups: CASE evaluates lazily.
+    `SELECT b.*, CASE WHEN b.dependencies = '[]'::jsonb THEN '[]'::jsonb ELSE coalesce((
          SELECT jsonb_agg(jsonb_build_object('uuid', d.uuid, 'state', d.state) ORDER BY bd.ordinal)
          FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
-         WHERE bd.bundle_uuid = b.uuid), '[]'::jsonb) AS dependency_states
+         WHERE bd.bundle_uuid = b.uuid), '[]'::jsonb) END AS dependency_states
      FROM bundles b
      WHERE b.state = 'created'
-       AND (NOT EXISTS (
+       AND (b.dependencies = '[]'::jsonb OR NOT EXISTS (
               SELECT 1 FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
               WHERE bd.bundle_uuid = b.uuid AND NOT (d.state = ANY($2::text[])))
          OR EXISTS (

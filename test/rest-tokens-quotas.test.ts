@@ -12,6 +12,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ensureAdmin } from "../cli/commands/serve.ts";
 import { loadConfig } from "../config/load.ts";
 import { hashToken, newUserUuid } from "../lib/tokens.ts";
+import { TOKEN_CACHE_MS } from "../rest-server/auth.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import type { Db } from "../store/db.ts";
 import { createTestUserWithToken, describeEachDb, openTestDb } from "./db.ts";
@@ -131,6 +132,15 @@ describeEachDb("REST tokens and quotas", (getDb) => {
       // A token may revoke itself; then nothing works with it.
       expect((await api("DELETE", `/api/v1/tokens/${second.id}`, second.token)).status).toBe(200);
       expectError(await api("GET", "/api/v1/tokens", second.token), 401, "auth.invalid_token");
+    });
+
+    it("trusts a token found live for TOKEN_CACHE_MS: a revocation behind the server's back takes effect after it", async () => {
+      const bob = await makeUser(getDb());
+      expect((await whoAmI(bob.token)).status).toBe(200);
+      await getDb().query("UPDATE api_tokens SET revoked_at = now() WHERE user_uuid = $1", [bob.uuid]);
+      expect((await whoAmI(bob.token)).status).toBe(200);
+      await clock.advance(TOKEN_CACHE_MS);
+      expectError(await whoAmI(bob.token), 401, "auth.invalid_token");
     });
 
     it("hides other users' tokens from a user: 404 to revoke, 403 to list; an admin lists, revokes and makes anyone's", async () => {
