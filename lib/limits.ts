@@ -31,9 +31,7 @@ export class ConcurrencyLimit {
   peak = 0;
   slow = 0;
 
-  constructor(
-    private readonly opts: { max: number; countForMs: number; clock: Clock },
-  ) {}
+  constructor(private readonly opts: { max: number; countForMs: number; clock: Clock }) {}
 
   /** Holders that count against the limit now. */
   get active(): number {
