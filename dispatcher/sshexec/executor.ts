@@ -39,6 +39,9 @@ export { SshError } from "../../lib/executor.ts";
 // ssh2 is CommonJS: Node's ESM loader only gives its default export.
 const { Client, utils } = ssh2;
 
+/** The reason a finished command's deadline is cancelled with (one object: an Error per command costs a stack). */
+const DONE = new Error("done");
+
 /** Reads the instance's secret; run first on every new connection, before anything else is sent. */
 export const IDENTITY_COMMAND = `cat ${INSTANCE_SECRET_SHELL_PATH}`;
 
@@ -295,7 +298,7 @@ class SshExecutorImpl implements SshExecutor {
       throw this.noteError(err);
     } finally {
       stdinStream?.off("error", noteStdinError);
-      deadline.abort(new Error("done"));
+      deadline.abort(DONE);
       if (!slot.deferred) slot.release();
     }
   }
@@ -338,7 +341,7 @@ class SshExecutorImpl implements SshExecutor {
           : new SshError("ssh.closed", `${socketPath} on ${this.name}: ${errMessage(err)}`),
       );
     } finally {
-      deadline.abort(new Error("done"));
+      deadline.abort(DONE);
       slot.release();
     }
   }
@@ -522,7 +525,7 @@ class SshExecutorImpl implements SshExecutor {
         },
       );
     } finally {
-      deadline.abort(new Error("done"));
+      deadline.abort(DONE);
     }
     const found = result.stdout.toString("utf8").replace(/\n$/, "");
     if (result.exitCode === 0 && constantTimeEqual(found, this.opts.expectedSecret)) return;
@@ -663,8 +666,10 @@ class SshExecutorImpl implements SshExecutor {
       if (opened.closed) onClose();
       else channel.once("close", onClose);
 
+      // A command that has already finished (exit and close in one read) has a destroyed channel: ending it
+      // again would only build an error nobody reads.
       if (stdin === undefined) {
-        channel.end();
+        if (!channel.destroyed && !channel.writableEnded) channel.end();
       } else if (typeof stdin === "string" || Buffer.isBuffer(stdin)) {
         channel.end(stdin);
       } else {
