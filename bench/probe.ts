@@ -12,8 +12,9 @@
  * its connect limits from the config) against stub VMs served by real SSH servers (embedded ssh2), which run
  * in a child process so that their work and memory are not the dispatcher's. Timed: the first round (every
  * connection set up: TCP, key exchange, authentication, identity check, then the boot probe as above), a round
- * of `--list` probes over the open connections at once, the same probes one at a time, and one plain SSH exec
- * round trip of the same `--list` command on one raw ssh2 connection, with the ratios.
+ * of `--list` probes over the open connections at once, the same probes one at a time, the executor alone, and,
+ * without the dispatcher, one plain SSH exec round trip of the same `--list` on one raw ssh2 connection and the
+ * same command on raw connections to every server at once, with the ratios.
  *
  * Prints the dispatcher's RSS (and the memory per connected instance). BENCH_CPU_PROF=DIR writes a CPU profile of
  * phase 2's dispatcher process into DIR. Targets (issue 21): 10,000 instances
@@ -251,6 +252,47 @@ async function request<T>(child: ChildProcess, message: unknown, key: string): P
   return answer;
 }
 
+/** A raw ssh2 connection (TCP_NODELAY, as the executor sets). */
+async function plainClient(address: string, key: string): Promise<ssh2.Client> {
+  const i = address.lastIndexOf(":");
+  const client = new ssh2.Client();
+  await new Promise<void>((ok, fail) => {
+    client.once("ready", ok).once("error", fail);
+    client.connect({
+      host: address.slice(0, i),
+      port: Number(address.slice(i + 1)),
+      username: "root",
+      privateKey: key,
+      hostVerifier: () => true,
+    });
+    client.setNoDelay(true);
+  });
+  return client;
+}
+
+function plainExec(client: ssh2.Client, command: string): Promise<void> {
+  return new Promise<void>((ok, fail) =>
+    client.exec(command, (err, ch) => {
+      if (err) return fail(err);
+      ch.on("close", () => ok()).resume();
+      ch.stderr.resume();
+    }),
+  );
+}
+
+/** Raw ssh2 connections to every address (set up 32 at a time), then one `command` on each, all at once. */
+async function plainRound(addresses: string[], key: string, command: string): Promise<number> {
+  const clients: ssh2.Client[] = [];
+  for (let i = 0; i < addresses.length; i += 32) {
+    clients.push(...(await Promise.all(addresses.slice(i, i + 32).map((a) => plainClient(a, key)))));
+  }
+  const t = performance.now();
+  await Promise.all(clients.map((c) => plainExec(c, command)));
+  const took = performance.now() - t;
+  for (const c of clients) c.end();
+  return took;
+}
+
 /** One plain exec round trip of `command` on one raw ssh2 connection (TCP_NODELAY, as the executor does). */
 async function plainRoundTrips(address: string, key: string, command: string, n: number): Promise<number[]> {
   const i = address.lastIndexOf(":");
@@ -365,14 +407,39 @@ async function sshPhase(n: number): Promise<void> {
     const listCommand = runnerCommands(fleet.config.cloud.deployRunnerDirectory, runner.sha256).list;
     const plain = await plainRoundTrips(vms[0]!.address, key.privateKey, listCommand, 200);
     const plainP50 = median(plain);
+    // The executor alone: the same command, one at a time, on one instance's open connection.
+    const one = sshConnector({ privateKey: key.privateKey, sshPort: 22, logger, clock: systemClock })(
+      { id: vms[1]!.id, address: vms[1]!.address, remoteUser: "root" },
+      vms[1]!.tags[`${fleet.config.cloud.tagKeyPrefix}InstanceSecret`] ?? "",
+    );
+    await one.connect();
+    const viaExecutor: number[] = [];
+    for (let i = 0; i < 200; i++) {
+      const t = performance.now();
+      await one.execute(listCommand);
+      viaExecutor.push(performance.now() - t);
+    }
+    await one.close();
+    // The same round without the dispatcher: raw ssh2 connections to every server, one --list on each at once.
+    const plainAll = await plainRound(
+      vms.map((vm) => vm.address),
+      key.privateKey,
+      listCommand,
+    );
     say(`  one probe at a time (${seqCount}): median ${ms(median(seq))}, p99 ${ms(p99(seq))}`);
+    say(`  the SSH executor alone, one --list at a time: median ${ms(median(viaExecutor))}`);
     say(
       `  one plain SSH exec round trip of the same --list (raw ssh2, same run): median ${ms(plainP50)}, ` +
         `p99 ${ms(p99(plain))}`,
     );
     say(
+      `  plain ssh2 without the dispatcher, the same --list on ${n} connections at once: ${sec(plainAll)} ` +
+        `(${ms(plainAll / n)} per exec)`,
+    );
+    say(
       `  per-probe cost / plain round trip: ${(rounds.all / n / plainP50).toFixed(2)} at once (round time / ${n}), ` +
-        `${(median(seq) / plainP50).toFixed(2)} one at a time (target: within 2x)`,
+        `${(median(seq) / plainP50).toFixed(2)} one at a time (target: within 2x); at once against plain ssh2 at ` +
+        `once: ${(rounds.all / plainAll).toFixed(2)}`,
     );
     const childRss = await request<number>(child, { rss: true }, "rss");
     say(
