@@ -70,7 +70,10 @@ export interface WorkerPool {
   stop(): Promise<void>;
   /** Lists the cloud: adds unknown instances, forgets disappeared ones (event), re-destroys shutdown ones. */
   syncOnce(): Promise<void>;
-  /** Probes every due worker (within maxProbesPerSecond and maxConcurrentProbes), then applies the shutdown rules and kill repeats. */
+  /**
+   * Probes every due worker (within maxProbesPerSecond and maxConcurrentProbes), then applies the shutdown rules
+   * and kill repeats.
+   */
   probeOnce(): Promise<void>;
   workers(): readonly WorkerView[];
   /** A worker by id; a placeholder's old id still finds the instance it became. */
