@@ -38,8 +38,6 @@ export interface ProbeScheduler {
   probeNow(w: Worker): void;
   /** A worker's scheduling state, for the pool's views. */
   probing(w: Worker): boolean;
-  /** Probes counted against maxConcurrentProbes now, waiting for a slot, the most ever counted, and slow ones. */
-  stats(): { running: number; waiting: number; peak: number; slow: number };
 }
 
 export function createProbeScheduler(opts: {
@@ -159,6 +157,5 @@ export function createProbeScheduler(opts: {
       startWanted(w, now);
     },
     probing: (w) => stateOf(w).probing,
-    stats: () => ({ running: slots.active, waiting: slots.waiting, peak: slots.peak, slow: slots.slow }),
   };
 }
