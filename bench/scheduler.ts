@@ -17,13 +17,8 @@
 
 import { pino } from "pino";
 import { Registry } from "prom-client";
-import { createDefaultRegistry, openInstanceSet } from "../cloud-drivers/registry.ts";
-import { mulberry32, StubCloud } from "../cloud-drivers/stub/driver.ts";
+import { mulberry32 } from "../cloud-drivers/stub/driver.ts";
 import type { InstanceType } from "../cloud-drivers/types.ts";
-import { parseConfig } from "../config/load.ts";
-import type { Config } from "../config/schema.ts";
-import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
-import { initScript, instanceTags, newInstanceSecret } from "../dispatcher/pool/bootstrap.ts";
 import { createWorkerPool } from "../dispatcher/pool/pool.ts";
 import { createBundleTransitions } from "../dispatcher/queue/transitions.ts";
 import { artifactOf } from "../dispatcher/runner-artifact.ts";
@@ -32,50 +27,17 @@ import { createScheduler } from "../dispatcher/scheduler/scheduler.ts";
 import type { QueueView } from "../dispatcher/types.ts";
 import type { Db } from "../store/db.ts";
 import type { BundleRow } from "../store/queries.ts";
-import type { Bundle, BundleResources, BundleState } from "../store/types.ts";
+import type { Bundle, BundleResources } from "../store/types.ts";
 import { FakeClock } from "../test/fake-clock.ts";
 import { MemoryQueue } from "../test/stub-pool.ts";
+import { benchBundle, benchConfig, benchEpoch, nullDb, openStubFleet } from "./stub-fleet.ts";
 
 const BUNDLES = Number(process.env["BENCH_BUNDLES"] ?? 100_000);
 const INSTANCES = Number(process.env["BENCH_INSTANCES"] ?? 10_000);
 const PASSES = Number(process.env["BENCH_PASSES"] ?? 20);
 const GiB = 2 ** 30;
 
-const config = (() => {
-  const { config, problems } = parseConfig(`clusterId: bench
-dataDir: /nonexistent
-dispatcher: {reserveExtraRam: 256MiB, maximumPriceFactor: 1.5}
-cloud:
-  driver: stub
-  maxInstances: ${INSTANCES}
-  maxProbesPerSecond: 0
-  maxCloudOpsPerSecond: 0
-  maxConcurrentInstanceCreateOps: 4
-  deployPublicKey: false
-instanceTypes:
-  c2: {vcpus: 2, ram: 4GiB, includedScratch: 50GiB, price: 0.08}
-  c4: {vcpus: 4, ram: 8GiB, includedScratch: 100GiB, price: 0.16}
-  c8: {vcpus: 8, ram: 16GiB, includedScratch: 200GiB, price: 0.32}
-  m8: {vcpus: 8, ram: 64GiB, includedScratch: 200GiB, price: 0.5}
-  m16: {vcpus: 16, ram: 128GiB, includedScratch: 400GiB, price: 1.0}
-  m32: {vcpus: 32, ram: 256GiB, includedScratch: 800GiB, price: 2.0}
-  g1: {vcpus: 8, ram: 32GiB, includedScratch: 200GiB, price: 1.2, gpu: {stack: cuda, driverVersion: "12.4", hardwareTarget: "8.0", deviceCount: 1, vram: 24GiB}}
-  g4: {vcpus: 32, ram: 128GiB, includedScratch: 800GiB, price: 4.5, gpu: {stack: cuda, driverVersion: "12.4", hardwareTarget: "8.0", deviceCount: 4, vram: 24GiB}}
-  r2: {vcpus: 16, ram: 64GiB, includedScratch: 400GiB, price: 3.0, gpu: {stack: rocm, driverVersion: "6.1", hardwareTarget: "gfx90a", deviceCount: 2, vram: 64GiB}}
-`);
-  if (config === undefined) throw new Error(problems.map((p) => `${p.path}: ${p.message}`).join("; "));
-  return config;
-})();
-
-/** Answers every statement with no rows: no database work anywhere near the timed passes. */
-const nullDb: Db = {
-  kind: "pglite",
-  query: async () => ({ rows: [], rowCount: 0 }),
-  transaction: async (fn) => fn(nullDb),
-  listen: async () => async () => {},
-  tryAdvisoryLock: async () => null,
-  close: async () => {},
-};
+const config = benchConfig(INSTANCES, { maxProbesPerSecond: 0 });
 
 /**
  * The pool's Db. With `accept` off it refuses every start (nullDb); with it on, the start transition
@@ -196,51 +158,8 @@ function pickShape(r: () => number): BundleResources {
   return SHAPES[0]!.resources;
 }
 
-const epoch = Date.UTC(2026, 0, 1);
-let serial = 0;
-
-function bundle(
-  state: BundleState,
-  resources: BundleResources,
-  priority: number,
-  extra: Partial<Bundle> = {},
-): Bundle {
-  const n = serial++;
-  const created = new Date(epoch - 3_600_000 + n);
-  return {
-    uuid: `bench-bndl-${n.toString(36).padStart(15, "0")}`,
-    ownerUuid: "bench-user-000000000000000",
-    name: `bench ${n}`,
-    command: ["true"],
-    image: "busybox",
-    env: {},
-    resources,
-    preemptible: false,
-    priority,
-    limits: { time: null, disk: null, network: true },
-    dependencies: [],
-    allowFailedDependencies: false,
-    maxAttempts: 3,
-    attempt: state === "staged" ? 0 : 1,
-    state,
-    stateReason: null,
-    schedulingStatus: null,
-    instanceId: null,
-    instanceType: null,
-    gpuDevices: [],
-    exitCode: null,
-    resourceUsage: null,
-    costDollars: null,
-    changeSeq: n + 1,
-    createdAt: created,
-    updatedAt: created,
-    stagedAt: created,
-    startingAt: null,
-    runningAt: null,
-    finishedAt: null,
-    ...extra,
-  };
-}
+const epoch = benchEpoch;
+const bundle = benchBundle;
 
 function percentile(sorted: number[], p: number): number {
   return sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))] ?? Number.NaN;
@@ -251,15 +170,8 @@ async function main(): Promise<void> {
   const logger = pino({ level: "silent" });
   const clock = new FakeClock(epoch);
   const r = rng(2026);
-  const types = instanceTypesFromConfig(config);
-  const cloud = new StubCloud({ clock, seed: 1, callLogLimit: 1000 });
-  const cfg = { ...config, cloud: { ...config.cloud, driverParameters: { cloud } } } as Config;
-  const instanceSet = await openInstanceSet(cfg, {
-    drivers: createDefaultRegistry(),
-    logger,
-    clock,
-    registry: new Registry(),
-  });
+  const fleet = await openStubFleet(config, { clock, logger });
+  const { cloud, instanceSet, types, config: cfg } = fleet;
   // Stub instances never run what is deployed: any bytes will do.
   const runner = artifactOf(Buffer.from("#!/bin/sh\nexit 0\n"));
   const queue = new MemoryQueue();
@@ -281,16 +193,7 @@ async function main(): Promise<void> {
   let running = 0;
   for (let i = 0; i < INSTANCES; i++) {
     const type = pickType();
-    const secret = newInstanceSecret();
-    const inst = await instanceSet.create(
-      type,
-      "img",
-      instanceTags(config, type.name, "run", secret),
-      initScript(secret, ""),
-      "",
-    );
-    const vm = cloud.vm(inst.id);
-    if (vm === undefined) throw new Error("stub VM missing");
+    const vm = await fleet.createVm(type);
     const roll = r();
     if (roll < 0.05) {
       vm.bootAt = Number.POSITIVE_INFINITY;

@@ -353,7 +353,26 @@ const Cloud = Section("Cloud instances: driver, limits and timeouts.", {
     "Command whose exit status 0 means an instance has finished booting (`true` suits the local driver; use e.g. `systemctl is-system-running` on real VMs).",
   ),
   probeInterval: Duration("10s", "Minimum time between two probes of one instance.", { positive: true }),
-  maxProbesPerSecond: Int(10, "Probes started per second across all instances; 0 = unlimited.", 0),
+  maxProbesPerSecond: Int(
+    0,
+    "Operator's cap on probes started per second across all instances; 0 = no cap beyond maxConcurrentProbes and the SSH connection limits.",
+    0,
+  ),
+  maxConcurrentProbes: Int(
+    256,
+    "Probes running at once across all instances, on connections already open (a probe waiting for its SSH connection does not count; one running longer than 5s stops counting, so hung instances never hold up the others); 0 = unlimited.",
+    0,
+  ),
+  maxSshConnectsPerSecond: Int(
+    50,
+    "New SSH connections (TCP, key exchange, authentication, identity check) started per second across all instances; paced apart from probes on open connections. 0 = unlimited.",
+    0,
+  ),
+  maxConcurrentSshConnects: Int(
+    32,
+    "SSH connections being set up at once across all instances (one taking longer than 5s stops counting, so unreachable instances never hold up the others); 0 = unlimited.",
+    0,
+  ),
   timeoutSignal: Duration("5s", "Time between repeated SIGTERMs to a bundle being killed."),
   timeoutStaleRunLock: Duration(
     "5s",

@@ -33,7 +33,7 @@ import type { RunnerArtifact } from "./runner-artifact.ts";
 export type { RunnerArtifact } from "./runner-artifact.ts";
 
 import { createScheduler, type Scheduler } from "./scheduler/scheduler.ts";
-import { sshConnector } from "./sshexec/executor.ts";
+import { createConnectLimits, sshConnector } from "./sshexec/executor.ts";
 import { createSync, type Sync } from "./sync.ts";
 
 /** How often a standby tries to take the lock. */
@@ -179,6 +179,11 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
       sshPort: config.cloud.sshPort,
       logger: opts.logger,
       clock,
+      connectLimits: createConnectLimits({
+        maxPerSecond: config.cloud.maxSshConnectsPerSecond,
+        maxConcurrent: config.cloud.maxConcurrentSshConnects,
+        clock,
+      }),
     });
     return { connect, publicKey: key.publicKey };
   };

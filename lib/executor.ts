@@ -28,6 +28,12 @@ export interface Executor {
    * without it makes the pool start runners with `crunch-run --detach` only.
    */
   exchange?(socketPath: string, payload: string, opts?: { timeoutMs?: number }): Promise<Buffer>;
+  /**
+   * Opens the connection now if it is not open (and proves the instance's identity); resolves once commands can
+   * be sent without a handshake. Optional: an executor without it has nothing to set up. A caller that waits
+   * here holds nothing else (the pool takes a probe slot only after it).
+   */
+  connect?(): Promise<void>;
   close(): Promise<void>;
 }
 

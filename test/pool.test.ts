@@ -11,15 +11,22 @@ import type { StubVm } from "../cloud-drivers/stub/vm.ts";
 import { type Instance, type InstanceSet, type InstanceType, TAG } from "../cloud-drivers/types.ts";
 import { defaultConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
-import { createWorkerPool, LIST_GRACE_MS, type PoolEvent, type WorkerPool } from "../dispatcher/pool/pool.ts";
+import {
+  createWorkerPool,
+  LIST_GRACE_MS,
+  type PoolEvent,
+  PROBE_COUNTS_FOR_MS,
+  type WorkerPool,
+} from "../dispatcher/pool/pool.ts";
 import type { QueueView } from "../dispatcher/types.ts";
+import type { Executor } from "../lib/executor.ts";
 import { hashToken } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { findBundleByRunnerTokenHash, getBundle, listEvents } from "../store/queries.ts";
 import { requeueStarting, stageBundle } from "../store/transitions.ts";
 import type { Bundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, openTestDb, type TestDb } from "./db.ts";
-import { FakeClock } from "./fake-clock.ts";
+import { FakeClock, flushMicrotasks } from "./fake-clock.ts";
 import { GiB, instanceType, silentLogger } from "./fixtures.ts";
 
 const SEC = 1000;
@@ -84,6 +91,8 @@ function harness(
     reuse?: { clock: FakeClock; cloud: StubCloud };
     types?: readonly InstanceType[];
     instanceSet?: (set: InstanceSet) => InstanceSet;
+    /** Wraps each executor the pool opens (to watch or delay what it does). */
+    executor?: (exec: Executor, instance: Instance) => Executor;
   } = {},
 ): Harness {
   const clock = opts.reuse?.clock ?? new FakeClock();
@@ -101,7 +110,10 @@ function harness(
     logger: silentLogger,
     registry,
     queue,
-    connect: (instance: Instance, secret: string) => cloud.executorFor(instance, { expectedSecret: secret }),
+    connect: (instance: Instance, secret: string) => {
+      const exec = cloud.executorFor(instance, { expectedSecret: secret });
+      return opts.executor ? opts.executor(exec, instance) : exec;
+    },
     runner: RUNNER,
     runnerApiUrl: API_URL,
     dispatcherPublicKey: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPoolTestKey pool@test",
@@ -275,6 +287,92 @@ describe("pool: create, boot, deploy", () => {
     expect(lists()).toBe(3);
     await h.tick(10 * SEC);
     expect(lists()).toBeGreaterThan(3);
+  });
+
+  it("starts every due probe at once when maxProbesPerSecond is 0 (the default)", async () => {
+    const h = harness(db);
+    expect(h.config.cloud.maxProbesPerSecond).toBe(0);
+    for (let i = 0; i < 5; i++) {
+      expect(h.pool.create(SMALL).ok).toBe(true);
+      await h.pool.settled();
+    }
+    await h.pool.probeOnce();
+    expect(h.commands.filter((c) => c.command.endsWith("--list"))).toHaveLength(5);
+  });
+
+  it("runs at most maxConcurrentProbes at once; a hung instance holds its slot for PROBE_COUNTS_FOR_MS only", async () => {
+    let running = 0;
+    let peak = 0;
+    const started: string[] = [];
+    const h = harness(db, {
+      cloud: { maxConcurrentProbes: 2 },
+      executor: (exec, instance) => ({
+        async execute(command, opts) {
+          started.push(`${instance.id} ${command.endsWith("--list") ? "--list" : command}`);
+          running++;
+          peak = Math.max(peak, running);
+          try {
+            return await exec.execute(command, opts);
+          } finally {
+            running--;
+          }
+        },
+        close: () => exec.close(),
+      }),
+    });
+    const ids = await h.ready(SMALL, 5);
+    expect(peak).toBeLessThanOrEqual(2);
+    const [hung1, hung2, ...others] = ids as [string, string, ...string[]];
+    h.vmOf(hung1).commandDelay = Number.POSITIVE_INFINITY;
+    h.vmOf(hung2).commandDelay = Number.POSITIVE_INFINITY;
+    await h.clock.advance(11 * SEC);
+    const hungSince = h.pool.worker(hung1)?.probedAt;
+    started.length = 0;
+    peak = 0;
+    const round = h.pool.probeOnce();
+    await flushMicrotasks();
+    // The two hung instances hold both slots: nobody else has started.
+    expect(started.sort()).toEqual([`${hung1} --list`, `${hung2} --list`].sort());
+    expect(running).toBe(2);
+    // Past PROBE_COUNTS_FOR_MS they stop counting: the others are probed while the hung ones still hang.
+    await h.clock.advance(PROBE_COUNTS_FOR_MS);
+    for (const id of others) expect(started).toContain(`${id} --list`);
+    for (const id of others) expect(h.pool.worker(id)?.probedAt).toBe(h.clock.now());
+    expect(running).toBe(2);
+    // The hung probes end with their command's timeout, as failures.
+    await h.clock.advance(60 * SEC);
+    await round;
+    expect(h.pool.worker(hung1)?.probedAt).toBe(hungSince);
+    expect(peak).toBe(4);
+  });
+
+  it("takes a probe slot only once the instance's connection is up: a slow handshake holds up nobody", async () => {
+    const handshakes = new Map<string, () => void>();
+    const h = harness(db, {
+      cloud: { maxConcurrentProbes: 1 },
+      executor: (exec, instance) => ({
+        execute: (command, opts) => exec.execute(command, opts),
+        // A connection that is set up only when the test says so (the stub executor has nothing to set up).
+        connect: () =>
+          handshakes.has(instance.id)
+            ? new Promise<void>((resolve) => handshakes.set(instance.id, resolve))
+            : Promise.resolve(),
+        close: () => exec.close(),
+      }),
+    });
+    const ids = await h.ready(SMALL, 3);
+    const [slow, ...others] = ids as [string, ...string[]];
+    // The slow one's connection dropped: its next probe waits for a new handshake.
+    handshakes.set(slow, () => {});
+    await h.clock.advance(11 * SEC);
+    const before = new Map(ids.map((id) => [id, h.pool.worker(id)?.probedAt]));
+    const round = h.pool.probeOnce();
+    await flushMicrotasks();
+    for (const id of others) expect(h.pool.worker(id)?.probedAt).not.toBe(before.get(id));
+    expect(h.pool.worker(slow)?.probedAt).toBe(before.get(slow));
+    handshakes.get(slow)?.();
+    await round;
+    expect(h.pool.worker(slow)?.probedAt).not.toBe(before.get(slow));
   });
 
   it("keeps an instance booting while it does not answer, has no secret yet, or fails the boot probe", async () => {

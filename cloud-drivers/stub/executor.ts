@@ -139,8 +139,9 @@ class Run {
       write(io.stderr, "stub: cannot fork: resource temporarily unavailable\n");
       return 2;
     }
-    if (command.trim() === this.host.knobs.bootProbeCommand.trim()) return this.bootProbe();
     try {
+      if (this.vm.commandDelay > 0) await this.sleep(this.vm.commandDelay);
+      if (command.trim() === this.host.knobs.bootProbeCommand.trim()) return this.bootProbe();
       return await this.script(command, io);
     } catch (err) {
       if (err instanceof TimeoutSignal) {

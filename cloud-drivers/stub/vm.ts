@@ -86,6 +86,11 @@ export class StubVm extends EventEmitter<StubVmEvents> {
   commandsFail = false;
   /** SSH answers but the boot probe never passes. */
   neverBoot = false;
+  /**
+   * Every command waits this long (on the cloud's clock) before it runs; Infinity: it never answers, and only the
+   * caller's timeout ends it (ssh.timeout), as a hung instance does.
+   */
+  commandDelay = 0;
   /** The runner cannot be installed (writes to crunch-run* paths fail) and is never found. */
   runnerMissing = false;
   /**

@@ -34,7 +34,7 @@ import { BOOTING, Worker, type WorkerContext } from "./worker.ts";
 
 export type { PoolEvent } from "../types.ts";
 export { CAPACITY_BLOCK_MS, QUOTA_BLOCK_MS, RUNNER_BLOCK_MAX_MS, RUNNER_BLOCK_MS } from "./create-gate.ts";
-export { IMMEDIATE_PROBE_MS } from "./probes.ts";
+export { IMMEDIATE_PROBE_MS, PROBE_COUNTS_FOR_MS } from "./probes.ts";
 export { spotCheckIntervalMs } from "./remote-runner.ts";
 export { RUNNER_FAILURE_TRIES } from "./worker.ts";
 
@@ -70,7 +70,10 @@ export interface WorkerPool {
   stop(): Promise<void>;
   /** Lists the cloud: adds unknown instances, forgets disappeared ones (event), re-destroys shutdown ones. */
   syncOnce(): Promise<void>;
-  /** Probes every due worker (within maxProbesPerSecond), then applies the shutdown rules and kill repeats. */
+  /**
+   * Probes every due worker (within maxProbesPerSecond and maxConcurrentProbes), then applies the shutdown rules
+   * and kill repeats.
+   */
   probeOnce(): Promise<void>;
   workers(): readonly WorkerView[];
   /** A worker by id; a placeholder's old id still finds the instance it became. */

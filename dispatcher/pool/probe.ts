@@ -126,7 +126,7 @@ export async function probeBooting(
     }
     return { ok: true, listed, listSentAt, deployed, booted };
   } catch (err) {
-    return failure(err, answered);
+    return probeFailure(err, answered);
   }
 }
 
@@ -152,11 +152,12 @@ export async function probeList(t: ProbeTarget): Promise<ProbeResult> {
       booted: true,
     };
   } catch (err) {
-    return failure(err, false);
+    return probeFailure(err, false);
   }
 }
 
-function failure(err: unknown, answered: boolean): ProbeResult {
+/** A probe that ended in `err` (a stage's failure, or the executor's error: connect, timeout, mismatch). */
+export function probeFailure(err: unknown, answered: boolean): ProbeResult {
   if (err instanceof StageFailed)
     return { ok: false, stage: err.stage, message: err.message, answered, mismatch: false };
   const code = (err as { code?: unknown }).code;

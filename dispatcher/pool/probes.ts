@@ -1,12 +1,20 @@
 /**
  * When each worker is probed (dispatcher/README.md "Instance states"): every probeInterval (+ up to 10 % jitter,
- * so probes spread out) per worker, at most maxProbesPerSecond pool-wide (a token bucket), one at a time per
- * worker; and at once when asked (probeNow: at most once a second per worker, repeated while the worker still
- * lists a runner whose bundle is staged again, for up to a minute). The probe itself is the worker's.
+ * so probes spread out) per worker, one at a time per worker; and at once when asked (probeNow: at most once a
+ * second per worker, repeated while the worker still lists a runner whose bundle is staged again, for up to a
+ * minute). Every due probe starts at once, unless the operator capped them with maxProbesPerSecond (a token
+ * bucket); what bounds the work is maxConcurrentProbes, a pool-wide limit on probes running on open connections
+ * (the worker takes a slot once its connection is up, so probes never wait behind SSH handshakes, which the
+ * executor paces on its own). A probe counts for at most PROBE_COUNTS_FOR_MS: a hung instance keeps its probe
+ * (until the command's timeout) but not its slot. The probe itself is the worker's.
  */
 import type { Config } from "../../config/schema.ts";
 import type { Clock } from "../../lib/clock.ts";
+import { ConcurrencyLimit } from "../../lib/limits.ts";
 import type { Worker } from "./worker.ts";
+
+/** How long one probe counts against maxConcurrentProbes; past it, it runs on without a slot. */
+export const PROBE_COUNTS_FOR_MS = 5000;
 
 /** probeNow: at most one immediate probe per worker per this long, repeated for at most IMMEDIATE_WINDOW_MS. */
 export const IMMEDIATE_PROBE_MS = 1000;
@@ -44,6 +52,11 @@ export function createProbeScheduler(opts: {
   const wanted = new Set<Worker>();
   let tokens = cloud.maxProbesPerSecond;
   let tokensAt = clock.now();
+  const slots = new ConcurrencyLimit({
+    max: cloud.maxConcurrentProbes,
+    countForMs: PROBE_COUNTS_FOR_MS,
+    clock,
+  });
 
   const stateOf = (w: Worker): ProbeState => {
     let s = states.get(w);
@@ -110,7 +123,7 @@ export function createProbeScheduler(opts: {
     const s = stateOf(w);
     s.probing = true;
     s.nextAt = now + cloud.probeInterval + jitter(w.id);
-    const run = w.probe().finally(() => {
+    const run = w.probe(slots).finally(() => {
       s.probing = false;
       rewant(w);
       // Asked for while this probe ran (its --list may predate the requeue): the next one now, if allowed.

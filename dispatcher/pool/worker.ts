@@ -6,6 +6,7 @@
  */
 import type { Instance, InstanceType } from "../../cloud-drivers/types.ts";
 import type { Executor } from "../../lib/executor.ts";
+import type { Permit } from "../../lib/limits.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { formatDuration } from "../../lib/units.ts";
 import type { Bundle } from "../../store/types.ts";
@@ -13,7 +14,7 @@ import type { IdleBehavior, WorkerState, WorkerView } from "../types.ts";
 import { instanceTags } from "./bootstrap.ts";
 import type { WorkerContext } from "./context.ts";
 import type { BootOutcome } from "./metrics.ts";
-import { type ProbeResult, probeBooting, probeList } from "./probe.ts";
+import { type ProbeResult, probeBooting, probeFailure, probeList } from "./probe.ts";
 import { RemoteRunner, reconcileRunners, sendKill } from "./remote-runner.ts";
 
 export type { WorkerContext } from "./context.ts";
@@ -303,15 +304,34 @@ export class Worker implements WorkerView {
 
   // --- probes ---------------------------------------------------------------------------------------------
 
-  /** One probe (in the worker's chain): the boot probe and deployment while booting, else `--list`. */
-  probe(): Promise<void> {
+  /**
+   * One probe (in the worker's chain): the boot probe and deployment while booting, else `--list`. The
+   * connection is opened first (the executor paces handshakes), then the probe's commands run in a slot of
+   * `slots` (the pool's maxConcurrentProbes), if given.
+   */
+  probe(slots?: { acquire(): Promise<Permit> }): Promise<void> {
     return this.exclusive(async () => {
       if (this.gone) return;
-      const booting = BOOTING.has(this.state);
       let result: ProbeResult;
+      let booting = BOOTING.has(this.state);
+      let permit: Permit | null = null;
       try {
+        const exec = this.executor();
+        if (exec.connect !== undefined) {
+          try {
+            await exec.connect();
+          } catch (err) {
+            result = probeFailure(err, false);
+            this.applyProbe(booting, result);
+            return;
+          }
+          if (this.gone) return;
+        }
+        permit = (await slots?.acquire()) ?? null;
+        if (this.gone) return;
+        booting = BOOTING.has(this.state);
         const target = {
-          exec: this.executor(),
+          exec,
           cmds: this.ctx.cmds,
           runner: this.ctx.runner,
           bootProbeCommand: this.ctx.config.cloud.bootProbeCommand,
@@ -325,6 +345,8 @@ export class Worker implements WorkerView {
           : await probeList(target);
       } catch (err) {
         result = { ok: false, stage: "connect", message: String(err), answered: false, mismatch: false };
+      } finally {
+        permit?.release();
       }
       this.applyProbe(booting, result);
     });

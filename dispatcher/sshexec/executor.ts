@@ -9,6 +9,7 @@ import type { Readable } from "node:stream";
 import ssh2, { type Client as SshClient } from "ssh2";
 import type { Clock } from "../../lib/clock.ts";
 import { type ExecOptions, type ExecResult, type Executor, SshError } from "../../lib/executor.ts";
+import { ConcurrencyLimit, type Permit, RateLimit } from "../../lib/limits.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { INSTANCE_SECRET_SHELL_PATH } from "../../lib/runner-protocol.ts";
 import { constantTimeEqual } from "../../lib/tokens.ts";
@@ -37,6 +38,9 @@ export { SshError } from "../../lib/executor.ts";
 
 // ssh2 is CommonJS: Node's ESM loader only gives its default export.
 const { Client, utils } = ssh2;
+
+/** The reason a finished command's deadline is cancelled with (one object: an Error per command costs a stack). */
+const DONE = new Error("done");
 
 /** Reads the instance's secret; run first on every new connection, before anything else is sent. */
 export const IDENTITY_COMMAND = `cat ${INSTANCE_SECRET_SHELL_PATH}`;
@@ -67,6 +71,12 @@ export interface SshExecutorOptions {
   channelRetryMs?: number;
   /** SSH keepalive interval; three missed replies drop the connection (default 15 s; 0 disables). */
   keepaliveIntervalMs?: number;
+  /**
+   * Limits shared by the executors of many instances on setting up connections (TCP, key exchange,
+   * authentication, identity check): each connect attempt waits for its turn here, after its back-off. Commands
+   * on an open connection never wait here. Absent: no limit.
+   */
+  connectLimits?: ConnectLimits;
   logger: Logger;
   clock: Clock;
 }
@@ -91,21 +101,62 @@ export interface SshExecutorStats {
 }
 
 export interface SshExecutor extends Executor {
+  connect(): Promise<void>;
   execute(command: string, opts?: ExecOptions): Promise<SshExecResult>;
   exchange(socketPath: string, payload: string, opts?: { timeoutMs?: number }): Promise<Buffer>;
   stats(): SshExecutorStats;
 }
 
-/** Creates an executor for one instance: one lazily opened, multiplexed SSH connection shared by commands. */
+/**
+ * Connection set-up limits shared by many executors: at most `maxPerSecond` connect attempts start per second
+ * and at most `maxConcurrent` are under way at once (one slower than CONNECT_COUNTS_FOR_MS stops counting, so an
+ * unreachable instance never holds up the others); 0 = no limit.
+ */
+export interface ConnectLimits {
+  /** Waits for a connect attempt's turn; release the permit when the attempt has ended either way. */
+  acquire(signal: AbortSignal): Promise<Permit>;
+  stats(): { connecting: number; waiting: number; peak: number; slow: number };
+}
+
+/** How long one connect attempt counts against maxConcurrent; past it, it goes on without a slot. */
+export const CONNECT_COUNTS_FOR_MS = 5000;
+
+export function createConnectLimits(opts: {
+  maxPerSecond: number;
+  maxConcurrent: number;
+  clock: Clock;
+}): ConnectLimits {
+  const rate = new RateLimit(opts.maxPerSecond, opts.clock);
+  const slots = new ConcurrencyLimit({
+    max: opts.maxConcurrent,
+    countForMs: CONNECT_COUNTS_FOR_MS,
+    clock: opts.clock,
+  });
+  return {
+    async acquire(signal) {
+      const permit = await slots.acquire(signal);
+      try {
+        await rate.take(signal);
+      } catch (err) {
+        permit.release();
+        throw err;
+      }
+      return permit;
+    },
+    stats: () => ({ connecting: slots.active, waiting: slots.waiting, peak: slots.peak, slow: slots.slow }),
+  };
+}
+
 /**
  * The executor factory the dispatcher and cloudtest use: one executor per instance, as its remote user, with
- * the dispatcher's key, proving the instance's secret before anything else.
+ * the dispatcher's key, proving the instance's secret before anything else; `connectLimits` shared by all.
  */
 export function sshConnector(opts: {
   privateKey: string;
   sshPort: number;
   logger: Logger;
   clock: Clock;
+  connectLimits?: ConnectLimits;
 }): (instance: { id: string; address: string; remoteUser: string }, expectedSecret: string) => SshExecutor {
   return (instance, expectedSecret) =>
     createSshExecutor({
@@ -116,8 +167,11 @@ export function sshConnector(opts: {
       defaultPort: opts.sshPort,
       logger: opts.logger.child({ component: "sshexec", instanceId: instance.id }),
       clock: opts.clock,
+      ...(opts.connectLimits === undefined ? {} : { connectLimits: opts.connectLimits }),
     });
 }
+
+/** Creates an executor for one instance: one lazily opened, multiplexed SSH connection shared by commands. */
 
 export function createSshExecutor(opts: SshExecutorOptions): SshExecutor {
   return new SshExecutorImpl(opts);
@@ -195,6 +249,15 @@ class SshExecutorImpl implements SshExecutor {
     };
   }
 
+  async connect(): Promise<void> {
+    this.checkUsable();
+    try {
+      await this.connection();
+    } catch (err) {
+      throw this.noteError(err);
+    }
+  }
+
   async execute(command: string, opts: ExecOptions = {}): Promise<SshExecResult> {
     this.checkUsable();
     // A stdin stream may fail while the command waits for a slot or a channel, before run() pipes it: note
@@ -235,7 +298,7 @@ class SshExecutorImpl implements SshExecutor {
       throw this.noteError(err);
     } finally {
       stdinStream?.off("error", noteStdinError);
-      deadline.abort(new Error("done"));
+      deadline.abort(DONE);
       if (!slot.deferred) slot.release();
     }
   }
@@ -278,7 +341,7 @@ class SshExecutorImpl implements SshExecutor {
           : new SshError("ssh.closed", `${socketPath} on ${this.name}: ${errMessage(err)}`),
       );
     } finally {
-      deadline.abort(new Error("done"));
+      deadline.abort(DONE);
       slot.release();
     }
   }
@@ -318,21 +381,24 @@ class SshExecutorImpl implements SshExecutor {
     if (this.closed) return Promise.reject(this.closedError());
     if (this.conn) return Promise.resolve(this.conn);
     if (!this.connecting) {
-      this.connecting = this.connect().finally(() => {
+      this.connecting = this.establish().finally(() => {
         this.connecting = null;
       });
     }
     return this.connecting;
   }
 
-  private async connect(): Promise<Connection> {
+  private async establish(): Promise<Connection> {
     const wait = this.notBefore - this.clock.now();
     if (wait > 0) {
       this.log.debug({ waitMs: wait }, "waiting before reconnecting");
       await this.clock.sleep(wait, this.closing.signal);
     }
     this.checkUsable();
+    let permit: Permit | null = null;
     try {
+      permit = (await this.opts.connectLimits?.acquire(this.closing.signal)) ?? null;
+      this.checkUsable();
       const client = await this.openClient();
       try {
         await this.verify(client);
@@ -342,6 +408,7 @@ class SshExecutorImpl implements SshExecutor {
         throw err;
       } finally {
         this.pendingClient = null;
+        permit?.release();
       }
       const conn: Connection = { client, running: new Set() };
       client.on("close", () => this.dropped(conn));
@@ -362,6 +429,8 @@ class SshExecutorImpl implements SshExecutor {
         this.log.warn({ err: err.message, failures: this.failures }, "connect failed");
       }
       throw this.noteError(err);
+    } finally {
+      permit?.release();
     }
   }
 
@@ -456,7 +525,7 @@ class SshExecutorImpl implements SshExecutor {
         },
       );
     } finally {
-      deadline.abort(new Error("done"));
+      deadline.abort(DONE);
     }
     const found = result.stdout.toString("utf8").replace(/\n$/, "");
     if (result.exitCode === 0 && constantTimeEqual(found, this.opts.expectedSecret)) return;
@@ -597,8 +666,10 @@ class SshExecutorImpl implements SshExecutor {
       if (opened.closed) onClose();
       else channel.once("close", onClose);
 
+      // A command that has already finished (exit and close in one read) has a destroyed channel: ending it
+      // again would only build an error nobody reads.
       if (stdin === undefined) {
-        channel.end();
+        if (!channel.destroyed && !channel.writableEnded) channel.end();
       } else if (typeof stdin === "string" || Buffer.isBuffer(stdin)) {
         channel.end(stdin);
       } else {

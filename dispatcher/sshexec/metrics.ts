@@ -56,6 +56,8 @@ export function createSshMetrics(registry: Registry, clock: Clock): (connect: Co
         ),
       close: () => inner.close(),
     };
+    const open = inner.connect;
+    if (open !== undefined) wrapped.connect = () => open.call(inner);
     if (exchange !== undefined) {
       wrapped.exchange = (socketPath, payload, opts) =>
         timed(
