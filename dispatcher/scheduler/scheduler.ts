@@ -25,7 +25,7 @@ import type { Config } from "../../config/schema.ts";
 import type { Clock } from "../../lib/clock.ts";
 import type { Logger } from "../../lib/logger.ts";
 import type { Db } from "../../store/db.ts";
-import { setSchedulingStatus } from "../../store/queries.ts";
+import { setSchedulingStatuses } from "../../store/queries.ts";
 import type { Bundle } from "../../store/types.ts";
 import type { QueueChange } from "../queue/queue.ts";
 import type { BundleTransitions } from "../queue/transitions.ts";
@@ -102,6 +102,8 @@ export interface SchedulerOptions {
 
 /** Most statuses a throttled flush writes (head of the queue first); flushStatuses() writes them all. */
 const STATUS_WRITES_PER_FLUSH = 500;
+/** Statuses per UPDATE statement (setSchedulingStatuses). */
+const STATUS_WRITES_PER_STATEMENT = 1000;
 const WRITE_CONCURRENCY = 4;
 /** vCPUs may be fractional: sums of them are compared with this slack. */
 const EPSILON = 1e-9;
@@ -598,16 +600,25 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       if (e.dropped || queue.get(e.uuid)?.state !== "staged") continue;
       todo.push({ e, status, position, reason });
     }
-    await eachLimited(todo, WRITE_CONCURRENCY, async ({ e, status, position, reason }) => {
+    // One statement per STATUS_WRITES_PER_STATEMENT statuses: a flush is a few round trips, not hundreds.
+    for (let from = 0; from < todo.length; from += STATUS_WRITES_PER_STATEMENT) {
+      const part = todo.slice(from, from + STATUS_WRITES_PER_STATEMENT);
       try {
-        await setSchedulingStatus(db, e.uuid, status);
+        await setSchedulingStatuses(
+          db,
+          part.map((t) => t.e.uuid),
+          part.map((t) => t.status),
+        );
+      } catch (err) {
+        log.warn({ err, bundles: part.length }, "cannot write bundles' scheduling statuses");
+        continue;
+      }
+      for (const { e, status, position, reason } of part) {
         e.written = status;
         e.writtenPosition = position;
         e.writtenReason = reason;
-      } catch (err) {
-        log.warn({ err, bundleUuid: e.uuid }, "cannot write a bundle's scheduling status");
       }
-    });
+    }
   }
 
   /** Fails staged bundles that can never run: no type fits them, or their attempts are used up. */
