@@ -12,10 +12,11 @@
  * same reason, so it is not visited; the pass records where that tail starts and at which position, and a tail
  * bundle's sentence is built from that when read or written (its place found by binary search in the order).
  * A worker's room after its runners is kept, recomputed only when its runners change or the queue says one of
- * their bundles changed. Shapes, their demand and eligible types are cached. Statuses are flushed by comparing
- * the position and reason they were built from, so an unchanged sentence is not rebuilt to be compared.
+ * their bundles changed. Shapes, their demand and eligible types are cached. A status flush (every
+ * schedulingStatusInterval) still walks the order, but compares the position and reason a sentence was written
+ * with, so an unchanged sentence is not rebuilt to be compared. `fullPasses` turns the incremental parts off.
  *
- * Why one file of ~850 lines: a pass is one algorithm over shared state (the order, the shapes' cursors, the
+ * Why one file of ~1,100 lines: a pass is one algorithm over shared state (the order, the shapes' cursors, the
  * workers' room), and its cost depends on that state being reused, not rebuilt (bench/scheduler.ts). Fields
  * that hold for one pass are stamped with the pass number instead of living in a per-pass object, so a pass
  * allocates nothing per shape or worker; the sentences are in status.ts, eligibility in eligible.ts.
@@ -359,7 +360,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     return shape;
   }
 
-  /** A staged row: a new entry, or the entry's row replaced (a new or moved entry is returned, to be merged). */
+  /** A staged row: a new entry, or the entry's row replaced (new and moved entries go onto `added`, to be merged). */
   function noteStaged(b: Bundle, added: Entry[]): void {
     let e = entries.get(b.uuid);
     if (e === undefined) {
