@@ -655,6 +655,27 @@ export async function setSchedulingStatus(db: Db, uuid: string, status: string |
   return rowCount > 0;
 }
 
+/**
+ * setSchedulingStatus for many bundles in one statement (uuids[i] gets statuses[i]), with the same rules: only
+ * queued bundles, only when the status changes. Returns how many rows changed.
+ */
+export async function setSchedulingStatuses(
+  db: Db,
+  uuids: readonly string[],
+  statuses: readonly string[],
+): Promise<number> {
+  if (uuids.length !== statuses.length)
+    throw new Error("setSchedulingStatuses: uuids and statuses differ in length");
+  if (uuids.length === 0) return 0;
+  const { rowCount } = await db.query(
+    `UPDATE bundles b SET scheduling_status = w.status
+     FROM unnest($1::text[], $2::text[]) AS w(uuid, status)
+     WHERE b.uuid = w.uuid AND b.state IN ('created', 'staged') AND b.scheduling_status IS DISTINCT FROM w.status`,
+    [uuids, statuses],
+  );
+  return rowCount;
+}
+
 /** Active bundles (staged, starting, running) with uuid > afterUuid, by uuid (the dispatcher queue's full read). */
 export async function activeBundlesPage(db: Db, afterUuid: string, limit: number): Promise<Bundle[]> {
   const { rows } = await db.query<BundleRow>(

@@ -17,6 +17,7 @@ import {
   listEvents,
   maxChangeSeq,
   setSchedulingStatus,
+  setSchedulingStatuses,
 } from "../store/queries.ts";
 import {
   failCreated,
@@ -320,6 +321,30 @@ describeEachDb("store", (getDb) => {
       const running = await bundleIn(db(), owner, "running");
       expect(await setSchedulingStatus(db(), running.uuid, "waiting in queue at position 1")).toBe(false);
       expect((await getBundle(db(), running.uuid))!.schedulingStatus).toBeNull();
+    });
+
+    it("setSchedulingStatuses writes many in one statement, with the same rules", async () => {
+      await setup();
+      const a = await bundleIn(db(), owner, "staged");
+      const b = await bundleIn(db(), owner, "staged");
+      const running = await bundleIn(db(), owner, "running");
+      await setSchedulingStatus(db(), b.uuid, "waiting in queue at position 2: at quota");
+      const b1 = (await getBundle(db(), b.uuid))!;
+      const changed = await setSchedulingStatuses(
+        db(),
+        [a.uuid, b.uuid, running.uuid, testBundleUuid()],
+        ["waiting in queue at position 1: at quota", b1.schedulingStatus!, "late", "unknown"],
+      );
+      // Only a changed: b's status is unchanged, running has left the queue, the last is not a bundle.
+      expect(changed).toBe(1);
+      const a2 = (await getBundle(db(), a.uuid))!;
+      expect(a2.schedulingStatus).toBe("waiting in queue at position 1: at quota");
+      expect(a2.changeSeq).toBeGreaterThan(a.changeSeq);
+      expect((await getBundle(db(), b.uuid))!.changeSeq).toBe(b1.changeSeq);
+      expect((await getBundle(db(), running.uuid))!.schedulingStatus).toBeNull();
+      expect(await listEvents(db(), a.uuid)).toHaveLength(2);
+      expect(await setSchedulingStatuses(db(), [], [])).toBe(0);
+      await expect(setSchedulingStatuses(db(), [a.uuid], [])).rejects.toThrow(/differ in length/);
     });
 
     it("createdBundlesReady lists created bundles that can be decided, with their dependencies' states", async () => {

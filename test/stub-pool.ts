@@ -6,6 +6,7 @@
  */
 import { randomBytes } from "node:crypto";
 import type { InstanceType } from "../cloud-drivers/types.ts";
+import type { QueueChange } from "../dispatcher/queue/queue.ts";
 import type { SchedulerPool } from "../dispatcher/scheduler/scheduler.ts";
 import type {
   CreateRefusal,
@@ -238,9 +239,13 @@ export class StubSchedulerPool implements SchedulerPool {
   }
 }
 
-/** A QueueView over a Map (apply: the newer changeSeq wins). */
+/**
+ * A QueueView over a Map (apply: the newer changeSeq wins) that tells subscribers what changed, at once, as the
+ * BundleQueue does (set and delete too, so tests that arrange rows directly are seen as changes).
+ */
 export class MemoryQueue implements QueueView {
   private readonly rows = new Map<string, Bundle>();
+  private readonly listeners = new Set<(changes: readonly QueueChange[]) => void>();
 
   constructor(bundles: Iterable<Bundle> = []) {
     for (const b of bundles) this.rows.set(b.uuid, b);
@@ -269,15 +274,35 @@ export class MemoryQueue implements QueueView {
       this.rows.delete(bundle.uuid);
       if (bundle.state === "ready" || bundle.state === "failed") this.endedUuids.add(bundle.uuid);
     }
+    this.tell([{ uuid: bundle.uuid, from: old?.state ?? null, to: bundle.state, bundle }]);
   }
 
   /** Adds or replaces rows as given (no changeSeq check). */
   set(...bundles: Bundle[]): void {
-    for (const b of bundles) this.rows.set(b.uuid, b);
+    const changes: QueueChange[] = [];
+    for (const b of bundles) {
+      changes.push({ uuid: b.uuid, from: this.rows.get(b.uuid)?.state ?? null, to: b.state, bundle: b });
+      this.rows.set(b.uuid, b);
+    }
+    this.tell(changes);
   }
 
   delete(uuid: string): void {
+    const old = this.rows.get(uuid);
     this.rows.delete(uuid);
+    if (old !== undefined) this.tell([{ uuid, from: old.state, to: old.state, bundle: old }]);
+  }
+
+  subscribe(fn: (changes: readonly QueueChange[]) => void): () => void {
+    this.listeners.add(fn);
+    return () => {
+      this.listeners.delete(fn);
+    };
+  }
+
+  private tell(changes: readonly QueueChange[]): void {
+    if (changes.length === 0) return;
+    for (const fn of [...this.listeners]) fn(changes);
   }
 }
 

@@ -5,13 +5,18 @@
  * (shutting down instances with nothing to do), fails bundles no type can ever fit, and gives every queued
  * bundle a `schedulingStatus` sentence (status.ts), written to the store when it changes, throttled.
  *
- * Cost of a pass: O(bundles + workers + runners) plus, per resource shape met in the pass, one look at the
- * workers of its eligible types (skipped per type when no worker of it has room). Shapes, their demand and
- * eligible types are cached across passes; so is the priority order (only new or changed bundles are sorted).
- * A worker's room after its runners is kept too, recomputed only when its runners or their queue rows change;
- * the order array is compacted in place (or merged into the previous pass's array), so a pass allocates little.
+ * Cost of a pass: O(changes + workers + runners + the head of the queue), not O(bundles). The queue tells the
+ * scheduler which bundles changed (subscribe), so a pass looks only at those; the priority order is kept across
+ * passes (new and re-prioritised bundles are sorted and merged in, the array compacted only where bundles left).
+ * The walk in order stops where the pass stops placing (at quota): every bundle after that point waits for the
+ * same reason, so it is not visited; the pass records where that tail starts and at which position, and a tail
+ * bundle's sentence is built from that when read or written (its place found by binary search in the order).
+ * A worker's room after its runners is kept, recomputed only when its runners change or the queue says one of
+ * their bundles changed. Shapes, their demand and eligible types are cached. A status flush (every
+ * schedulingStatusInterval) still walks the order, but compares the position and reason a sentence was written
+ * with, so an unchanged sentence is not rebuilt to be compared. `fullPasses` turns the incremental parts off.
  *
- * Why one file of ~850 lines: a pass is one algorithm over shared state (the order, the shapes' cursors, the
+ * Why one file of ~1,100 lines: a pass is one algorithm over shared state (the order, the shapes' cursors, the
  * workers' room), and its cost depends on that state being reused, not rebuilt (bench/scheduler.ts). Fields
  * that hold for one pass are stamped with the pass number instead of living in a per-pass object, so a pass
  * allocates nothing per shape or worker; the sentences are in status.ts, eligibility in eligible.ts.
@@ -21,8 +26,9 @@ import type { Config } from "../../config/schema.ts";
 import type { Clock } from "../../lib/clock.ts";
 import type { Logger } from "../../lib/logger.ts";
 import type { Db } from "../../store/db.ts";
-import { setSchedulingStatus } from "../../store/queries.ts";
+import { setSchedulingStatuses } from "../../store/queries.ts";
 import type { Bundle } from "../../store/types.ts";
+import type { QueueChange } from "../queue/queue.ts";
 import type { BundleTransitions } from "../queue/transitions.ts";
 import type { CreateRefusal, CreateResult, Demand, QueueView, RunnerView, WorkerView } from "../types.ts";
 import { demandOf, type EligibleResult, eligibilityOptions, eligibleTypes } from "./eligible.ts";
@@ -70,8 +76,16 @@ export interface Scheduler {
   flushStatuses(): Promise<void>;
 }
 
+/**
+ * What the scheduler needs of the queue: the view, and to be told what changed (the BundleQueue tells after every
+ * load, read and apply), so a pass looks only at changed bundles.
+ */
+export type SchedulerQueue = QueueView & {
+  subscribe(fn: (changes: readonly QueueChange[]) => void): () => void;
+};
+
 export interface SchedulerOptions {
-  queue: QueueView;
+  queue: SchedulerQueue;
   pool: SchedulerPool;
   /** The dispatcher's owner of bundle transitions: the scheduler fails bundles that can never run. */
   transitions: Pick<BundleTransitions, "fail">;
@@ -80,10 +94,17 @@ export interface SchedulerOptions {
   db: Db;
   clock: Clock;
   logger: Logger;
+  /**
+   * Every pass reads the whole queue, recomputes every worker's room and visits every bundle (no tail): the pass
+   * the incremental one must agree with (scheduler-incremental.test.ts). Default false.
+   */
+  fullPasses?: boolean;
 }
 
 /** Most statuses a throttled flush writes (head of the queue first); flushStatuses() writes them all. */
 const STATUS_WRITES_PER_FLUSH = 500;
+/** Statuses per UPDATE statement (setSchedulingStatuses). */
+const STATUS_WRITES_PER_STATEMENT = 1000;
 const WRITE_CONCURRENCY = 4;
 /** vCPUs may be fractional: sums of them are compared with this slack. */
 const EPSILON = 1e-9;
@@ -105,23 +126,31 @@ interface Shape {
    */
   lists: Slot[][];
   cursors: number[];
-  hint: string | null | undefined;
   /** The last blocked sentence and its version with the hint (to build it once per pass, not per bundle). */
   blockedBase: string | null;
   blockedSentence: string;
   /** Set once every eligible type is at capacity (capacity blocks do not lift within a pass). */
   noType: string | null;
+  /** The hint (waitingForIdle, onlyHeld, or none) as of pass hintPass. */
+  hintPass: number;
+  hintText: string | null;
+  /** The reason of this shape's bundles in the pass's tail (tail.base with the hint), as of pass tailPass. */
+  tailPass: number;
+  tailReason: string;
 }
 
-/** A worker as one pass sees it: free room after its runners and the bundles placed on it in the pass. */
+/**
+ * A worker as one pass sees it: free room after its runners and the bundles placed on it in the pass. One object
+ * per worker, kept with its room and refilled by each pass that sees the worker (pass).
+ */
 interface Slot {
+  pass: number;
   readonly worker: WorkerView;
-  readonly id: string;
-  readonly typeName: string;
-  readonly price: number;
+  id: string;
+  typeName: string;
+  price: number;
   /** idle or running (not a placeholder): bundles start at once; otherwise they are planned. */
-  readonly booted: boolean;
-  readonly limit: number;
+  booted: boolean;
   vcpus: number;
   ram: number;
   scratch: number;
@@ -131,25 +160,35 @@ interface Slot {
   load: number;
 }
 
-/** A worker's room after its runners, and what it was computed from (see roomOf). */
+/** A worker's room after its runners, and what it was computed from (see roomOf); its slot. */
 interface WorkerRoom {
+  readonly slot: Slot;
   readonly type: InstanceType;
   pass: number;
   readonly runners: RunnerView[];
-  /** The queue's own uuid strings (cheaper map keys), the runners' GPU assignments and rows, by runner. */
+  /** The runners' bundle uuids (the queue's own strings when it has the bundle) and GPU assignments. */
   readonly keys: string[];
   readonly devices: (readonly number[])[];
-  readonly bundles: (Bundle | undefined)[];
   /** Runners whose bundle is staged in the queue. */
   readonly staged: string[];
+  /** The queue changed a row of one of its runners' bundles: recompute. */
+  stale: boolean;
   vcpus: number;
   ram: number;
   scratch: number;
   gpus: readonly number[];
 }
 
-/** The most room any open worker of a type has (an upper bound: room only shrinks within a pass). */
-interface Room {
+/**
+ * An instance type as the last pass saw it: whether a live worker of it takes bundles (runPass) or is held
+ * (heldPass), for the hints; this pass's workers of it with room, and the most room any of them has (an upper
+ * bound: room only shrinks within a pass).
+ */
+interface TypeState {
+  runPass: number;
+  heldPass: number;
+  listPass: number;
+  readonly list: Slot[];
   vcpus: number;
   ram: number;
   scratch: number;
@@ -164,7 +203,11 @@ interface Entry {
   shape: Shape;
   /** Its attempts are used up (bundle.attempt >= bundle.maxAttempts; rows are never changed in place). */
   exhausted: boolean;
-  /** The pass that last saw it staged. */
+  /** No type fits it or its attempts are used up: failed by every pass until that works. */
+  unrunnable: boolean;
+  /** The pass that last visited it (else, when it is staged, it is in that pass's tail). */
+  visited: number;
+  /** The pass that last read it staged (full passes only). */
   seen: number;
   /** No longer staged: forgotten (a later row of the bundle gets a new Entry). */
   dropped: boolean;
@@ -179,10 +222,24 @@ interface Entry {
   reason: string;
   /** Whether status goes to the store (not "starting on ..."; the start transition clears it). */
   persist: boolean;
-  /** What the store holds, as far as we know. */
+  /** What the store holds, as far as we know, and the position and reason it was built from (-1: not known). */
   written: string | null;
-  /** The booting instance it was planned on by the last pass: kept while it has room, so plans are stable. */
+  writtenPosition: number;
+  writtenReason: string;
+  /** The booting instance (id and slot) it was planned on in pass plannedPass: kept by the next pass while it has room. */
   plannedOn: string | null;
+  plannedSlot: Slot | null;
+  plannedPass: number;
+}
+
+/** Where the last pass stopped visiting: order[start..] wait at positions from position + 1, for `base`. */
+interface Tail {
+  pass: number;
+  start: number;
+  position: number;
+  base: string;
+  /** Indexes in the order (ascending) of tail bundles that do not wait: started already, or unrunnable. */
+  skips: number[];
 }
 
 const byOrder = (a: Entry, b: Entry): number =>
@@ -197,9 +254,9 @@ const bySlot = (a: Slot, b: Slot): number =>
   a.price - b.price ||
   (a.id < b.id ? -1 : a.id > b.id ? 1 : 0);
 
-function hasRoom(s: Slot, d: Demand, gpuCount: number): boolean {
+function hasRoom(s: Slot, d: Demand, gpuCount: number, limit: number): boolean {
   return (
-    s.load < s.limit &&
+    s.load < limit &&
     s.vcpus + EPSILON >= d.vcpus &&
     s.ram >= d.ram &&
     s.scratch >= d.scratch &&
@@ -235,14 +292,41 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
   const shapes = new Map<string, Shape>();
   const shapeOfBundle = new WeakMap<Bundle, Shape>();
   const entries = new Map<string, Entry>();
-  /** The entry of a row object (rows are replaced, never changed, so an unchanged row needs no uuid lookup). */
-  const entryOf = new WeakMap<Bundle, Entry>();
   let order: Entry[] = [];
   /** An empty array kept for walkInOrder's next merge. */
   let spare: Entry[] = [];
+  /** Places in `order` to skip: bundles no longer staged, and the old places of re-prioritised ones. */
+  let holes = 0;
+  /** Staged bundles that can never run (failed by each pass until that works). */
+  const unrunnables = new Set<Entry>();
   let pass = 0;
+  const tail: Tail = { pass: -1, start: 0, position: 0, base: "", skips: [] };
+  const typeStates = new Map<string, TypeState>();
+  /** A type's state, its list and room reset when this pass first asks. */
+  function typeState(name: string): TypeState {
+    let ts = typeStates.get(name);
+    if (ts === undefined) {
+      ts = { runPass: -1, heldPass: -1, listPass: -1, list: [], vcpus: -1, ram: -1, scratch: -1, gpus: -1 };
+      typeStates.set(name, ts);
+    }
+    if (ts.listPass !== pass) {
+      ts.listPass = pass;
+      ts.list.length = 0;
+      ts.vcpus = ts.ram = ts.scratch = ts.gpus = -1;
+    }
+    return ts;
+  }
   let lastFlushAt = Number.NEGATIVE_INFINITY;
   let chain: Promise<unknown> = Promise.resolve();
+
+  /** Bundles the queue changed since the last pass (all of them before the first: it reads the whole queue). */
+  const changed = new Set<string>();
+  const full = opts.fullPasses === true;
+  let readAll = true;
+  queue.subscribe((changes) => {
+    if (readAll) return;
+    for (const c of changes) changed.add(c.uuid);
+  });
 
   function shapeOf(bundle: Bundle): Shape {
     let shape = shapeOfBundle.get(bundle);
@@ -262,10 +346,13 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         pass: -1,
         lists: [],
         cursors: [],
-        hint: undefined,
         blockedBase: null,
         blockedSentence: "",
         noType: null,
+        hintPass: -1,
+        hintText: null,
+        tailPass: -1,
+        tailReason: "",
       };
       shapes.set(key, shape);
     }
@@ -273,67 +360,104 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     return shape;
   }
 
-  /** Notes which bundles are staged; returns the new and re-prioritised ones, sorted (the others keep their place). */
-  function scanStaged(): Entry[] {
-    const added: Entry[] = [];
-    for (const b of queue.all()) {
-      if (b.state !== "staged") continue;
-      let e = entryOf.get(b);
-      if (e !== undefined && !e.dropped) {
-        e.seen = pass;
-        continue;
-      }
-      e = entries.get(b.uuid);
-      if (e === undefined) {
-        e = {
-          uuid: b.uuid,
-          bundle: b,
-          priority: b.priority,
-          created: b.createdAt.getTime(),
-          shape: shapeOf(b),
-          exhausted: b.attempt >= b.maxAttempts,
-          seen: pass,
-          dropped: false,
-          runnerOn: "",
-          runnerPass: -1,
-          movedPass: -1,
-          status: undefined,
-          position: 0,
-          reason: "",
-          persist: false,
-          written: b.schedulingStatus,
-          plannedOn: null,
-        };
-        entries.set(b.uuid, e);
-        entryOf.set(b, e);
+  /** A staged row: a new entry, or the entry's row replaced (new and moved entries go onto `added`, to be merged). */
+  function noteStaged(b: Bundle, added: Entry[]): void {
+    let e = entries.get(b.uuid);
+    if (e === undefined) {
+      e = {
+        uuid: b.uuid,
+        bundle: b,
+        priority: b.priority,
+        created: b.createdAt.getTime(),
+        shape: shapeOf(b),
+        exhausted: b.attempt >= b.maxAttempts,
+        unrunnable: false,
+        visited: -1,
+        seen: pass,
+        dropped: false,
+        runnerOn: "",
+        runnerPass: -1,
+        movedPass: -1,
+        status: undefined,
+        position: 0,
+        reason: "",
+        persist: false,
+        written: b.schedulingStatus,
+        writtenPosition: -1,
+        writtenReason: "",
+        plannedOn: null,
+        plannedSlot: null,
+        plannedPass: -1,
+      };
+      entries.set(b.uuid, e);
+      added.push(e);
+    } else {
+      if (e.bundle === b) return;
+      e.bundle = b;
+      e.shape = shapeOf(b);
+      e.exhausted = b.attempt >= b.maxAttempts;
+      e.written = b.schedulingStatus;
+      e.writtenPosition = -1;
+      const created = b.createdAt.getTime();
+      if (b.priority !== e.priority || created !== e.created) {
+        e.priority = b.priority;
+        e.created = created;
+        // Its old place stays in the order until the walk skips it.
+        if (e.movedPass !== pass) holes++;
+        e.movedPass = pass;
         added.push(e);
-        continue;
-      }
-      if (e.seen === pass) continue;
-      e.seen = pass;
-      if (e.bundle !== b) {
-        e.bundle = b;
-        entryOf.set(b, e);
-        e.shape = shapeOf(b);
-        e.exhausted = b.attempt >= b.maxAttempts;
-        e.written = b.schedulingStatus;
-        const created = b.createdAt.getTime();
-        if (b.priority !== e.priority || created !== e.created) {
-          e.priority = b.priority;
-          e.created = created;
-          e.movedPass = pass;
-          added.push(e);
-        }
       }
     }
+    e.unrunnable = !e.shape.eligible.ok || e.exhausted;
+    if (e.unrunnable) unrunnables.add(e);
+    else unrunnables.delete(e);
+  }
+
+  /** Notes what the queue changed since the last pass; returns the new and re-prioritised entries, sorted. */
+  function scanStaged(): Entry[] {
+    const added: Entry[] = [];
+    if (readAll) {
+      readAll = full;
+      for (const b of queue.all()) {
+        if (b.state !== "staged") continue;
+        noteStaged(b, added);
+        entries.get(b.uuid)!.seen = pass;
+      }
+      if (full) {
+        for (const c of rooms.values()) c.stale = true;
+        for (const e of entries.values()) if (e.seen !== pass) drop(e);
+      }
+      return added.sort(byOrder);
+    }
+    staleRooms(changed);
+    for (const uuid of changed) {
+      const b = queue.get(uuid);
+      if (b !== undefined && b.state === "staged") {
+        noteStaged(b, added);
+        continue;
+      }
+      const e = entries.get(uuid);
+      if (e !== undefined) drop(e);
+    }
+    changed.clear();
     return added.sort(byOrder);
   }
 
+  /** No longer staged: forgotten; the walk skips its place in the order. */
+  function drop(e: Entry): void {
+    entries.delete(e.uuid);
+    unrunnables.delete(e);
+    e.dropped = true;
+    holes++;
+  }
+
   /**
-   * Walks the staged bundles in order: the last pass's order (without the bundles no longer staged, which are
-   * forgotten here, or moved) merged with the new and moved ones; what it returns becomes the next order.
+   * Walks the staged bundles in order: the last pass's order (without the bundles no longer staged or moved)
+   * merged with the new and moved ones; what it returns becomes the next order. `visit` returns false to stop
+   * visiting: the rest is only merged and compacted (and not even that where nothing changed), and sets
+   * tail.start to where visiting stopped (the length of the order when it never stopped).
    */
-  function walkInOrder(added: readonly Entry[], visit: (e: Entry) => void): Entry[] {
+  function walkInOrder(added: readonly Entry[], visit: (e: Entry) => boolean): Entry[] {
     const old = order;
     // Nothing to merge: the order is compacted in place (it never writes ahead of where it reads). Else the
     // spare array (the order before last) is refilled, so no pass allocates an array of the whole queue.
@@ -342,13 +466,19 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     let k = 0;
     let i = 0;
     let j = 0;
+    let visiting = true;
+    tail.start = -1;
     for (;;) {
+      if (!visiting && holes === 0 && j >= added.length) {
+        // Nothing left to skip or merge: the rest moves down as it is (nothing at all when in place and k === i).
+        if (!inPlace || k !== i) while (i < old.length) next[k++] = old[i++]!;
+        else k = old.length;
+        break;
+      }
       while (i < old.length) {
         const o = old[i]!;
-        if (o.seen !== pass) {
-          o.dropped = true;
-          if (entries.get(o.uuid) === o) entries.delete(o.uuid);
-        } else if (o.movedPass !== pass) break;
+        if (!o.dropped && o.movedPass !== pass) break;
+        holes--;
         i++;
       }
       let e: Entry;
@@ -356,9 +486,14 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       else if (j < added.length) e = added[j++]!;
       else break;
       next[k++] = e;
-      visit(e);
+      if (visiting && !visit(e)) {
+        visiting = false;
+        tail.start = k;
+      }
     }
     next.length = k;
+    holes = 0;
+    if (tail.start < 0) tail.start = k;
     if (!inPlace) {
       old.length = 0;
       spare = old;
@@ -366,8 +501,79 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     return next;
   }
 
-  /** A bundle's current sentence: built from its position and reason while it waits. */
-  function statusText(e: Entry): string | undefined {
+  /** The hint of a shape's sentences as of the last pass (what else could run its bundles). */
+  function hintOf(shape: Shape): string | null {
+    if (shape.hintPass === pass) return shape.hintText;
+    let hint: string | null = null;
+    const run = shape.types.find((t) => typeStates.get(t.name)?.runPass === pass);
+    if (run !== undefined) hint = say.waitingForIdle(run.name);
+    else {
+      const held = shape.types.find((t) => typeStates.get(t.name)?.heldPass === pass);
+      if (held !== undefined) hint = say.onlyHeld(held.name);
+    }
+    shape.hintPass = pass;
+    shape.hintText = hint;
+    return hint;
+  }
+
+  /** The reason of a bundle of this shape in the last pass's tail. */
+  function tailReasonOf(shape: Shape): string {
+    if (shape.tailPass !== pass) {
+      shape.tailPass = pass;
+      shape.tailReason = say.withHint(tail.base, hintOf(shape));
+    }
+    return shape.tailReason;
+  }
+
+  /** Where a staged entry is in the order (binary search: the order is sorted by byOrder). */
+  function indexOf(e: Entry): number {
+    let lo = 0;
+    let hi = order.length;
+    while (lo < hi) {
+      const mid = (lo + hi) >>> 1;
+      if (byOrder(order[mid]!, e) < 0) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  }
+
+  /** How many of the tail's skips are before order index i. */
+  function skipsBefore(i: number): number {
+    const s = tail.skips;
+    let lo = 0;
+    let hi = s.length;
+    while (lo < hi) {
+      const mid = (lo + hi) >>> 1;
+      if (s[mid]! < i) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  }
+
+  /** In the last pass's tail (not visited): it waits for tail.base, unless started or unrunnable. */
+  const inTail = (e: Entry): boolean => e.visited !== pass && tail.pass === pass && !e.dropped;
+
+  /**
+   * A bundle's current sentence: built from its position and reason while it waits (a tail bundle's from its
+   * index in the order, `at` when the caller knows it). Fills `said` with what a waiting sentence is built from.
+   */
+  const said = { position: 0, reason: "" };
+  function waitingAs(e: Entry, at: number): boolean {
+    if (!inTail(e)) {
+      if (!e.persist) return false;
+      said.position = e.position;
+      said.reason = e.reason;
+      return true;
+    }
+    if (e.runnerPass === pass || e.unrunnable) return false;
+    const i = at >= 0 ? at : indexOf(e);
+    said.position = tail.position + (i - tail.start) - skipsBefore(i) + 1;
+    said.reason = tailReasonOf(e.shape);
+    return true;
+  }
+  function statusText(e: Entry, at = -1): string | undefined {
+    if (waitingAs(e, at)) return say.inQueue(said.position, said.reason);
+    if (inTail(e) && e.runnerPass === pass) return say.startingOn(e.runnerOn);
     return e.persist ? say.inQueue(e.position, e.reason) : e.status;
   }
 
@@ -379,23 +585,41 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
 
   async function flush(max: number): Promise<void> {
     lastFlushAt = clock.now();
-    const todo: { e: Entry; status: string }[] = [];
-    for (const e of order) {
-      if (todo.length >= max) break;
-      if (!e.persist) continue;
-      const status = statusText(e);
-      if (status === undefined || status === e.written) continue;
-      if (entries.get(e.uuid) !== e || queue.get(e.uuid)?.state !== "staged") continue;
-      todo.push({ e, status });
-    }
-    await eachLimited(todo, WRITE_CONCURRENCY, async ({ e, status }) => {
-      try {
-        await setSchedulingStatus(db, e.uuid, status);
-        e.written = status;
-      } catch (err) {
-        log.warn({ err, bundleUuid: e.uuid }, "cannot write a bundle's scheduling status");
+    const todo: { e: Entry; status: string; position: number; reason: string }[] = [];
+    for (let i = 0; i < order.length && todo.length < max; i++) {
+      const e = order[i]!;
+      if (!waitingAs(e, i)) continue;
+      const { position, reason } = said;
+      // What the store has was built from the same position and reason: unchanged, nothing to build.
+      if (e.writtenPosition === position && e.writtenReason === reason) continue;
+      const status = say.inQueue(position, reason);
+      if (status === e.written) {
+        e.writtenPosition = position;
+        e.writtenReason = reason;
+        continue;
       }
-    });
+      if (e.dropped || queue.get(e.uuid)?.state !== "staged") continue;
+      todo.push({ e, status, position, reason });
+    }
+    // One statement per STATUS_WRITES_PER_STATEMENT statuses: a flush is a few round trips, not hundreds.
+    for (let from = 0; from < todo.length; from += STATUS_WRITES_PER_STATEMENT) {
+      const part = todo.slice(from, from + STATUS_WRITES_PER_STATEMENT);
+      try {
+        await setSchedulingStatuses(
+          db,
+          part.map((t) => t.e.uuid),
+          part.map((t) => t.status),
+        );
+      } catch (err) {
+        log.warn({ err, bundles: part.length }, "cannot write bundles' scheduling statuses");
+        continue;
+      }
+      for (const { e, status, position, reason } of part) {
+        e.written = status;
+        e.writtenPosition = position;
+        e.writtenReason = reason;
+      }
+    }
   }
 
   /** Fails staged bundles that can never run: no type fits them, or their attempts are used up. */
@@ -421,19 +645,44 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
   }
 
   /**
-   * A worker's free room after its runners, kept across passes: recomputed only when its type, runners (same
-   * objects in the same order, same GPU assignments) or their queue rows (rows are replaced, never changed)
-   * differ from the last pass's. Also notes the staged bundles among its runners (markRunner).
+   * A worker's free room after its runners, kept across passes: recomputed only when its type or runners (same
+   * objects in the same order, same GPU assignments) differ from the last pass's, or the queue changed the row of
+   * one of their bundles (the room is then stale: see roomsOfRunner). Also notes the staged bundles among its
+   * runners (markRunner).
    */
   const rooms = new Map<WorkerView, WorkerRoom>();
+  /** The rooms computed with a runner of this bundle (to mark them stale when the queue changes its row). */
+  const roomsOfRunner = new Map<string, WorkerRoom[]>();
+  function indexRoom(c: WorkerRoom): void {
+    for (const key of c.keys) {
+      const list = roomsOfRunner.get(key);
+      if (list === undefined) roomsOfRunner.set(key, [c]);
+      else list.push(c);
+    }
+  }
+  function unindexRoom(c: WorkerRoom): void {
+    for (const key of c.keys) {
+      const list = roomsOfRunner.get(key);
+      if (list === undefined) continue;
+      const at = list.indexOf(c);
+      if (at >= 0) list.splice(at, 1);
+      if (list.length === 0) roomsOfRunner.delete(key);
+    }
+  }
+  /** The queue changed these bundles: rooms computed with their rows are recomputed when next used. */
+  function staleRooms(uuids: Iterable<string>): void {
+    for (const uuid of uuids) {
+      const list = roomsOfRunner.get(uuid);
+      if (list !== undefined) for (const c of list) c.stale = true;
+    }
+  }
   function roomOf(w: WorkerView, t: InstanceType): WorkerRoom {
     let c = rooms.get(w);
-    if (c !== undefined && c.type === t && c.runners.length === w.runners.size) {
+    if (c !== undefined && !c.stale && c.type === t && c.runners.length === w.runners.size) {
       let i = 0;
       let same = true;
       for (const r of w.runners.values()) {
-        const bundle = queue.get(c.keys[i]!);
-        if (r !== c.runners[i] || r.gpuDevices !== c.devices[i] || bundle !== c.bundles[i]) {
+        if (r !== c.runners[i] || r.gpuDevices !== c.devices[i]) {
           same = false;
           break;
         }
@@ -452,14 +701,34 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     let gpus: readonly number[] = NO_GPUS;
     let used: Set<number> | null = deviceCount > 0 ? new Set() : null;
     let full = false;
+    let slot: Slot;
+    if (c !== undefined) {
+      unindexRoom(c);
+      slot = c.slot;
+    } else {
+      slot = {
+        pass: -1,
+        worker: w,
+        id: w.id,
+        typeName: t.name,
+        price: t.price,
+        booted: false,
+        vcpus: 0,
+        ram: 0,
+        scratch: 0,
+        gpus: NO_GPUS,
+        load: 0,
+      };
+    }
     c = {
+      slot,
       type: t,
       pass,
       runners: [],
       keys: [],
       devices: [],
-      bundles: [],
       staged: [],
+      stale: false,
       vcpus,
       ram,
       scratch,
@@ -470,7 +739,6 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       c.runners.push(r);
       c.keys.push(bundle === undefined ? r.uuid : bundle.uuid);
       c.devices.push(r.gpuDevices);
-      c.bundles.push(bundle);
       // Only a bundle staged in the queue has an entry this pass sees (scanStaged just read the same queue).
       if (bundle !== undefined && bundle.state === "staged") {
         c.staged.push(r.uuid);
@@ -506,6 +774,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     c.scratch = scratch;
     c.gpus = gpus;
     rooms.set(w, c);
+    indexRoom(c);
     return c;
   }
   /**
@@ -518,10 +787,13 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     if (r !== undefined && r.state !== "starting") pool.probeNow?.(w.id);
   }
 
+  /** Staged bundles with a runner, noted this pass (markRunner). */
+  let marked: Entry[] = [];
   /** Notes that a staged bundle already has a runner (the pool started it; the store may not say so yet). */
   function markRunner(uuid: string, workerId: string): void {
     const e = entries.get(uuid);
     if (e !== undefined) {
+      if (e.runnerPass !== pass) marked.push(e);
       e.runnerOn = workerId;
       e.runnerPass = pass;
     }
@@ -529,79 +801,65 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
 
   async function runPass(): Promise<PassResult> {
     pass++;
+    marked = [];
     const now = clock.now();
     const result: PassResult = { started: [], planned: 0, created: [], shutdown: [], failed: [], waiting: 0 };
     const added = scanStaged();
 
     // The workers as this pass sees them.
     const slots: Slot[] = [];
-    const slotById = new Map<string, Slot>();
-    const byType = new Map<string, Slot[]>();
-    const typeRoom = new Map<string, Room>();
-    const runTypes = new Set<string>();
-    const heldTypes = new Set<string>();
 
     const addSlot = (w: WorkerView): Slot | null => {
+      const t = w.instanceType;
+      const ts = typeState(t.name);
       const live = w.state !== "shutdown" && !w.broken;
-      if (live && !w.placeholder && w.idleBehavior === "run") runTypes.add(w.instanceType.name);
-      if (live && w.idleBehavior === "hold") heldTypes.add(w.instanceType.name);
+      if (live && !w.placeholder && w.idleBehavior === "run") ts.runPass = pass;
+      if (live && w.idleBehavior === "hold") ts.heldPass = pass;
       if (!live || w.idleBehavior !== "run") {
         for (const uuid of w.runners.keys()) {
           if (queue.get(uuid)?.state === "staged") stagedRunner(uuid, w);
         }
         return null;
       }
-      const t = w.instanceType;
-      const { vcpus, ram, scratch, gpus } = roomOf(w, t);
-      const slot: Slot = {
-        worker: w,
-        id: w.id,
-        typeName: t.name,
-        price: t.price,
-        booted: !w.placeholder && (w.state === "idle" || w.state === "running"),
-        limit,
-        vcpus,
-        ram,
-        scratch,
-        gpus,
-        load: w.runners.size,
-      };
+      const c = roomOf(w, t);
+      const slot = c.slot;
+      slot.pass = pass;
+      slot.id = w.id;
+      slot.typeName = t.name;
+      slot.price = t.price;
+      slot.booted = !w.placeholder && (w.state === "idle" || w.state === "running");
+      slot.vcpus = c.vcpus;
+      slot.ram = c.ram;
+      slot.scratch = c.scratch;
+      slot.gpus = c.gpus;
+      slot.load = w.runners.size;
       slots.push(slot);
-      slotById.set(slot.id, slot);
       if (slot.load >= limit) return slot;
-      let list = byType.get(slot.typeName);
-      let room = typeRoom.get(slot.typeName);
-      if (list === undefined || room === undefined) {
-        list = [];
-        room = { vcpus: -1, ram: -1, scratch: -1, gpus: -1 };
-        byType.set(slot.typeName, list);
-        typeRoom.set(slot.typeName, room);
-      }
-      list.push(slot);
-      room.vcpus = Math.max(room.vcpus, vcpus);
-      room.ram = Math.max(room.ram, ram);
-      room.scratch = Math.max(room.scratch, scratch);
-      room.gpus = Math.max(room.gpus, gpus.length);
+      ts.list.push(slot);
+      if (c.vcpus > ts.vcpus) ts.vcpus = c.vcpus;
+      if (c.ram > ts.ram) ts.ram = c.ram;
+      if (c.scratch > ts.scratch) ts.scratch = c.scratch;
+      if (c.gpus.length > ts.gpus) ts.gpus = c.gpus.length;
       return slot;
     };
-    for (const t of instanceTypes) {
-      byType.set(t.name, []);
-      typeRoom.set(t.name, { vcpus: -1, ram: -1, scratch: -1, gpus: -1 });
-    }
+    for (const t of instanceTypes) typeState(t.name);
     for (const w of pool.workers()) addSlot(w);
-    for (const list of byType.values()) list.sort(bySlot);
-    for (const [w, c] of rooms) if (c.pass !== pass) rooms.delete(w);
+    for (const ts of typeStates.values()) if (ts.listPass === pass) ts.list.sort(bySlot);
+    for (const [w, c] of rooms) {
+      if (c.pass === pass) continue;
+      rooms.delete(w);
+      unindexRoom(c);
+    }
 
     const prepare = (shape: Shape) => {
       if (shape.pass === pass) return;
       shape.pass = pass;
-      shape.hint = undefined;
       shape.noType = null;
       shape.blockedBase = null;
       const d = shape.demand;
-      shape.lists = shape.types.map((t) => byType.get(t.name)!);
+      shape.lists = shape.types.map((t) => typeState(t.name).list);
       shape.cursors = shape.types.map((t, i) => {
-        const room = typeRoom.get(t.name)!;
+        const room = typeState(t.name);
         const none =
           room.vcpus + EPSILON < d.vcpus ||
           room.ram < d.ram ||
@@ -620,24 +878,12 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       for (let i = 0; i < lists.length; i++) {
         const list = lists[i]!;
         let c = cursors[i]!;
-        while (c < list.length && !hasRoom(list[c]!, demand, gpuCount)) c++;
+        while (c < list.length && !hasRoom(list[c]!, demand, gpuCount, limit)) c++;
         cursors[i] = c;
         const s = list[c];
         if (s !== undefined && (best === null || bySlot(s, best) < 0)) best = s;
       }
       return best;
-    };
-    const hintFor = (shape: Shape): string | null => {
-      if (shape.hint !== undefined) return shape.hint;
-      let hint: string | null = null;
-      const run = shape.types.find((t) => runTypes.has(t.name));
-      if (run !== undefined) hint = say.waitingForIdle(run.name);
-      else {
-        const held = shape.types.find((t) => heldTypes.has(t.name));
-        if (held !== undefined) hint = say.onlyHeld(held.name);
-      }
-      shape.hint = hint;
-      return hint;
     };
 
     let position = 0;
@@ -673,7 +919,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     const withHint = (shape: Shape, base: string): string => {
       if (shape.blockedBase !== base) {
         shape.blockedBase = base;
-        shape.blockedSentence = say.withHint(base, hintFor(shape));
+        shape.blockedSentence = say.withHint(base, hintOf(shape));
       }
       return shape.blockedSentence;
     };
@@ -681,6 +927,8 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     const place = (slot: Slot, e: Entry) => {
       const { demand, gpuCount } = e.shape;
       e.plannedOn = slot.booted ? null : slot.id;
+      e.plannedSlot = slot.booted ? null : slot;
+      e.plannedPass = pass;
       slot.vcpus -= demand.vcpus;
       slot.ram -= demand.ram;
       slot.scratch -= demand.scratch;
@@ -782,43 +1030,57 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       return withHint(shape, shape.noType);
     };
 
-    const unrunnable: Entry[] = [];
-    const visit = (e: Entry) => {
+    /** Visits one bundle; returns false once the pass places nothing more (the rest is its tail). */
+    const visit = (e: Entry): boolean => {
+      e.visited = pass;
       if (e.runnerPass === pass) {
         // The pool already started it (the store may not say so yet).
         setStarting(e, e.runnerOn);
-        return;
+        return true;
       }
+      // No type fits it, or a bundle requeued after its last attempt (its runner never started) would otherwise
+      // wait forever: failed below.
+      if (e.unrunnable) return true;
       const shape = e.shape;
-      // A bundle requeued after its last attempt (its runner never started) would otherwise wait forever.
-      if (!shape.eligible.ok || e.exhausted) {
-        unrunnable.push(e);
-        return;
-      }
       prepare(shape);
       let sentence: string | null = null;
-      const before = e.plannedOn;
+      const before = e.plannedPass === pass - 1 ? e.plannedOn : null;
       e.plannedOn = null;
       if (stoppedAt() === null) {
-        const sticky = before === null ? undefined : slotById.get(before);
+        const sticky = before === null ? null : e.plannedSlot;
         const slot =
-          sticky !== undefined &&
+          sticky !== null &&
+          sticky.pass === pass &&
+          sticky.id === before &&
           shape.typeNames.has(sticky.typeName) &&
-          hasRoom(sticky, shape.demand, shape.gpuCount)
+          hasRoom(sticky, shape.demand, shape.gpuCount, limit)
             ? sticky
             : pick(shape);
         if (slot !== null) {
           place(slot, e);
-          return;
+          return true;
         }
         sentence = create(e);
-        if (sentence === null && stoppedAt() === null) return; // placed on a new instance
+        if (sentence === null && stoppedAt() === null) return true; // placed on a new instance
       }
       setWaiting(e, sentence ?? withHint(shape, stoppedAt()!));
+      return full || stoppedAt() === null;
     };
     order = walkInOrder(added, visit);
-    result.waiting = position;
+    // The tail: every bundle after the stop waits for the same reason; only those that do not wait are noted.
+    tail.pass = full || stoppedAt() === null ? -1 : pass;
+    tail.position = position;
+    tail.base = stoppedAt() ?? "";
+    tail.skips = [];
+    if (tail.pass === pass) {
+      for (const e of marked) if (e.visited !== pass && !e.dropped) tail.skips.push(indexOf(e));
+      for (const e of unrunnables)
+        if (e.visited !== pass && e.runnerPass !== pass) tail.skips.push(indexOf(e));
+      tail.skips.sort((a, b) => a - b);
+      result.waiting = position + (order.length - tail.start) - tail.skips.length;
+    } else result.waiting = position;
 
+    const unrunnable = [...unrunnables].filter((e) => e.runnerPass !== pass).sort(byOrder);
     if (unrunnable.length > 0) await failUnrunnable(unrunnable, result);
     log.debug(
       {
