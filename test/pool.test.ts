@@ -839,6 +839,8 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
       instanceType: "small",
       gpuDevices: [0, 1],
       runtimeEngine: "docker",
+      // dispatcher.warmSupervisors (8) capped by the instance's slots (its 2 vCPUs).
+      warmSupervisors: 2,
     });
     expect((await findBundleByRunnerTokenHash(getDb(), hashToken(doc["token"] as string)))?.uuid).toBe(
       bundle.uuid,

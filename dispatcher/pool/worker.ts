@@ -435,7 +435,7 @@ export class Worker implements WorkerView {
 
   // --- runners --------------------------------------------------------------------------------------------
 
-  /** Records a `starting` runner at once, then starts it in the worker's chain. Throws if it cannot take one. */
+  /** Records a `starting` runner at once, then starts it after the probe in flight. Throws if it cannot take one. */
   startRunner(bundle: Bundle, gpuDevices: readonly number[]): void {
     if (!this.acceptsBundles) {
       throw new Error(
@@ -453,8 +453,13 @@ export class Worker implements WorkerView {
     });
     this.runners.set(bundle.uuid, r);
     this.settleBusy();
+    // A start waits for the probe in flight (the chain as it is now), but neither for other starts nor does a
+    // later probe wait for it: in a burst, one start's hand-off overlaps the next one's claim. A `--list` that
+    // runs meanwhile and misses the new runner leaves it alone (reconcileRunners keeps a starting runner while
+    // its start is under way, and then while the queue has it starting here).
+    const after = this.chain;
     this.ctx.track(
-      this.exclusive(() => r.start(bundle)),
+      after.then(() => r.start(bundle)),
       "starting a runner",
       this.log,
     );
