@@ -85,7 +85,7 @@ export class RemoteRunner implements RunnerView {
   }
 
   /**
-   * Starts the bundle here (the worker runs this after the probe in flight, beside other starts): claims it (staged -> starting with a
+   * Starts the bundle here (beside the worker's probes and other starts): claims it (staged -> starting with a
    * fresh runner token), then hands the start document to the spare or runs `--detach`. A lost claim drops the
    * runner; a failed start requeues the bundle (event runner:start_failed).
    */
@@ -298,15 +298,17 @@ export function reconcileRunners(
 }
 
 /**
- * A `starting` runner that `--list` does not show stays until sync decides about its bundle: while the detach
- * has not returned, and while the queue still has the bundle starting on this instance (sync requeues it, or the
+ * A `starting` runner that `--list` does not show stays until sync decides about its bundle: while its start has
+ * not returned, while the list was sent before the start returned (starts run beside probes, so such a list may
+ * have missed it), and while the queue still has the bundle starting on this instance (sync requeues it, or the
  * runner got further and ended). Without a queue, for dispatcher.staleLockTimeout. A runner being killed is gone
- * as soon as a list sent after its detach returned misses it. Starts do not wait for probes that began after them,
- * so a list may miss a runner whose start returned while it ran: the queue (or the timeout) keeps it.
+ * as soon as a list sent after its start returned misses it.
  */
 function keepStarting(w: RunnerHost, r: RemoteRunner, now: number): boolean {
   if (r.detachedAt === null) return true;
-  if (r.killing !== null) return w.probedAt === null || w.probedAt < r.detachedAt;
+  // A list sent before the start returned may have missed the runner: only a later one tells.
+  if (w.probedAt === null || w.probedAt <= r.detachedAt) return true;
+  if (r.killing !== null) return false;
   const queue = w.ctx.queue;
   if (queue === undefined) return now - r.detachedAt < w.ctx.config.dispatcher.staleLockTimeout;
   const row = queue.get(r.uuid);
