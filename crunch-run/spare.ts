@@ -12,8 +12,10 @@
  *   keeps K spare processes (`crunch-run --spare`, each in its own session, spoken to over a Node IPC channel):
  *   supervisors that have loaded their modules and wait for one start document. K is the start document's
  *   `warmSupervisors` (the dispatcher sends min(dispatcher.warmSupervisors, the instance's slots)); every
- *   hand-off updates it. Spares are started again one at a time in the background (at most half the CPUs at
- *   once, so that refilling does not slow the bundles just started), and at once for hand-offs that wait.
+ *   hand-off updates it. Spares are started again in the background, at most half the CPUs' worth at a time
+ *   (one on a 2-core instance, so that refilling does not slow the bundles just started), and at once for
+ *   hand-offs that wait;
+ *   spares that die before they are ready are started again later and later (1 s doubling to 1 min).
  * - A hand-off (`<mode> <uuid>\n<start document>`, lib/runner-protocol.ts) on the socket goes to the oldest
  *   ready spare, or waits for the next one to be ready (at most PENDING_MAX_MS, and never after its sender gave
  *   up). The spare checks the document and, for a hand-off straight from the dispatcher (`start`), takes the
@@ -184,6 +186,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
   const spares = new Set<Spare>();
   const pending: Pending[] = [];
   let closing = false;
+  let earlyExits = 0;
 
   const count = (pred: (s: Spare) => boolean) => [...spares].filter(pred).length;
 
@@ -219,6 +222,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     proc.on("message", (m: FromSpare) => {
       if (m?.type === "ready" && spares.has(spare)) {
         spare.ready = true;
+        earlyExits = 0;
         dispatch();
         fill();
       }
@@ -226,7 +230,9 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     proc.once("exit", () => {
       if (!spares.delete(spare)) return;
       // A spare that died while it held a hand-off answered nothing: the hand-off's own listener refuses it.
-      setTimeout(fill, 1000).unref();
+      // Spares that die before they are ready are started again later and later (1 s, doubling, at most 1 min).
+      if (!spare.ready) earlyExits++;
+      setTimeout(fill, Math.min(60_000, 1000 * 2 ** Math.min(6, earlyExits))).unref();
     });
   };
 
