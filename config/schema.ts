@@ -321,6 +321,12 @@ const Dispatcher = Section("Queue and scheduler.", {
     1,
     1_000_000,
   ),
+  warmSupervisors: Int(
+    2,
+    "Warm spare supervisors crunch-run keeps ready on each instance (at most the instance's bundle slots: maxRunningBundlesPerInstance, else its vCPUs): that many bundles can start at once, back to back or in a burst, without waiting for a new process to start. Each idle one is a Node process (~70 MiB resident) that bundles cannot use: raise reserveExtraRam with it. 0 = none (every start runs crunch-run --detach).",
+    0,
+    64,
+  ),
   schedulingStatusInterval: Duration("2s", "How often queued bundles' schedulingStatus text is refreshed.", {
     positive: true,
   }),

@@ -8,7 +8,8 @@
  *   crunch-run --kill <signal> <uuid>   signals the supervisor; exit 0 once it is gone (within ~1 s)
  *   crunch-run --version
  *   crunch-run --supervise <uuid>       (internal) the supervisor; start document on stdin
- *   crunch-run --spare                  (internal) a warm supervisor waiting for a bundle (spare.ts)
+ *   crunch-run --warm-pool <count>      (internal) keeps <count> warm spares on the spare socket (spare.ts)
+ *   crunch-run --spare                  (internal) a warm supervisor of the pool waiting for a bundle
  *
  * Exit codes: 0 ok, 1 failed (lock held, still running, the instance is preempted, ...), 2 usage or bad start
  * document.
@@ -22,7 +23,7 @@ import { readdir } from "node:fs/promises";
 import { constants as osConstants } from "node:os";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Logger } from "../lib/logger.ts";
-import { formatList, versionLine } from "../lib/runner-protocol.ts";
+import { formatList, MAX_WARM_SUPERVISORS, versionLine } from "../lib/runner-protocol.ts";
 import { selfCommand } from "../lib/self.ts";
 import { VERSION } from "../lib/version.ts";
 import {
@@ -38,7 +39,7 @@ import {
   tryCreateLock,
 } from "./lock.ts";
 import { BUNDLE_UUID_RE, lockFile, logFile, type RunnerPaths, runnerPaths } from "./paths.ts";
-import { handToSpare, spareSocketPath, startSpare, waitForWork } from "./spare.ts";
+import { handToSpare, runWarmPool, spareSocketPath, startWarmPool, waitForWork } from "./spare.ts";
 import { parseStartDocument, type StartDocument } from "./start-doc.ts";
 import type { RetryHook } from "./supervisor.ts";
 
@@ -103,7 +104,13 @@ export async function runCrunchRun(
       }
       case "--spare":
         if (rest.length > 0) return usage("--spare takes no arguments");
-        return await spare(paths, env);
+        return await spare(paths, env, io);
+      case "--warm-pool": {
+        const count = Number(rest[0]);
+        if (rest.length !== 1 || !/^\d+$/.test(rest[0] ?? "") || count > MAX_WARM_SUPERVISORS)
+          return usage(`--warm-pool needs a number of spares from 0 to ${MAX_WARM_SUPERVISORS}`);
+        return await warmPool(count, paths, env);
+      }
       default:
         return usage(mode === undefined ? "no mode given" : `unknown mode ${JSON.stringify(mode)}`);
     }
@@ -157,15 +164,19 @@ async function superviseBundle(
   return code;
 }
 
-/** `--spare`: a warm supervisor waiting for a `--detach` to hand it a bundle (spare.ts). */
-async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv): Promise<number> {
-  process.title = "crunch-run spare";
-  const socket = spareSocketPath(paths, selfCommand());
-  if (socket === null) return 0;
+/** `--spare`: a warm supervisor waiting for the warm pool to hand it a bundle (spare.ts). */
+async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv, io: CrunchRunIo): Promise<number> {
+  if (process.send === undefined) {
+    io.err("crunch-run: --spare runs only under the warm pool (--warm-pool)");
+    return 2;
+  }
   // Load what supervising needs now, so that a hand-off calls `start` at once.
   await Promise.all([import("./api-client.ts"), import("./supervisor.ts"), import("../lib/logger.ts")]);
+  // The title says it is ready (tests and the benchmark count ready spares by it).
+  process.title = "crunch-run spare";
   let doc: StartDocument | null = null;
-  const work = await waitForWork(socket, async (w) => {
+  let locked: string | null = null;
+  const work = await waitForWork(async (w) => {
     if (!BUNDLE_UUID_RE.test(w.uuid)) return "not a bundle uuid";
     try {
       doc = parseStartDocument(w.doc, w.uuid);
@@ -173,18 +184,48 @@ async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv): Promise<number
       return (err as Error).message;
     }
     if (existsSync(paths.preemptedFile)) return "instance preempted";
+    if (w.mode === "detach") return null;
     // From the dispatcher directly: no --detach holds the lock for this process.
-    return w.mode === "start" ? takeLock(w.uuid, paths, env) : null;
+    const refusal = await takeLock(w.uuid, paths, env);
+    if (refusal === null) locked = w.uuid;
+    return refusal;
   });
-  if (work === null || doc === null) return 0;
+  if (work === null || doc === null) {
+    // The pool could not pass our pid on: the bundle is not ours.
+    if (locked !== null) await releaseLock(lockFile(paths, locked), process.pid);
+    return 0;
+  }
   process.title = `crunch-run ${work.uuid}`;
+  // From --detach: supervise only once the lock names this process (--detach writes it on our answer; if its
+  // sender gave up meanwhile, it started a supervisor of its own instead).
+  if (work.mode === "detach" && !(await lockNames(lockFile(paths, work.uuid), process.pid))) {
+    process.stderr.write(`crunch-run: ${work.uuid}: the lock never named this spare; not starting it\n`);
+    return 1;
+  }
   mkdirSync(paths.logDir, { recursive: true });
   const { createLogger } = await import("../lib/logger.ts");
   const destination = createWriteStream(logFile(paths, work.uuid), { flags: "a" });
-  // No --detach will leave the next spare: this one does, first, so that it is ready sooner (a new process
-  // takes a few hundred ms of CPU to get ready; starting it after the start call made more hand-offs miss).
-  if (work.mode === "start") startSpare(paths, selfCommand(), env);
   return superviseBundle(doc, paths, env, createLogger({ level: "info", format: "json", destination }));
+}
+
+/** Waits (up to 3 s) until the lock file names `pid`. */
+async function lockNames(file: string, pid: number): Promise<boolean> {
+  for (let i = 0; i < 600; i++) {
+    const text = await readLockText(file).catch(() => null);
+    if (text !== null && parseLock(text)?.pid === pid) return true;
+    await new Promise((r) => setTimeout(r, 5));
+  }
+  return false;
+}
+
+/** `--warm-pool <count>`: keeps warm spares for this runner until idle (spare.ts). */
+async function warmPool(count: number, paths: RunnerPaths, env: NodeJS.ProcessEnv): Promise<number> {
+  process.title = "crunch-run warm-pool";
+  const command = selfCommand();
+  const socketPath = spareSocketPath(paths, command);
+  if (socketPath === null) return 0;
+  await runWarmPool({ socketPath, paths, command, env, count });
+  return 0;
 }
 
 /** A signal given as a number (15) or a name (TERM, SIGTERM, term); null if unknown. */
@@ -297,7 +338,7 @@ async function detach(
   io: CrunchRunIo,
 ): Promise<number> {
   const text = await readStdin(io.stdin);
-  parseStartDocument(text, uuid);
+  const doc = parseStartDocument(text, uuid);
   // A start that races a spot interruption notice fails fast; the dispatcher requeues the bundle.
   if (existsSync(paths.preemptedFile)) {
     io.err(
@@ -322,7 +363,6 @@ async function detach(
       throw err;
     }
     io.out(JSON.stringify({ uuid, pid: sparePid }));
-    startSpare(paths, command, env);
     return 0;
   }
   let child: ReturnType<typeof spawn>;
@@ -356,7 +396,8 @@ async function detach(
   }
   child.unref();
   io.out(JSON.stringify({ uuid, pid: child.pid }));
-  if (socket !== null) startSpare(paths, command, env);
+  // No pool took it: start one (a second pool for a live one's socket exits at once).
+  if (socket !== null) startWarmPool(paths, command, env, doc.warmSupervisors);
   return 0;
 }
 

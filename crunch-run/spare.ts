@@ -1,30 +1,46 @@
 /**
- * Warm spare supervisors. A Node process spends ~110 ms here before running any code (more for the one-file
- * artifact), and a supervisor started by each `--detach` puts that between the dispatcher's command and the
- * bundle's `start` call. So each `--detach`, once it has answered, leaves a spare behind: a supervisor process
- * that has loaded its modules and waits on a unix socket for one start document. The next `--detach` on the
- * instance hands its document to the spare (which answers with its pid and becomes that bundle's supervisor)
- * instead of starting a process, and leaves the next spare.
+ * Warm spare supervisors: a pool of them per instance, kept by one small process, the warm pool.
  *
- * - The socket is `${ROOT}/var/run/cr-spare-<hash>.sock`, the hash of the command that starts this
- *   runner, so a newly deployed runner never hands work to an old one's spare; mode 0600 (the document holds
- *   the runner token; only the instance's own user may connect).
- * - A spare holds no lock; `--list` prints `spare <socket>` while one waits. `--detach` takes the lock and
- *   writes the spare's pid into it, exactly as for a supervisor it starts itself. The dispatcher may also hand
- *   a start document to the spare straight over SSH (a streamlocal channel to the socket), skipping the
- *   `--detach` process altogether; the spare then takes the lock itself and starts the next spare.
- * - A spare exits after SPARE_IDLE_MS without work, or as soon as its socket file is gone (its VM root was
- *   removed). A second spare for the same socket exits at once; a dead spare's socket is replaced.
- * - Anything unexpected (no spare, a refused or slow hand-off, a path too long for a unix socket) falls back
- *   to starting a supervisor directly.
+ * A Node process spends ~110 ms before running any code (~200-350 ms for the single executable, more on a busy
+ * machine), and a supervisor started per bundle puts that between the dispatcher's start and the bundle's `start`
+ * call. One warm spare per instance was not enough: it is consumed by each bundle, and a back-to-back bundle or a
+ * burst arrives before the next one is ready (issue 21). So each instance keeps K spares ready:
+ *
+ * - The warm pool (`crunch-run --warm-pool K`, started in its own session by `--detach`) listens on the unix
+ *   socket `${ROOT}/var/run/cr-spare-<hash>.sock` (the hash of the command that starts this runner, so a newly
+ *   deployed runner never hands work to an old one's pool; mode 0600: the document holds the runner token). It
+ *   keeps K spare processes (`crunch-run --spare`, each in its own session, spoken to over a Node IPC channel):
+ *   supervisors that have loaded their modules and wait for one start document. K is the start document's
+ *   `warmSupervisors` (the dispatcher sends min(dispatcher.warmSupervisors, the instance's slots)); every
+ *   hand-off updates it. Spares are started again in the background, at most half the CPUs' worth at a time
+ *   (one on a 2-core instance, so that refilling does not slow the bundles just started), and at once for
+ *   hand-offs that wait;
+ *   spares that die before they are ready are started again later and later (1 s doubling to 1 min).
+ * - A hand-off (`<mode> <uuid>\n<start document>`, lib/runner-protocol.ts) on the socket goes to the oldest
+ *   ready spare, or waits for the next one to be ready (at most PENDING_MAX_MS, and never after its sender gave
+ *   up). The spare checks the document and, for a hand-off straight from the dispatcher (`start`), takes the
+ *   bundle's lock itself; it answers with its pid (`pid <pid>`, passed back on the socket) or why not. Having
+ *   answered, it leaves the IPC channel and is that bundle's supervisor, in its own session: the warm pool's
+ *   death (or a restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
+ *   lock and writes the spare's pid into it), the spare supervises only once the lock names it.
+ * - A spare holds no lock while it waits; `--list` prints `spare <socket>` while the pool's socket exists. An
+ *   idle spare exits when the pool goes (its IPC channel closes). The pool exits after SPARE_IDLE_MS without a
+ *   hand-off, or as soon as its socket file is gone (the VM root was removed). A second pool for the same socket
+ *   exits at once; a dead pool's socket is replaced.
+ * - Anything unexpected (no pool, a refused or slow hand-off, a path too long for a unix socket) falls back to
+ *   starting a supervisor directly (`--detach`).
+ *
+ * Each idle spare costs one Node process (~70 MB resident for the single executable); K is the knob.
  */
-import { spawn } from "node:child_process";
+import { type ChildProcess, spawn } from "node:child_process";
 import { createHash } from "node:crypto";
-import { closeSync, existsSync, mkdirSync, openSync, unlinkSync } from "node:fs";
+import { chmodSync, closeSync, existsSync, mkdirSync, openSync, unlinkSync } from "node:fs";
 import net from "node:net";
+import { availableParallelism } from "node:os";
 import path from "node:path";
 import {
   formatHandOff,
+  MAX_WARM_SUPERVISORS,
   parseHandOff,
   parsePidAnswer,
   pidAnswer,
@@ -35,6 +51,10 @@ import type { RunnerPaths } from "./paths.ts";
 
 export const SPARE_IDLE_MS = 10 * 60_000;
 const HAND_OFF_TIMEOUT_MS = 1000;
+/** How long a hand-off may wait on the socket for a spare to be ready before it is refused. */
+const PENDING_MAX_MS = 3000;
+/** How long a spare may take to answer a hand-off before it is killed and the hand-off refused. */
+const ANSWER_MAX_MS = 3000;
 /** sun_path holds 108 bytes with its NUL (so a local VM's root may be up to 74 bytes long for spares). */
 const MAX_SOCKET_PATH = 107;
 
@@ -46,8 +66,8 @@ export function spareSocketPath(paths: RunnerPaths, command: readonly string[]):
 }
 
 /**
- * Hands a start document to the waiting spare; resolves to the pid of the process that is now the bundle's
- * supervisor, or null when there is no spare or it did not take the document.
+ * Hands a start document to the warm pool (from `--detach`, which holds the lock); resolves to the pid of the
+ * process that is now the bundle's supervisor, or null when there is no pool or it did not take the document.
  */
 export function handToSpare(socketPath: string, uuid: string, doc: string): Promise<number | null> {
   return new Promise((resolve) => {
@@ -72,102 +92,326 @@ export function handToSpare(socketPath: string, uuid: string, doc: string): Prom
   });
 }
 
-/** Starts the next spare in its own session, writing to the spare log; does not wait for it. */
-export function startSpare(paths: RunnerPaths, command: readonly string[], env: NodeJS.ProcessEnv): void {
+/** Opens the spare log (append) for a child's stdout and stderr; null when it cannot. */
+function openSpareLog(paths: RunnerPaths): number | null {
   try {
     mkdirSync(paths.logDir, { recursive: true });
-    const out = openSync(path.join(paths.logDir, "spare.log"), "a");
-    try {
-      const [cmd, ...args] = command;
-      const child = spawn(cmd as string, [...args, "--spare"], {
-        detached: true,
-        stdio: ["ignore", out, out],
-        env,
-      });
-      child.on("error", () => {});
-      child.unref();
-    } finally {
-      closeSync(out);
-    }
+    return openSync(path.join(paths.logDir, "spare.log"), "a");
   } catch {
-    // No spare: the next --detach starts its supervisor itself.
+    return null;
   }
 }
+
+/** Starts the warm pool in its own session, writing to the spare log; does not wait for it. */
+export function startWarmPool(
+  paths: RunnerPaths,
+  command: readonly string[],
+  env: NodeJS.ProcessEnv,
+  count: number,
+): void {
+  if (count <= 0) return;
+  const out = openSpareLog(paths);
+  if (out === null) return;
+  try {
+    const [cmd, ...args] = command;
+    const child = spawn(cmd as string, [...args, "--warm-pool", String(count)], {
+      detached: true,
+      stdio: ["ignore", out, out],
+      env,
+    });
+    child.on("error", () => {});
+    child.unref();
+  } catch {
+    // No pool: the next --detach starts its supervisor itself.
+  } finally {
+    closeSync(out);
+  }
+}
+
+/** The warm pool's messages to a spare and the spare's answers (over the Node IPC channel). */
+export type ToSpare = { type: "work"; work: SpareHandOff };
+export type FromSpare = { type: "ready" } | { type: "took"; pid: number } | { type: "refused"; why: string };
 
 /** A hand-off the spare took (lib/runner-protocol.ts). */
 export type SpareWork = SpareHandOff;
 
+/** warmSupervisors of a start document's text, or null when it names none (or is not one). */
+function warmCountOf(doc: string): number | null {
+  try {
+    const v = (JSON.parse(doc) as { warmSupervisors?: unknown }).warmSupervisors;
+    return typeof v === "number" && Number.isSafeInteger(v) && v >= 0 && v <= MAX_WARM_SUPERVISORS ? v : null;
+  } catch {
+    return null;
+  }
+}
+
+interface Spare {
+  proc: ChildProcess;
+  ready: boolean;
+  /** Holds a hand-off it has not answered yet. */
+  busy: boolean;
+}
+
+interface Pending {
+  work: SpareWork;
+  sock: net.Socket;
+  closed: boolean;
+  timer: NodeJS.Timeout;
+}
+
+export interface WarmPoolOptions {
+  socketPath: string;
+  paths: RunnerPaths;
+  /** The command that starts this runner (a spare is `[...command, "--spare"]`). */
+  command: readonly string[];
+  env: NodeJS.ProcessEnv;
+  /** Spares to keep ready until a hand-off says otherwise. */
+  count: number;
+  idleMs?: number;
+}
+
 /**
- * The spare's wait: listens on the socket until a hand-off arrives that `accept` takes (it resolves to null,
- * or to why it refuses), answers `pid <pid>` (or `refused <why>`), and resolves to the work; null means
- * exit (idle too long, or the socket file is gone).
+ * The warm pool's life: resolves when it exits (idle, socket gone, or another pool has the socket). Idle spares
+ * exit with it.
  */
-export async function waitForWork(
-  socketPath: string,
-  accept: (work: SpareWork) => Promise<string | null>,
-  idleMs = SPARE_IDLE_MS,
-): Promise<SpareWork | null> {
+export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
+  const { socketPath, paths, command, env } = opts;
+  const idleMs = opts.idleMs ?? SPARE_IDLE_MS;
   mkdirSync(path.dirname(socketPath), { recursive: true });
   const server = net.createServer({ allowHalfOpen: true });
-  if (!(await listen(server, socketPath))) return null;
-  return new Promise((resolve) => {
-    let finished = false;
-    let busy = false;
-    const finish = (work: SpareWork | null) => {
-      if (finished) return;
-      finished = true;
-      clearTimeout(idle);
-      clearInterval(watch);
-      server.close();
-      // Unlink at once so that the next --detach finds no socket rather than a closed one.
+  if (!(await listen(server, socketPath))) return;
+  chmodSync(socketPath, 0o600);
+  let target = Math.min(MAX_WARM_SUPERVISORS, Math.max(0, opts.count));
+  const parallel = Math.max(1, Math.floor(availableParallelism() / 2));
+  const spares = new Set<Spare>();
+  const pending: Pending[] = [];
+  let closing = false;
+  let earlyExits = 0;
+
+  const count = (pred: (s: Spare) => boolean) => [...spares].filter(pred).length;
+
+  /** Spawns spares: the background refill up to `target` free ones, and one at once per waiting hand-off. */
+  const fill = () => {
+    if (closing) return;
+    const free = count((s) => !s.busy);
+    const warming = count((s) => !s.ready);
+    const want = target + pending.length - free;
+    const now = Math.max(pending.length - warming, parallel - warming);
+    for (let i = 0; i < Math.min(want, now); i++) spawnSpare();
+  };
+
+  const spawnSpare = () => {
+    const out = openSpareLog(paths);
+    if (out === null) return;
+    let proc: ChildProcess;
+    try {
+      const [cmd, ...args] = command;
+      proc = spawn(cmd as string, [...args, "--spare"], {
+        detached: true,
+        stdio: ["ignore", out, out, "ipc"],
+        env,
+      });
+    } catch {
+      return;
+    } finally {
+      closeSync(out);
+    }
+    const spare: Spare = { proc, ready: false, busy: false };
+    spares.add(spare);
+    proc.on("error", () => {});
+    proc.on("message", (m: FromSpare) => {
+      if (m?.type === "ready" && spares.has(spare)) {
+        spare.ready = true;
+        earlyExits = 0;
+        dispatch();
+        fill();
+      }
+    });
+    proc.once("exit", () => {
+      if (!spares.delete(spare)) return;
+      // A spare that died while it held a hand-off answered nothing: the hand-off's own listener refuses it.
+      // Spares that die before they are ready are started again later and later (1 s, doubling, at most 1 min).
+      if (!spare.ready) earlyExits++;
+      setTimeout(fill, Math.min(60_000, 1000 * 2 ** Math.min(6, earlyExits))).unref();
+    });
+  };
+
+  const answer = (p: Pending, text: string) => {
+    clearTimeout(p.timer);
+    if (!p.closed) p.sock.end(text);
+  };
+
+  /** Gives waiting hand-offs to ready spares, oldest first. */
+  const dispatch = () => {
+    for (;;) {
+      while (pending.length > 0 && pending[0]?.closed) pending.shift();
+      const p = pending[0];
+      const spare = [...spares].find((s) => s.ready && !s.busy);
+      if (p === undefined || spare === undefined) return;
+      pending.shift();
+      giveTo(spare, p);
+    }
+  };
+
+  const giveTo = (spare: Spare, p: Pending) => {
+    spare.busy = true;
+    clearTimeout(p.timer);
+    const settle = (text: string) => {
+      spare.proc.off("message", onAnswer);
+      spare.proc.off("exit", onExit);
+      clearTimeout(noAnswer);
+      answer(p, text);
+    };
+    const onAnswer = (m: FromSpare) => {
+      if (m?.type === "took") {
+        // It is that bundle's supervisor now; the pool forgets it (its exit is none of the pool's business).
+        spares.delete(spare);
+        spare.proc.removeAllListeners("message");
+        spare.proc.removeAllListeners("exit");
+        settle(pidAnswer(m.pid));
+        fill();
+      } else if (m?.type === "refused") {
+        spare.busy = false;
+        settle(refusedAnswer(m.why));
+        dispatch();
+      }
+    };
+    const onExit = () => settle(refusedAnswer("the spare exited"));
+    const noAnswer = setTimeout(() => {
+      settle(refusedAnswer("the spare did not answer"));
+      spares.delete(spare);
+      spare.proc.kill("SIGKILL");
+      fill();
+    }, ANSWER_MAX_MS);
+    spare.proc.on("message", onAnswer);
+    spare.proc.once("exit", onExit);
+    spare.proc.send({ type: "work", work: p.work } satisfies ToSpare, (err) => {
+      if (err) settle(refusedAnswer("the spare is gone"));
+    });
+  };
+
+  let idle: NodeJS.Timeout;
+  const resetIdle = () => {
+    clearTimeout(idle);
+    idle = setTimeout(() => close(true), idleMs);
+  };
+  let done: () => void = () => {};
+  const finished = new Promise<void>((resolve) => {
+    done = resolve;
+  });
+  const close = (unlink: boolean) => {
+    if (closing) return;
+    closing = true;
+    clearTimeout(idle);
+    clearInterval(watch);
+    server.close();
+    if (unlink) {
       try {
         unlinkSync(socketPath);
       } catch {
         // Already gone.
       }
-      resolve(work);
-    };
-    const idle = setTimeout(() => finish(null), idleMs);
-    const watch = setInterval(() => {
-      if (!existsSync(socketPath)) finish(null);
-    }, 2000);
-    watch.unref();
-    server.on("connection", (sock) => {
-      let text = "";
-      sock.setEncoding("utf8");
-      sock.on("error", () => {});
-      sock.on("data", (chunk: string) => {
-        text += chunk;
-        if (text.length > 128 * 1024) sock.destroy();
+    }
+    for (const p of pending.splice(0)) answer(p, refusedAnswer("the warm pool is closing"));
+    for (const s of spares) if (!s.busy) s.proc.kill("SIGTERM");
+    done();
+  };
+  resetIdle();
+  const watch = setInterval(() => {
+    if (!existsSync(socketPath)) close(false);
+  }, 2000);
+
+  server.on("connection", (sock) => {
+    let text = "";
+    sock.setEncoding("utf8");
+    sock.on("error", () => {});
+    sock.on("data", (chunk: string) => {
+      text += chunk;
+      if (text.length > 128 * 1024) sock.destroy();
+    });
+    sock.on("end", () => {
+      const work = parseHandOff(text);
+      if (closing || work === null) {
+        sock.end(refusedAnswer(work === null ? "not a hand-off" : "the warm pool is closing"));
+        return;
+      }
+      resetIdle();
+      const k = warmCountOf(work.doc);
+      if (k !== null) target = k;
+      const p: Pending = {
+        work,
+        sock,
+        closed: false,
+        timer: setTimeout(() => {
+          const i = pending.indexOf(p);
+          if (i >= 0) pending.splice(i, 1);
+          answer(p, refusedAnswer("no spare ready in time"));
+        }, PENDING_MAX_MS),
+      };
+      // Its sender gave up (--detach's or the dispatcher's timeout): never hand it to a spare after that.
+      sock.on("close", () => {
+        p.closed = true;
       });
-      sock.on("end", () => {
-        const work = parseHandOff(text);
-        if (finished || busy || work === null) {
-          sock.end(refusedAnswer(work === null ? "not a hand-off" : "busy"));
-          return;
-        }
-        busy = true;
-        accept(work).then(
-          (refusal) => {
-            busy = false;
-            if (refusal !== null) {
-              sock.end(refusedAnswer(refusal));
+      pending.push(p);
+      dispatch();
+      fill();
+    });
+  });
+
+  fill();
+  await finished;
+}
+
+/**
+ * A spare's wait (the child side): tells the pool it is ready, then takes the first hand-off that `accept`
+ * takes (it resolves to null, or to why it refuses) and resolves to it once the pool has its pid; resolves to
+ * null when the pool goes first. Refused hand-offs leave the spare waiting.
+ */
+export function waitForWork(accept: (work: SpareWork) => Promise<string | null>): Promise<SpareWork | null> {
+  const send = process.send?.bind(process);
+  if (send === undefined) return Promise.resolve(null);
+  return new Promise((resolve) => {
+    let taken = false;
+    let busy = false;
+    const onDisconnect = () => {
+      if (!taken) resolve(null);
+    };
+    process.once("disconnect", onDisconnect);
+    process.on("message", (m: ToSpare) => {
+      if (taken || busy || m?.type !== "work") return;
+      busy = true;
+      const work = m.work;
+      accept(work).then(
+        (refusal) => {
+          busy = false;
+          if (refusal !== null) {
+            send({ type: "refused", why: refusal } satisfies FromSpare);
+            return;
+          }
+          taken = true;
+          send({ type: "took", pid: process.pid } satisfies FromSpare, (err: Error | null) => {
+            if (err) {
+              // The pool cannot pass the pid on: whoever handed the bundle over falls back; not this process.
+              resolve(null);
               return;
             }
-            sock.end(pidAnswer(process.pid));
-            finish(work);
-          },
-          (err: unknown) => {
-            busy = false;
-            sock.end(refusedAnswer(String(err)));
-          },
-        );
-      });
+            process.removeAllListeners("message");
+            process.off("disconnect", onDisconnect);
+            process.disconnect();
+            resolve(work);
+          });
+        },
+        (err: unknown) => {
+          busy = false;
+          send({ type: "refused", why: String(err) } satisfies FromSpare);
+        },
+      );
     });
+    send({ type: "ready" } satisfies FromSpare);
   });
 }
 
-/** Listens on the socket; false when another live spare has it. A dead spare's socket file is replaced. */
+/** Listens on the socket; false when another live pool has it. A dead pool's socket file is replaced. */
 async function listen(server: net.Server, socketPath: string): Promise<boolean> {
   for (let attempt = 0; attempt < 2; attempt++) {
     const err = await new Promise<NodeJS.ErrnoException | null>((resolve) => {

@@ -40,7 +40,14 @@ describe("parseStartDocument", () => {
       spotCheckIntervalMs: 5000,
       processUidFirst: 1_900_000_000,
       processUidCount: 65_536,
+      warmSupervisors: 2,
     });
+  });
+
+  it("takes warmSupervisors (0 = none)", () => {
+    const parse = (extra: object) => parseStartDocument(JSON.stringify({ ...good, ...extra }), UUID);
+    expect(parse({ warmSupervisors: 0 })).toMatchObject({ warmSupervisors: 0 });
+    expect(parse({ warmSupervisors: 10 })).toMatchObject({ warmSupervisors: 10 });
   });
 
   it("takes the process runtime's uid range; its defaults are the config's", () => {
@@ -90,6 +97,8 @@ describe("parseStartDocument", () => {
     ],
     ["an empty uid range", { ...good, processUidCount: 0 }, "processUidCount"],
     ["a uid as a string", { ...good, processUidFirst: "1000" }, "processUidFirst"],
+    ["negative warm supervisors", { ...good, warmSupervisors: -1 }, "warmSupervisors"],
+    ["too many warm supervisors", { ...good, warmSupervisors: 65 }, "warmSupervisors"],
   ])("rejects %s with the field's path", (_name, doc, path) => {
     const err = errorOf(doc);
     expect(err.code).toBe("crunchrun.invalid_start_document");

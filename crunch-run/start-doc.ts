@@ -8,7 +8,9 @@ import {
   DEFAULT_HEARTBEAT_INTERVAL_MS,
   DEFAULT_PROCESS_UIDS,
   DEFAULT_SPOT_CHECK_INTERVAL_MS,
+  DEFAULT_WARM_SUPERVISORS,
   MAX_UID,
+  MAX_WARM_SUPERVISORS,
   RUNTIME_ENGINES,
   type RuntimeEngine,
   SPOT_CHECK_INTERVAL_RANGE_MS,
@@ -111,6 +113,10 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
       `must be a whole number >= 1 with processUidFirst + processUidCount - 1 <= ${MAX_UID}`,
     );
   }
+  const warm = doc["warmSupervisors"] ?? DEFAULT_WARM_SUPERVISORS;
+  if (typeof warm !== "number" || !Number.isSafeInteger(warm) || warm < 0 || warm > MAX_WARM_SUPERVISORS) {
+    throw bad("warmSupervisors", `must be a whole number from 0 to ${MAX_WARM_SUPERVISORS}`);
+  }
   return {
     uuid,
     attempt,
@@ -124,5 +130,6 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
     spotCheckIntervalMs: spot,
     processUidFirst: uidFirst,
     processUidCount: uidCount,
+    warmSupervisors: warm,
   };
 }

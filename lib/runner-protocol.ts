@@ -47,6 +47,11 @@ export interface StartDocument {
   /** The process runtime's uids (a supervisor running as root gives each bundle one of its own). */
   processUidFirst: number;
   processUidCount: number;
+  /**
+   * How many warm spare supervisors to keep ready on the instance (crunch-run/spare.ts): the number of bundles
+   * that can start at once without a new process's start-up. 0 = none (every start goes through a new process).
+   */
+  warmSupervisors: number;
 }
 
 /** The fields crunch-run fills in with the defaults below when the document leaves them out. */
@@ -55,7 +60,8 @@ type Defaulted =
   | "preemptible"
   | "spotCheckIntervalMs"
   | "processUidFirst"
-  | "processUidCount";
+  | "processUidCount"
+  | "warmSupervisors";
 /** What the dispatcher sends: the required fields, and the defaulted ones only where they differ. */
 export type StartDocumentSent = Omit<StartDocument, Defaulted> & Partial<Pick<StartDocument, Defaulted>>;
 
@@ -72,6 +78,7 @@ export const START_DOCUMENT_FIELDS: ReadonlySet<string> = new Set<keyof StartDoc
   "spotCheckIntervalMs",
   "processUidFirst",
   "processUidCount",
+  "warmSupervisors",
 ]);
 
 export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;
@@ -80,6 +87,9 @@ export const DEFAULT_SPOT_CHECK_INTERVAL_MS = 5000;
 export const SPOT_CHECK_INTERVAL_RANGE_MS = { min: 10, max: 3_600_000 } as const;
 /** The process runtime's uid range when the document names none (dispatcher.processRuntimeUids's default). */
 export const DEFAULT_PROCESS_UIDS = { first: 1_900_000_000, count: 65_536 } as const;
+/** Warm spare supervisors when the document names no number; at most MAX_WARM_SUPERVISORS. */
+export const DEFAULT_WARM_SUPERVISORS = 2;
+export const MAX_WARM_SUPERVISORS = 64;
 /** The largest uid a range may reach (4294967295 is (uid_t)-1). */
 export const MAX_UID = 4_294_967_294;
 

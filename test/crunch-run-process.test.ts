@@ -52,28 +52,29 @@ describe("crunch-run (process runtime)", () => {
     expect(log).toContain("finished");
   });
 
-  it("hands the next bundle to the warm spare the previous --detach left behind", async () => {
+  it("hands the next bundle to a warm spare of the pool the previous --detach left behind", async () => {
     const first = await h.newStartingBundle({ command: ["true"] });
     expect((await h.detach(first)).code).toBe(0);
     expect((await h.waitFinal(first.uuid)).state).toBe("ready");
     let spares: number[] = [];
     await waitFor(async () => {
       spares = sparesOf(h.root);
-      return spares.length === 1;
+      return spares.length >= 1;
     });
     const second = await h.newStartingBundle({
       command: ["sh", "-c", 'echo from-spare > "$DISPATCH_OUTPUT_DIR/x"'],
     });
     const detached = await h.detach(second);
     expect(detached.code, detached.stderr).toBe(0);
-    expect(JSON.parse(detached.stdout)).toEqual({ uuid: second.uuid, pid: spares[0] });
+    const { pid } = JSON.parse(detached.stdout) as { pid: number };
+    expect(spares).toContain(pid);
     expect((await h.waitFinal(second.uuid)).state).toBe("ready");
     expect(await h.output(second.uuid, "x")).toEqual({ status: 200, body: "from-spare\n" });
     const log = await supervisorLog(h.root, second.uuid);
     expect(log).toContain("finished");
     expect(log).not.toContain(second.token);
-    // That --detach left the next spare.
-    await waitFor(async () => sparesOf(h.root).some((pid) => pid !== spares[0]));
+    // The pool starts another spare in its place.
+    await waitFor(async () => sparesOf(h.root).some((p) => !spares.includes(p)));
   });
 
   it("fails the bundle, saying which, when a dependency cannot be staged", async () => {
@@ -176,9 +177,9 @@ async function waitFor(cond: () => Promise<boolean>, timeoutMs = 30_000): Promis
   }
 }
 
-/** Spare supervisors waiting on the instance whose root is `root`. */
+/** Spare supervisors ready on the instance whose root is `root` (a spare takes this title once loaded). */
 function sparesOf(root: string): number[] {
-  return findPids({ env: ["DISPATCH_VM_ROOT", root] }).filter((pid) =>
-    (readCmdline(pid) ?? []).join(" ").startsWith("crunch-run spare"),
+  return findPids({ env: ["DISPATCH_VM_ROOT", root] }).filter(
+    (pid) => (readCmdline(pid) ?? []).join(" ") === "crunch-run spare",
   );
 }

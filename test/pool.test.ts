@@ -23,7 +23,7 @@ import type { Executor } from "../lib/executor.ts";
 import { hashToken } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { findBundleByRunnerTokenHash, getBundle, listEvents } from "../store/queries.ts";
-import { requeueStarting, stageBundle } from "../store/transitions.ts";
+import { markRunning, requeueStarting, stageBundle } from "../store/transitions.ts";
 import type { Bundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, openTestDb, type TestDb } from "./db.ts";
 import { FakeClock, flushMicrotasks } from "./fake-clock.ts";
@@ -937,6 +937,8 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
       instanceType: "small",
       gpuDevices: [0, 1],
       runtimeEngine: "docker",
+      // dispatcher.warmSupervisors (2), at most by the instance's slots (its 2 vCPUs).
+      warmSupervisors: 2,
     });
     expect((await findBundleByRunnerTokenHash(getDb(), hashToken(doc["token"] as string)))?.uuid).toBe(
       bundle.uuid,
@@ -1023,6 +1025,51 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
       uuid: bundle.uuid,
       reason: "no longer listed",
     });
+  });
+
+  it("keeps a runner that a --list sent before its start returned did not show, though its bundle runs", async () => {
+    // Starts run beside probes: hold one probe's --list answer (taken before the start) until the start is done.
+    let hold: Promise<void> | null = null;
+    let held = false;
+    let release = () => {};
+    const h = harness(getDb(), {
+      executor: (exec) =>
+        Object.assign(Object.create(exec) as Executor, {
+          execute: async (command: string, opts?: Parameters<Executor["execute"]>[1]) => {
+            const res = await exec.execute(command, opts);
+            if (hold !== null && command.endsWith("--list")) {
+              held = true;
+              await hold;
+            }
+            return res;
+          },
+        }),
+    });
+    const [id = ""] = await h.ready();
+    const bundle = await stagedBundle(getDb());
+    hold = new Promise<void>((resolve) => {
+      release = resolve;
+    });
+    await h.clock.advance(11 * SEC);
+    const probe = h.pool.probeOnce();
+    await waitUntil(() => held);
+    await h.clock.advance(SEC);
+    h.pool.startBundle(id, bundle, []);
+    await waitUntil(() => h.events.some((e) => e.type === "runner:started" && e.uuid === bundle.uuid));
+    // The runner called start: the queue has the bundle running (no longer `starting`).
+    const started = h.queue.get(bundle.uuid);
+    const running = await markRunning(getDb(), bundle.uuid, started?.attempt ?? 0, { actor: "runner" });
+    if (!running.ok) throw new Error("markRunning failed");
+    h.queue.apply(running.bundle);
+    hold = null;
+    release();
+    await probe;
+    await h.pool.settled();
+    expect(h.pool.worker(id)?.runners.get(bundle.uuid)?.state).toBe("starting");
+    expect(h.events.some((e) => e.type === "runner:gone")).toBe(false);
+    // The next list (sent after the start returned) shows it.
+    await h.tick(11 * SEC);
+    expect(h.pool.worker(id)?.runners.get(bundle.uuid)?.state).toBe("running");
   });
 
   it("refuses bundles on workers that cannot take them", async () => {
@@ -1182,3 +1229,12 @@ describe("pool: restart", () => {
     }
   });
 });
+
+/** Polls (real time, briefly) until cond holds: for work that runs beside the fake clock. */
+async function waitUntil(cond: () => boolean, timeoutMs = 10_000): Promise<void> {
+  const deadline = Date.now() + timeoutMs;
+  while (!cond()) {
+    if (Date.now() > deadline) throw new Error("condition not met in time");
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}

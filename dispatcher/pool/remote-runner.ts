@@ -30,6 +30,8 @@ export interface RunnerHost {
   readonly gone: boolean;
   readonly preempted: boolean;
   readonly spareSocket: string | null;
+  /** When the last successful probe's `--list` was sent. */
+  readonly probedAt: number | null;
   readonly runners: Map<string, RemoteRunner>;
   /** Bundles being requeued because their runner left a preempted instance without reporting it. */
   readonly losing: Set<string>;
@@ -39,6 +41,19 @@ export interface RunnerHost {
 
 /** cloud.spotInterruptionCheckInterval for the start document: 0 (never), else within crunch-run's bounds. */
 export const spotCheckIntervalMs = clampSpotCheckIntervalMs;
+
+/**
+ * How many warm spare supervisors the instance keeps (crunch-run/spare.ts): dispatcher.warmSupervisors, at most
+ * the instance's bundle slots (cloud.maxRunningBundlesPerInstance, else its vCPUs, at least one).
+ */
+export function warmSupervisorsFor(
+  type: InstanceType,
+  config: { dispatcher: { warmSupervisors: number }; cloud: { maxRunningBundlesPerInstance: number } },
+): number {
+  const perInstance = config.cloud.maxRunningBundlesPerInstance;
+  const slots = perInstance > 0 ? perInstance : Math.max(1, Math.floor(type.vcpus));
+  return Math.min(config.dispatcher.warmSupervisors, slots);
+}
 
 export interface KillState {
   since: number;
@@ -70,7 +85,7 @@ export class RemoteRunner implements RunnerView {
   }
 
   /**
-   * Starts the bundle here (the worker runs this in its exclusive chain): claims it (staged -> starting with a
+   * Starts the bundle here (beside the worker's probes and other starts): claims it (staged -> starting with a
    * fresh runner token), then hands the start document to the spare or runs `--detach`. A lost claim drops the
    * runner; a failed start requeues the bundle (event runner:start_failed).
    */
@@ -117,6 +132,7 @@ export class RemoteRunner implements RunnerView {
             processUidFirst: ctx.config.dispatcher.processRuntimeFirstUid,
             processUidCount: ctx.config.dispatcher.processRuntimeUidCount,
           }),
+      warmSupervisors: warmSupervisorsFor(w.instanceType, ctx.config),
       // Only preemptible types' runners watch for spot interruption notices (crunch-run's defaults: off, 5 s).
       ...(w.instanceType.preemptible
         ? { preemptible: true, spotCheckIntervalMs: spotCheckIntervalMs(cloud.spotInterruptionCheckInterval) }
@@ -282,14 +298,16 @@ export function reconcileRunners(
 }
 
 /**
- * A `starting` runner that `--list` does not show stays until sync decides about its bundle: while the detach
- * has not returned, and while the queue still has the bundle starting on this instance (sync requeues it, or the
+ * A `starting` runner that `--list` does not show stays until sync decides about its bundle: while its start has
+ * not returned, while the list was sent before the start returned (starts run beside probes, so such a list may
+ * have missed it), and while the queue still has the bundle starting on this instance (sync requeues it, or the
  * runner got further and ended). Without a queue, for dispatcher.staleLockTimeout. A runner being killed is gone
- * as soon as a list after its detach misses it. Probes and detaches of one worker never overlap, so a detach that
- * has returned happened before this probe's `--list`.
+ * as soon as a list sent after its start returned misses it.
  */
 function keepStarting(w: RunnerHost, r: RemoteRunner, now: number): boolean {
   if (r.detachedAt === null) return true;
+  // A list sent before the start returned may have missed the runner: only a later one tells.
+  if (w.probedAt === null || w.probedAt <= r.detachedAt) return true;
   if (r.killing !== null) return false;
   const queue = w.ctx.queue;
   if (queue === undefined) return now - r.detachedAt < w.ctx.config.dispatcher.staleLockTimeout;

@@ -457,7 +457,7 @@ export class Worker implements WorkerView {
 
   // --- runners --------------------------------------------------------------------------------------------
 
-  /** Records a `starting` runner at once, then starts it in the worker's chain. Throws if it cannot take one. */
+  /** Records a `starting` runner at once, then starts it (beside probes and other starts). Throws if it cannot. */
   startRunner(bundle: Bundle, gpuDevices: readonly number[]): void {
     if (!this.acceptsBundles) {
       throw new Error(
@@ -475,11 +475,12 @@ export class Worker implements WorkerView {
     });
     this.runners.set(bundle.uuid, r);
     this.settleBusy();
-    this.ctx.track(
-      this.exclusive(() => r.start(bundle)),
-      "starting a runner",
-      this.log,
-    );
+    // A start waits neither for the probe in flight nor for other starts, and no probe waits for it: starts
+    // happen only on booted instances, whose probes are a `--list` (a new process on the instance, hundreds of
+    // ms on a busy one), and in a burst one start's hand-off overlaps the next one's claim. A `--list` that runs
+    // meanwhile and misses the new runner leaves it alone (reconcileRunners keeps a starting runner while its
+    // start is under way, and then while the queue has it starting here).
+    this.ctx.track(r.start(bundle), "starting a runner", this.log);
   }
 
   /** TERM to the runner (known or not), repeated until it is gone (applyRules); then drained if it outlives it. */

@@ -1,0 +1,210 @@
+/**
+ * crunch-run's warm pool (crunch-run/spare.ts) with real processes: a REST server in process (PGlite), crunch-run
+ * from sources with its own DISPATCH_VM_ROOT, hand-offs sent to the pool's socket as the dispatcher sends them
+ * over SSH (`start <uuid>\n<document>`).
+ */
+import { readFileSync, statSync } from "node:fs";
+import net from "node:net";
+import { join } from "node:path";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { findPids, readCmdline } from "../cloud-drivers/local/procs.ts";
+import { holderAlive, parseLock, readLockText } from "../crunch-run/lock.ts";
+import { lockFile, runnerPaths } from "../crunch-run/paths.ts";
+import { spareSocketPath } from "../crunch-run/spare.ts";
+import { formatHandOff, parsePidAnswer } from "../lib/runner-protocol.ts";
+import { type RunnerHarness, startRunnerHarness } from "./crunch-run-harness.ts";
+import { useTestDb } from "./db.ts";
+
+type Started = { uuid: string; token: string; attempt: number };
+
+describe("crunch-run warm pool (process runtime)", () => {
+  const getDb = useTestDb("pglite");
+  let h: RunnerHarness;
+  beforeAll(async () => {
+    h = await startRunnerHarness(getDb());
+  });
+  afterAll(async () => {
+    for (const pid of pidsTitled(h.root, "crunch-run warm-pool")) kill(pid);
+    await h?.close();
+  });
+
+  const doc = (b: Started, extra: Record<string, unknown> = {}) =>
+    `${JSON.stringify({
+      uuid: b.uuid,
+      attempt: b.attempt,
+      apiUrl: h.apiUrl,
+      token: b.token,
+      instanceType: "small",
+      gpuDevices: [],
+      runtimeEngine: "process",
+      heartbeatIntervalMs: 200,
+      ...extra,
+    })}\n`;
+
+  /** The socket the pool of crunch-run (as the harness runs it) listens on, from its --list line. */
+  const socketOf = async (): Promise<string> => {
+    const line = /^spare (\S+)$/m.exec((await h.crunchRun(["--list"])).stdout)?.[1];
+    if (line === undefined) throw new Error("--list shows no spare socket");
+    return line;
+  };
+
+  /** Starts the pool through a first --detach with `warmSupervisors: k`, and waits for k ready spares. */
+  const poolOf = async (k: number): Promise<number[]> => {
+    const first = await h.newStartingBundle({ command: ["true"] });
+    const res = await h.detach(first, { warmSupervisors: k });
+    expect(res.code, res.stderr).toBe(0);
+    expect((await h.waitFinal(first.uuid)).state).toBe("ready");
+    let spares: number[] = [];
+    await waitFor(async () => {
+      spares = pidsTitled(h.root, "crunch-run spare");
+      return spares.length === k;
+    });
+    return spares;
+  };
+
+  it("keeps K spares ready; back-to-back starts and a burst of K each go to a spare that was waiting", async () => {
+    const spares = await poolOf(3);
+    const socket = await socketOf();
+    // Mode 0600: the hand-off carries the runner token.
+    expect(statSync(socket).mode & 0o777).toBe(0o600);
+    // Exactly one pool, which names no token on its command line.
+    const pools = pidsTitled(h.root, "crunch-run warm-pool");
+    expect(pools).toHaveLength(1);
+
+    // Back to back: the second hand-off follows the first's answer at once, before any new spare could be ready.
+    const a = await h.newStartingBundle({ command: ["sh", "-c", 'echo a > "$DISPATCH_OUTPUT_DIR/x"'] });
+    const b = await h.newStartingBundle({ command: ["sh", "-c", 'echo b > "$DISPATCH_OUTPUT_DIR/x"'] });
+    const pidA = await handOff(socket, "start", a.uuid, doc(a, { warmSupervisors: 3 }));
+    const pidB = await handOff(socket, "start", b.uuid, doc(b, { warmSupervisors: 3 }));
+    expect(spares).toContain(pidA);
+    expect(spares).toContain(pidB);
+    expect(pidB).not.toBe(pidA);
+    expect((await h.waitFinal(a.uuid)).state).toBe("ready");
+    expect((await h.waitFinal(b.uuid)).state).toBe("ready");
+    expect(await h.output(a.uuid, "x")).toEqual({ status: 200, body: "a\n" });
+    expect(await h.output(b.uuid, "x")).toEqual({ status: 200, body: "b\n" });
+
+    // The pool fills up again, then a burst of K hand-offs at once: every one goes to a spare already waiting.
+    let ready: number[] = [];
+    await waitFor(async () => {
+      ready = pidsTitled(h.root, "crunch-run spare");
+      return ready.length === 3;
+    });
+    const burst = await Promise.all([0, 1, 2].map(() => h.newStartingBundle({ command: ["true"] })));
+    const pids = await Promise.all(
+      burst.map((x) => handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 3 }))),
+    );
+    expect(new Set(pids).size).toBe(3);
+    for (const pid of pids) expect(ready).toContain(pid);
+    for (const x of burst) expect((await h.waitFinal(x.uuid)).state).toBe("ready");
+    // Still one pool; nothing it or its spares logged holds a token.
+    expect(pidsTitled(h.root, "crunch-run warm-pool")).toEqual(pools);
+    const spareLog = readFileSync(join(h.root, "var", "log", "crunch-run", "spare.log"), "utf8");
+    for (const x of [a, b, ...burst]) expect(spareLog).not.toContain(x.token);
+  });
+
+  it("a spare takes the lock in its own name, and a second start of a bundle it runs is refused", async () => {
+    const socket = await socketOf();
+    const x = await h.newStartingBundle({ command: ["sleep", "30"] });
+    const pid = await handOff(socket, "start", x.uuid, doc(x));
+    expect(pid).toBeGreaterThan(0);
+    await h.waitState(x.uuid, ["running"]);
+    // The spare took the bundle's lock in its own name: --list shows the bundle.
+    const lock = parseLock((await readLockText(lockFile(runnerPaths(h.env), x.uuid))) ?? "");
+    expect(lock?.pid).toBe(pid);
+    expect(await h.listBundles()).toContain(x.uuid);
+    const again = await exchange(socket, formatHandOff({ mode: "start", uuid: x.uuid, doc: doc(x) }));
+    expect(again).toMatch(/^refused bundle .* is already running/);
+    expect((await h.crunchRun(["--kill", "TERM", x.uuid])).code).toBe(0);
+  });
+
+  it("when the pool is killed: idle spares go, a running bundle survives, --detach starts its own supervisor and a new pool", async () => {
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length >= 1);
+    const socket = await socketOf();
+    const long = await h.newStartingBundle({ command: ["sleep", "30"] });
+    const supervisor = await handOff(socket, "start", long.uuid, doc(long));
+    await h.waitState(long.uuid, ["running"]);
+
+    const [pool] = pidsTitled(h.root, "crunch-run warm-pool");
+    expect(pool).toBeDefined();
+    process.kill(pool as number, "SIGKILL");
+    // Idle spares leave with their pool; the bundle's supervisor (no longer the pool's) stays.
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 0);
+    const lock = parseLock((await readLockText(lockFile(runnerPaths(h.env), long.uuid))) ?? "");
+    expect(lock?.pid).toBe(supervisor);
+    expect(lock !== null && holderAlive(lock)).toBe(true);
+    expect(await h.listBundles()).toContain(long.uuid);
+    expect((await h.waitState(long.uuid, ["running"])).state).toBe("running");
+
+    // The dispatcher's hand-off now fails (nobody listens); --detach, its fallback, starts the bundle itself.
+    await expect(handOff(socket, "start", long.uuid, doc(long))).rejects.toThrow();
+    const next = await h.newStartingBundle({ command: ["true"] });
+    const res = await h.detach(next, { warmSupervisors: 2 });
+    expect(res.code, res.stderr).toBe(0);
+    const { pid } = JSON.parse(res.stdout) as { pid: number };
+    expect(pid).not.toBe(supervisor);
+    expect((await h.waitFinal(next.uuid)).state).toBe("ready");
+    // ...and a new pool replaces the dead one's socket.
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 2);
+    expect(pidsTitled(h.root, "crunch-run warm-pool")).toHaveLength(1);
+    expect(await handOff(socket, "start", (await h.newStartingBundle({ command: ["true"] })).uuid, "{")).toBe(
+      -1,
+    );
+
+    expect((await h.crunchRun(["--kill", "TERM", long.uuid])).code).toBe(0);
+  });
+
+  it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
+    const paths = runnerPaths({ DISPATCH_VM_ROOT: "/r" });
+    const old = spareSocketPath(paths, ["/tmp/dispatch-cloud/crunch-run~aaaa"]);
+    const fresh = spareSocketPath(paths, ["/tmp/dispatch-cloud/crunch-run~bbbb"]);
+    expect(old).toMatch(/^\/r\/var\/run\/cr-spare-[0-9a-f]{10}\.sock$/);
+    expect(fresh).not.toBe(old);
+  });
+});
+
+/**
+ * One hand-off on the pool's socket; resolves to the pid it answers, -1 for a refusal; rejects when nobody
+ * listens.
+ */
+async function handOff(socket: string, mode: "start" | "detach", uuid: string, doc: string): Promise<number> {
+  const answer = await exchange(socket, formatHandOff({ mode, uuid, doc }));
+  return parsePidAnswer(answer) ?? -1;
+}
+
+function exchange(socket: string, payload: string): Promise<string> {
+  return new Promise((resolve, reject) => {
+    let answer = "";
+    const sock = net.connect(socket);
+    sock.setEncoding("utf8");
+    sock.on("error", reject);
+    sock.on("connect", () => sock.end(payload));
+    sock.on("data", (d: string) => {
+      answer += d;
+    });
+    sock.on("end", () => resolve(answer));
+  });
+}
+
+/** Processes of the instance whose root is `root` whose title is `title`. */
+function pidsTitled(root: string, title: string): number[] {
+  return findPids({ env: ["DISPATCH_VM_ROOT", root] }).filter(
+    (pid) => (readCmdline(pid) ?? []).join(" ") === title,
+  );
+}
+
+function kill(pid: number): void {
+  try {
+    process.kill(pid, "SIGKILL");
+  } catch {
+    // gone
+  }
+}
+
+async function waitFor(cond: () => Promise<boolean>, timeoutMs = 60_000): Promise<void> {
+  const deadline = Date.now() + timeoutMs;
+  while (!(await cond())) {
+    if (Date.now() > deadline) throw new Error("condition not met in time");
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
