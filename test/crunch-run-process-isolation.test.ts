@@ -64,8 +64,11 @@ describe("crunch-run (process runtime): a uid of its own per bundle", () => {
     });
     expect((await h.detach(a)).code).toBe(0);
     const aOut = join(workDirOf(a), "out");
-    await waitFor(async () => existsSync(join(aOut, "uid")));
-    const uidA = Number(readFileSync(join(aOut, "uid"), "utf8"));
+    // The shell makes the file before `id` writes to it: wait for the whole line (an empty file read as uid 0).
+    const uidLine = () => (existsSync(join(aOut, "uid")) ? readFileSync(join(aOut, "uid"), "utf8") : "");
+    await waitFor(async () => /^\d+\n$/.test(uidLine()));
+    const uidA = Number(uidLine());
+    expect(uidA).toBeGreaterThan(0);
 
     // Bundle B probes the runner, bundle A's work dir and its own inputs.
     const b = await h.newStartingBundle({
