@@ -59,7 +59,7 @@ export function decide(
 }
 
 /** The longest rest between two passes under a stream of notifications. */
-const MAX_REST_MS = 1000;
+const MAX_REST_MS = 100;
 
 export function createBundleManager(opts: BundleManagerOptions): BundleManager {
   const { db } = opts;
@@ -131,7 +131,7 @@ export function createBundleManager(opts: BundleManagerOptions): BundleManager {
           log.error({ err }, "bundle manager pass failed");
         }
         if (!again || stopped) break;
-        // Woken while it ran: under a stream of submissions, rest as long as the pass took (at most a second)
+        // Woken while it ran: under a stream of submissions, rest as long as the pass took (at most 0.1 s)
         // so the passes take at most half the database's time and each stages more at once. On PGlite, whose
         // one connection also serves every request, a pass per submission cost more than the submission.
         await new Promise((r) => setTimeout(r, Math.min(MAX_REST_MS, performance.now() - t0)));
