@@ -295,29 +295,11 @@ async function plainRound(addresses: string[], key: string, command: string): Pr
 
 /** One plain exec round trip of `command` on one raw ssh2 connection (TCP_NODELAY, as the executor does). */
 async function plainRoundTrips(address: string, key: string, command: string, n: number): Promise<number[]> {
-  const i = address.lastIndexOf(":");
-  const client = new ssh2.Client();
-  await new Promise<void>((ok, fail) => {
-    client.once("ready", ok).once("error", fail);
-    client.connect({
-      host: address.slice(0, i),
-      port: Number(address.slice(i + 1)),
-      username: "root",
-      privateKey: key,
-      hostVerifier: () => true,
-    });
-    client.setNoDelay(true);
-  });
+  const client = await plainClient(address, key);
   const times: number[] = [];
   for (let j = 0; j < n; j++) {
     const t0 = performance.now();
-    await new Promise<void>((ok, fail) =>
-      client.exec(command, (err, ch) => {
-        if (err) return fail(err);
-        ch.on("close", () => ok()).resume();
-        ch.stderr.resume();
-      }),
-    );
+    await plainExec(client, command);
     times.push(performance.now() - t0);
   }
   client.end();
