@@ -112,6 +112,48 @@ export const ERROR_CODES = {
     description:
       "The runner asked for a dependency the bundle does not have, or whose bundle is not ready or lacks the subpath.",
   },
+  "cas.invalid_digest": {
+    status: 400,
+    description: "A digest is not `<sha256 hex>/<size>` with a lower-case 64-character hash and a whole size.",
+  },
+  "cas.digest_mismatch": {
+    status: 400,
+    description: "The uploaded bytes do not hash to, or do not have the size of, the digest they were sent as.",
+  },
+  "cas.too_large": {
+    status: 413,
+    description:
+      "An upload is larger than its digest says (a compressed body that inflates beyond it is refused as it inflates), or a batch is larger than allowed.",
+  },
+  "cas.not_found": {
+    status: 404,
+    description: "The store has no blob with that digest that the caller may read (absent and unreadable look the same).",
+  },
+  "cas.invalid_manifest": {
+    status: 400,
+    description:
+      "A manifest is not the canonical JSON of a valid tree (sorted relative paths, parents listed, links inside); the path names the bad field.",
+  },
+  "cas.manifest_incomplete": {
+    status: 400,
+    description: "A manifest names blobs that are not in the store for the caller; upload them first, the manifest last.",
+  },
+  "cas.unsupported_encoding": {
+    status: 415,
+    description: "A Content-Encoding other than identity, gzip, deflate or br.",
+  },
+  "cas.range_not_satisfiable": {
+    status: 416,
+    description: "A Range that starts beyond the blob's size.",
+  },
+  "cas.upload_offset": {
+    status: 409,
+    description: "A resumed upload's Upload-Offset is not what the server holds; the message names the offset to resume from.",
+  },
+  "cas.busy": {
+    status: 503,
+    description: "The blob is being deleted by garbage collection right now; retry the upload.",
+  },
   "output.not_found": {
     status: 404,
     description: "The bundle's outputs have no file or directory at that path.",

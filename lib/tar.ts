@@ -115,7 +115,7 @@ function* entryHeaders(
 }
 
 /** An entry of a tree being archived, as lstat saw it (links are never followed). */
-interface PackEntry {
+export interface PackEntry {
   rel: string;
   kind: "dir" | "file" | "link";
   size: number;
