@@ -114,11 +114,13 @@ export const ERROR_CODES = {
   },
   "cas.invalid_digest": {
     status: 400,
-    description: "A digest is not `<sha256 hex>/<size>` with a lower-case 64-character hash and a whole size.",
+    description:
+      "A digest is not `<sha256 hex>/<size>` with a lower-case 64-character hash and a whole size.",
   },
   "cas.digest_mismatch": {
     status: 400,
-    description: "The uploaded bytes do not hash to, or do not have the size of, the digest they were sent as.",
+    description:
+      "The uploaded bytes do not hash to, or do not have the size of, the digest they were sent as.",
   },
   "cas.too_large": {
     status: 413,
@@ -127,7 +129,8 @@ export const ERROR_CODES = {
   },
   "cas.not_found": {
     status: 404,
-    description: "The store has no blob with that digest that the caller may read (absent and unreadable look the same).",
+    description:
+      "The store has no blob with that digest that the caller may read (absent and unreadable look the same).",
   },
   "cas.invalid_manifest": {
     status: 400,
@@ -136,7 +139,8 @@ export const ERROR_CODES = {
   },
   "cas.manifest_incomplete": {
     status: 400,
-    description: "A manifest names blobs that are not in the store for the caller; upload them first, the manifest last.",
+    description:
+      "A manifest names blobs that are not in the store for the caller; upload them first, the manifest last.",
   },
   "cas.unsupported_encoding": {
     status: 415,
@@ -148,7 +152,8 @@ export const ERROR_CODES = {
   },
   "cas.upload_offset": {
     status: 409,
-    description: "A resumed upload's Upload-Offset is not what the server holds; the message names the offset to resume from.",
+    description:
+      "A resumed upload's Upload-Offset is not what the server holds; the message names the offset to resume from.",
   },
   "cas.busy": {
     status: 503,
