@@ -582,3 +582,43 @@ async function skip(reader: ByteReader, n: number): Promise<void> {
   let left = n;
   while (left > 0) left -= (await reader.some(left)).length;
 }
+
+/** An entry of a tree kept elsewhere (a manifest of the content-addressed store), for `packFromEntries`. */
+export interface StoredEntry {
+  rel: string;
+  kind: "dir" | "file" | "link";
+  size: number;
+  executable: boolean;
+  /** A link's target, relative to its directory and inside the tree. */
+  target: string;
+}
+
+/**
+ * A tar stream of entries whose file bytes come from `open` (the store), checked to have the size the entry says.
+ * Modification times are 0: a stored tree has none.
+ */
+export function packFromEntries(
+  entries: readonly StoredEntry[],
+  open: (e: StoredEntry) => Promise<AsyncIterable<Uint8Array>>,
+): Readable {
+  async function* archive(): AsyncGenerator<Buffer> {
+    for (const e of entries) {
+      if (e.kind === "dir") yield* entryHeaders(`${e.rel}/`, 0, "5", 0o755, 0);
+      else if (e.kind === "link") yield* entryHeaders(e.rel, 0, "2", 0o777, 0, e.target);
+      else {
+        yield* entryHeaders(e.rel, e.size, "0", e.executable ? 0o755 : 0o644, 0);
+        let got = 0;
+        for await (const chunk of await open(e)) {
+          got += chunk.byteLength;
+          if (got > e.size) throw badArchive(`${e.rel}: the stored blob is longer than its digest says`);
+          yield Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength);
+        }
+        if (got !== e.size) throw badArchive(`${e.rel}: the stored blob is shorter than its digest says`);
+        yield padding(e.size);
+      }
+    }
+    yield ZERO_BLOCK;
+    yield ZERO_BLOCK;
+  }
+  return Readable.from(archive(), { objectMode: false });
+}
