@@ -10,6 +10,7 @@
 import { createReadStream } from "node:fs";
 import { rm } from "node:fs/promises";
 import { Readable, Transform, type TransformCallback } from "node:stream";
+import { setTimeout as sleep } from "node:timers/promises";
 import {
   DeleteObjectCommand,
   GetObjectCommand,
@@ -125,6 +126,8 @@ class S3Backend implements BlobBackend {
         body.destroy();
         if (abort.signal.aborted && abort.signal.reason instanceof Error) throw abort.signal.reason;
         if (attempt >= this.maxAttempts || !retryable(err)) throw this.wrap("PutObject", key, err);
+        // Full jitter, as the SDK's own retries: up to 100 ms, 200 ms, ... 5 s.
+        await sleep(Math.random() * Math.min(5_000, 100 * 2 ** (attempt - 1)));
       }
     }
     await rm(file, { force: true });
