@@ -8,7 +8,8 @@
  * DISPATCH_CLOUD_TEST_MOTO at a `moto_server` executable.
  */
 import { type ChildProcess, spawn, spawnSync } from "node:child_process";
-import { existsSync } from "node:fs";
+import { existsSync, readdirSync } from "node:fs";
+import { join } from "node:path";
 import { CreateBucketCommand, S3Client } from "@aws-sdk/client-s3";
 
 export interface TestS3Server {
@@ -25,12 +26,14 @@ const HOW_TO_GET =
   "`pip install 'moto[server]'` (it is part of the project's machine image), or set DISPATCH_CLOUD_TEST_MOTO " +
   "to a moto_server executable";
 
-/** The moto_server executable: $DISPATCH_CLOUD_TEST_MOTO, else on PATH, else pyenv's shim. */
+/** The moto_server executable: $DISPATCH_CLOUD_TEST_MOTO (scripts/test-services.sh sets it), else on PATH, else pyenv's. */
 export function findMotoServer(): string {
+  const pyenv = join(process.env.HOME ?? "/root", ".pyenv", "versions");
+  const versions = existsSync(pyenv) ? readdirSync(pyenv).sort().reverse() : [];
   const candidates = [
     process.env.DISPATCH_CLOUD_TEST_MOTO,
     "moto_server",
-    `${process.env.HOME ?? "/root"}/.pyenv/shims/moto_server`,
+    ...versions.map((v) => join(pyenv, v, "bin", "moto_server")),
   ].filter((c): c is string => c !== undefined && c !== "");
   for (const c of candidates) {
     if (c.includes("/") && !existsSync(c)) continue;
