@@ -92,7 +92,12 @@ class S3Backend implements BlobBackend {
       return c;
     };
     this.client = new S3Client(config(this.maxAttempts));
-    this.streamClient = new S3Client(config(1));
+    // The SDK warns on the console when a streamed request fails; adoptFile reports (and retries) those itself.
+    const quiet = () => {};
+    this.streamClient = new S3Client({
+      ...config(1),
+      logger: { debug: quiet, info: quiet, warn: quiet, error: quiet },
+    });
     const c = opts.credentials;
     this.secrets = c === undefined ? [] : [c.secretAccessKey, c.accessKeyId, c.sessionToken ?? ""];
   }
