@@ -128,6 +128,24 @@ describe("S3 backend", () => {
     await be.close();
   });
 
+  it("refuses to adopt a missing file, or one longer than its digest, and stores nothing", async () => {
+    const be = backendOn(await freshBucket());
+    const tmp = await tempDir("cas-s3-adopt-");
+    try {
+      const data = testBytes(1000, 11);
+      const d = digestBytes(data);
+      await expect(be.adoptFile(d, join(tmp.dir, "absent"))).rejects.toMatchObject({ code: "ENOENT" });
+      const long = join(tmp.dir, "long");
+      await writeFile(long, Buffer.concat([data, Buffer.from("more")]));
+      await expect(be.adoptFile(d, long)).rejects.toMatchObject({ code: "cas.digest_mismatch" });
+      expect(await be.has(d)).toBe(false);
+      expect(await listed(be)).toEqual([]);
+    } finally {
+      await be.close();
+      await tmp.remove();
+    }
+  });
+
   it("turns storage errors into cas.storage_unavailable naming the operation and key, without credentials", async () => {
     const secret = "very-secret-key-do-not-show-0123";
     const accessKeyId = "AKIDNOTSHOWN0001";

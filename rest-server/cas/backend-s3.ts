@@ -112,7 +112,10 @@ class S3Backend implements BlobBackend {
       const abort = new AbortController();
       // The file is counted as it is sent: one that is shorter or longer than the digest says breaks the PUT
       // off mid-body (the storage keeps nothing) rather than leaving the request waiting for bytes.
-      const body = createReadStream(file).pipe(new LengthGuard(digest.size, file, abort));
+      const source = createReadStream(file);
+      // A file that cannot be read ends the PUT too (pipe does not pass errors on).
+      source.on("error", (err) => abort.abort(err));
+      const body = source.pipe(new LengthGuard(digest.size, file, abort));
       // Its errors reach the caller through the abort (the SDK pipes the body without listening for them).
       body.on("error", () => {});
       try {
@@ -128,6 +131,7 @@ class S3Backend implements BlobBackend {
         );
         break;
       } catch (err) {
+        source.destroy();
         body.destroy();
         if (abort.signal.aborted && abort.signal.reason instanceof Error) throw abort.signal.reason;
         if (attempt >= this.maxAttempts || !retryable(err)) throw this.wrap("PutObject", key, err);
