@@ -159,6 +159,11 @@ export const ERROR_CODES = {
     status: 503,
     description: "The blob is being deleted by garbage collection right now; retry the upload.",
   },
+  "cas.storage_unavailable": {
+    status: 503,
+    description:
+      "The blob storage (S3-compatible object storage) failed or did not answer; the message names the operation, the key and the storage's own error code.",
+  },
   "output.not_found": {
     status: 404,
     description: "The bundle's outputs have no file or directory at that path.",

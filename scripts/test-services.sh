@@ -82,6 +82,15 @@ if ! docker image inspect busybox >/dev/null 2>&1; then
   log "tagging $TEST_IMAGE as busybox (the README's first bundle uses that name)"
   docker tag "$TEST_IMAGE" busybox:latest
 fi
+# moto's S3-compatible server (test/s3-server.ts) for the S3 blob backend's tests, which start their own on a free
+# port. It is the Python package moto of the machine image (pip; no Debian package carries it): found here, not
+# installed. Without it test/cas-backend-s3.test.ts fails, saying how to get it.
+MOTO=${DISPATCH_CLOUD_TEST_MOTO:-$(command -v moto_server || ls "${HOME:-/root}"/.pyenv/versions/*/bin/moto_server 2>/dev/null | sort -V | tail -n 1 || true)}
+if [ -n "$MOTO" ] && "$MOTO" --help >/dev/null 2>&1; then
+  echo "export DISPATCH_CLOUD_TEST_MOTO=$MOTO"
+else
+  log "moto_server not found: the S3 backend's tests will fail; install it with: pip install 'moto[server]'"
+fi
 echo "export DISPATCH_CLOUD_TEST_IMAGE=$TEST_IMAGE"
 echo "export DISPATCH_CLOUD_TEST_VM_USER=$VM_USER"
 echo "export DISPATCH_CLOUD_TEST_PG_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
