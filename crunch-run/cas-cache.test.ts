@@ -210,6 +210,15 @@ describe("the index", () => {
     expect(existsSync(join(cache.dir, "index.lock"))).toBe(false);
   });
 
+  it("removes temporary files of processes that are gone when opened", async () => {
+    const dir = fresh("tmpclean");
+    mkdirSync(join(dir, "tmp"), { recursive: true });
+    writeFileSync(join(dir, "tmp", `${2 ** 22 + 9}-abc`), "partial download");
+    writeFileSync(join(dir, "tmp", `${process.pid}-def`), "ours, in progress");
+    await new CasCache(dir).init();
+    expect(readdirSync(join(dir, "tmp"))).toEqual([`${process.pid}-def`]);
+  });
+
   it("stays whole when two processes fetch into the cache at once", async () => {
     const dir = fresh("shared");
     const shared = randomBytes(100_000);

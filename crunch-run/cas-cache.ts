@@ -153,10 +153,21 @@ export class CasCache {
     return path.join(this.dir, "blobs", hash.slice(0, 2), hash);
   }
 
+  private initialised = false;
+
+  /** Makes the directories; the first time, removes temporary files of processes that are gone. */
   async init(): Promise<void> {
+    if (this.initialised) return;
     await mkdir(path.join(this.dir, "blobs"), { recursive: true });
     await mkdir(path.join(this.dir, "tmp"), { recursive: true });
     await mkdir(this.pinDir, { recursive: true });
+    for (const name of await readdir(path.join(this.dir, "tmp"))) {
+      const pid = Number(name.split("-")[0]);
+      if (Number.isSafeInteger(pid) && pid > 0 && procStartTime(pid) === null) {
+        await rm(path.join(this.dir, "tmp", name), { force: true });
+      }
+    }
+    this.initialised = true;
   }
 
   /** True when the blob is in the cache with its size (the empty blob always is). */
@@ -191,6 +202,14 @@ export class CasCache {
         if (info !== null && procStartTime(info.pid) !== info.startTime) {
           await removeDeadLock(this.lockFile, text);
           continue;
+        }
+        // An empty lock for long: its taker died between creating and writing it.
+        if (info === null) {
+          const age = Date.now() - ((await stat(this.lockFile).catch(() => null))?.mtimeMs ?? Date.now());
+          if (age > 10_000) {
+            await removeDeadLock(this.lockFile, text);
+            continue;
+          }
         }
       }
       if (Date.now() > deadline) {
@@ -243,6 +262,7 @@ export class CasCache {
 
   /** Reads, changes and writes the index under the lock. */
   private async update<T>(fn: (idx: Index) => Promise<T> | T): Promise<T> {
+    await this.init();
     await this.lock();
     try {
       const idx = await this.readIndex();
