@@ -154,6 +154,8 @@ export class CasCache {
   }
 
   private initialised = false;
+  /** blobs/<2 hex> directories known to exist (never removed). */
+  private readonly subdirs = new Set<string>();
 
   /** Makes the directories; the first time, removes temporary files of processes that are gone. */
   async init(): Promise<void> {
@@ -337,7 +339,11 @@ export class CasCache {
   private async place(d: Digest, tmp: string): Promise<void> {
     try {
       await chmod(tmp, 0o444);
-      await mkdir(path.dirname(this.blobPath(d)), { recursive: true });
+      const sub = d.hash.slice(0, 2);
+      if (!this.subdirs.has(sub)) {
+        await mkdir(path.dirname(this.blobPath(d)), { recursive: true });
+        this.subdirs.add(sub);
+      }
       await rename(tmp, this.blobPath(d));
     } catch (err) {
       await rm(tmp, { force: true });
@@ -464,13 +470,13 @@ export class CasCache {
     const groups = batches(small, 1000, MAX_BATCH_BYTES, (b) => b.size);
     await eachLimited(groups, this.concurrency, async (group) => {
       const got = await client.batchRead(group);
-      for (const b of group) {
+      await eachLimited(group, 16, async (b) => {
         const data = got.get(b.hash);
         if (data === undefined)
           throw new DispatchCloudError("cas.not_found", `${formatDigest(b)} was not returned`);
         await this.putBytes(b, data);
         bytesFetched += b.size;
-      }
+      });
     });
     await eachLimited(large, this.concurrency, async (b) => {
       const tmp = this.tmpName();
