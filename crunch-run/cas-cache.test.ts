@@ -173,6 +173,7 @@ describe("eviction, least recently used first", () => {
     expect(await cache.has(digestBytes(a.f))).toBe(true); // pinned, though oldest
     expect(await cache.has(digestBytes(b.f))).toBe(false);
     // The attempt ends (its lock is gone): the pin no longer counts.
+    await expect(cache.pin("../escape", lock, [])).rejects.toThrow(/pin id/);
     rmSync(lock);
     clock.t = 1800;
     const d = { f: randomBytes(10_000) };

@@ -283,6 +283,9 @@ export class CasCache {
    * `id` names the pin (e.g. `<uuid>-<attempt>`); pinning again under the same id replaces the list.
    */
   async pin(id: string, lockFile: string, hashes: Iterable<string>): Promise<void> {
+    if (!/^[A-Za-z0-9._-]{1,200}$/.test(id) || id.startsWith(".")) {
+      throw new Error(`pin id ${JSON.stringify(id.slice(0, 80))}: letters, digits, ".", "_" and "-" only`);
+    }
     const pin: Pin = { lock: lockFile, pid: process.pid, hashes: [...new Set(hashes)] };
     // Under the index lock, so an eviction never runs between reading the pins and deleting blobs.
     await this.update(async () => {
