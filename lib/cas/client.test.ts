@@ -3,7 +3,15 @@
  * rest-server/cas and are tested there): verification of what is read, Range resume, upload resume.
  */
 import { randomBytes } from "node:crypto";
-import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import {
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readFileSync,
+  rmSync,
+  symlinkSync,
+  writeFileSync,
+} from "node:fs";
 import http from "node:http";
 import type { AddressInfo } from "node:net";
 import { tmpdir } from "node:os";
@@ -12,6 +20,7 @@ import { gunzipSync, gzipSync } from "node:zlib";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { batches, createCasClient, worthCompressing } from "./client.ts";
 import { type Digest, digestBytes, formatDigest } from "./digest.ts";
+import { manifestStats, parseManifest } from "./manifest.ts";
 
 const dir = mkdtempSync(join(tmpdir(), "cas-client-"));
 const blobs = new Map<string, Buffer>();
@@ -40,12 +49,46 @@ beforeAll(async () => {
       }
     });
     req.on("end", (): unknown => {
-      const m = /^\/api\/v1\/cas\/(blobs|uploads|batch-read)(?:\/([0-9a-f]{64})\/(\d+))?$/.exec(
-        req.url ?? "",
-      );
+      const m =
+        /^\/api\/v1\/cas\/(blobs|uploads|batch-read|find-missing|batch-upload|manifests)(?:\/([0-9a-f]{64})\/(\d+))?$/.exec(
+          req.url ?? "",
+        );
       log.push(`${req.method} ${m?.[1]} ${req.headers["upload-offset"] ?? ""}${req.headers.range ?? ""}`);
       if (req.headers.authorization !== "Bearer tok") return res.writeHead(401).end();
       const hash = m?.[2] ?? "";
+      const json = (status: number, v: unknown) =>
+        res.writeHead(status, { "content-type": "application/json" }).end(JSON.stringify(v));
+      if (m?.[1] === "find-missing") {
+        const body = JSON.parse(Buffer.concat(chunks).toString()) as { digests: string[] };
+        return json(200, { missing: body.digests.filter((d) => !blobs.has(d.split("/")[0] as string)) });
+      }
+      if (m?.[1] === "batch-upload") {
+        const body = JSON.parse(Buffer.concat(chunks).toString()) as {
+          blobs: { digest: string; data: string }[];
+        };
+        const results = body.blobs.map((b) => {
+          const data = Buffer.from(b.data, "base64");
+          if (formatDigest(digestBytes(data)) !== b.digest)
+            return { digest: b.digest, ok: false, error: { code: "cas.digest_mismatch", message: "bad" } };
+          blobs.set(digestBytes(data).hash, data);
+          return { digest: b.digest, ok: true };
+        });
+        return json(200, { results });
+      }
+      if (m?.[1] === "manifests" && req.method === "PUT") {
+        const body = Buffer.concat(chunks);
+        const man = parseManifest(body);
+        const absent = manifestStats(man).blobs.filter((b) => b.size > 0 && !blobs.has(b.hash));
+        if (absent.length > 0) return json(400, { error: { code: "cas.manifest_incomplete", message: "x" } });
+        blobs.set(hash, body);
+        return json(201, { digest: `${hash}/${body.length}`, ...manifestStats(man), blobs: undefined });
+      }
+      if (m?.[1] === "manifests" && req.method === "GET") {
+        const data = blobs.get(hash);
+        return data
+          ? res.writeHead(200).end(data)
+          : json(404, { error: { code: "cas.not_found", message: "" } });
+      }
       if (m?.[1] === "batch-read") {
         const body = JSON.parse(Buffer.concat(chunks).toString()) as { digests: string[] };
         const out = body.digests.map((d) => {
@@ -184,6 +227,41 @@ describe("upload", () => {
     const { bytesSent } = await c.uploadFile(digestBytes(text), join(dir, "txt"));
     expect(bytesSent).toBeLessThan(text.length / 10);
     expect(blobs.get(digestBytes(text).hash)?.equals(text)).toBe(true);
+    c.close();
+  });
+});
+
+describe("uploadTree", () => {
+  it("uploads only what the store lacks, then the manifest, which reads back", async () => {
+    const tree = join(dir, "tree");
+    mkdirSync(join(tree, "sub/empty"), { recursive: true });
+    const big = randomBytes(300_000);
+    writeFileSync(join(tree, "big"), big);
+    writeFileSync(join(tree, "sub/small"), "small bytes");
+    writeFileSync(join(tree, "known"), "already stored");
+    writeFileSync(join(tree, "empty"), "");
+    symlinkSync("sub/small", join(tree, "l"));
+    put(Buffer.from("already stored"));
+    const c = client();
+    const phases: string[] = [];
+    const r = await c.uploadTree(tree, { onProgress: (p) => phases.push(p.phase) });
+    expect(r).toMatchObject({ files: 4, bytes: 300_000 + 11 + 14, blobsUploaded: 2, blobsSkipped: 1 });
+    expect(r.bytesSent).toBeGreaterThanOrEqual(300_000);
+    expect(phases[0]).toBe("hashed");
+    expect(phases.at(-1)).toBe("uploaded");
+    expect(blobs.get(digestBytes(big).hash)?.equals(big)).toBe(true);
+    const back = await c.getManifest(r.digest);
+    expect(back.manifest.entries.map((e) => e.path)).toEqual([
+      "big",
+      "empty",
+      "known",
+      "l",
+      "sub",
+      "sub/empty",
+      "sub/small",
+    ]);
+    // Again: nothing to upload.
+    expect(await c.uploadTree(tree)).toMatchObject({ digest: r.digest, blobsUploaded: 0, blobsSkipped: 3 });
     c.close();
   });
 });
