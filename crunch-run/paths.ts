@@ -26,6 +26,11 @@ export interface RunnerPaths {
   runtimeFailuresFile: string;
   /** The process runtime's uid leases, one file per uid in use (runtime-process.ts). Root's only. */
   uidLeaseDir: string;
+  /**
+   * The cache of the content-addressed store's blobs on the instance (cas-cache.ts), shared by the
+   * supervisors of every bundle that runs there; kept across bundles.
+   */
+  casCacheDir: string;
 }
 
 export function runnerPaths(env: NodeJS.ProcessEnv): RunnerPaths {
@@ -40,6 +45,7 @@ export function runnerPaths(env: NodeJS.ProcessEnv): RunnerPaths {
     imdsEndpointFile: `${root}/etc/dispatch-cloud/imds-endpoint`,
     runtimeFailuresFile: `${root}/var/lock/crunch-run-runtime-failures`,
     uidLeaseDir: `${root}/var/lock/crunch-run-uids`,
+    casCacheDir: `${root}/var/cache/dispatch-cloud/cas`,
   };
 }
 
