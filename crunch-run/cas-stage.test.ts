@@ -86,15 +86,19 @@ describe("stageTree", () => {
     expect(existsSync(cache.blobPath(blobOf(manifest, "d/data")))).toBe(true);
   });
 
-  it.skipIf(shm === undefined || statSync("/dev/shm").dev === statSync(root).dev)(
-    "copies (read-only) when the cache is on another filesystem",
-    async () => {
+  it("copies (read-only) when the cache is on another filesystem", async () => {
+    if (shm === undefined || statSync(shm).dev === statSync(root).dev) {
+      throw new Error(
+        "this test needs /dev/shm on another filesystem than the temporary directory (a tmpfs)",
+      );
+    }
+    {
       const { manifest, cache, target, r } = await stagedFrom(join(shm as string, "cache"));
       expect(r).toMatchObject({ files: 4, linked: 0, copied: 3 });
       const data = statSync(join(target, "d/data"));
       expect(data.ino).not.toBe(statSync(cache.blobPath(blobOf(manifest, "d/data"))).ino);
       expect(data.mode & 0o777).toBe(0o444);
       expect((await manifestOfTree(target)).manifest).toEqual(manifest);
-    },
-  );
+    }
+  });
 });
