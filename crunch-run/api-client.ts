@@ -112,7 +112,10 @@ export interface RunnerSpec {
     gpu: { stack: string; deviceCount: number } | null;
   };
   limits: { time: number | null; disk: number | null; network: boolean };
-  dependencies: { bundle: string; subpath: string; name: string }[];
+  /** `manifest`: the dependency's output manifest in the content-addressed store (null: an archive to fetch). */
+  dependencies: { bundle: string; subpath: string; name: string; manifest?: string | null }[];
+  /** Most files and bytes the outputs may hold; given by servers with the content-addressed store. */
+  outputLimits?: { files: number; bytes: number };
   gpuDevices: number[];
   instanceType: string | null;
 }
@@ -121,7 +124,9 @@ export interface FinishBody {
   exitCode: number | null;
   reason?: string;
   failed?: boolean;
-  resourceUsage?: ResourceUsage;
+  resourceUsage?: ResourceUsage & Record<string, number>;
+  /** The outputs' manifest in the content-addressed store (`<sha256>/<size>`). */
+  outputManifest?: string;
 }
 
 export interface RunnerClient {

@@ -32,6 +32,9 @@
 import { mkdirSync, writeFileSync } from "node:fs";
 import { lstat, readdir, rm } from "node:fs/promises";
 import path from "node:path";
+import { createCasClient } from "../lib/cas/client.ts";
+import { type Digest, formatDigest, parseDigest } from "../lib/cas/digest.ts";
+import { subManifest } from "../lib/cas/manifest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { createLogger, type Logger } from "../lib/logger.ts";
 import { extractTar, type PackOptions, packEntries, scanTree } from "../lib/tar.ts";
@@ -47,6 +50,8 @@ import {
   withRetries,
 } from "./api-client.ts";
 import { createSpotNoticeClient } from "./azure-events.ts";
+import { CasCache } from "./cas-cache.ts";
+import { removeStagedTree, stageTree } from "./cas-stage.ts";
 import { createDockerClient, DockerApiError } from "./docker-api.ts";
 import { imdsEndpoint, type SpotNotice, type SpotPoller, startSpotPoller } from "./imds.ts";
 import { parseLock, readLockText, releaseLock, replaceLock } from "./lock.ts";
@@ -174,6 +179,16 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       onRetry: logRetry,
     });
 
+  /** The content-addressed store, with the same runner token: inputs by manifest, outputs by digest. */
+  const cas = createCasClient({
+    url: doc.apiUrl,
+    token: doc.token,
+    signal: abort.signal,
+    onRetry: (err: unknown) => log.warn({ err: (err as Error).message }, "CAS call retried"),
+  });
+  const pinId = `${doc.uuid}-${doc.attempt}`;
+  let cache = null as CasCache | null;
+
   try {
     try {
       const started = (await (opts.early?.started ?? client.start())) as { state: string };
@@ -186,6 +201,8 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
   } finally {
     process.off("SIGTERM", onSignal);
     process.off("SIGINT", onSignal);
+    cas.close();
+    await cache?.unpin(pinId).catch((err: unknown) => log.warn({ err }, "unpinning the cache failed"));
     await releaseLock(lock, process.pid);
   }
 
@@ -221,6 +238,41 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       log.info(line);
       stderr?.write(`[crunch-run] ${line}\n`);
     };
+    /** What staging inputs by manifest cost, for the bundle's resource usage (and the server's metrics). */
+    const staging = { ms: 0, blobsHit: 0, blobsFetched: 0, bytesFetched: 0, manifests: 0 };
+    let outputManifest: Digest | null = null;
+    const stageByManifest = async (
+      digest: Digest,
+      dep: { subpath: string },
+      target: string,
+    ): Promise<{
+      files: number;
+      bytes: number;
+      blobsHit: number;
+      blobsFetched: number;
+      bytesFetched: number;
+      ms: number;
+    }> => {
+      const t0 = performance.now();
+      if (cache === null) {
+        const c = new CasCache(paths.casCacheDir);
+        await c.init();
+        cache = c;
+      }
+      const fetched = await cache.fetchManifest(cas, digest, { pin: { id: pinId, lockFile: lock } });
+      const part = subManifest(fetched.manifest, dep.subpath);
+      if (part === null) throw new Error(`the dependency's outputs have no ${JSON.stringify(dep.subpath)}`);
+      await removeStagedTree(target);
+      const r = await stageTree(cache, part, target);
+      const ms = Math.round(performance.now() - t0);
+      staging.ms += ms;
+      staging.blobsHit += fetched.blobsHit;
+      staging.blobsFetched += fetched.blobsFetched;
+      staging.bytesFetched += fetched.bytesFetched;
+      staging.manifests++;
+      const bytes = part.entries.reduce((n, e) => n + (e.type === "file" ? e.digest.size : 0), 0);
+      return { files: r.files, bytes, ...fetched, ms };
+    };
     const finish = async (exitCode: number | null, reason: string | null, failed: boolean) => {
       await Promise.all([stdout?.flush(), stderr?.flush()]);
       if (lost || preempted !== null) return;
@@ -229,7 +281,18 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
           exitCode,
           ...(reason === null ? {} : { reason: reason.slice(0, 1000) }),
           ...(failed ? { failed: true } : {}),
-          resourceUsage: { ...usage },
+          ...(outputManifest === null ? {} : { outputManifest: formatDigest(outputManifest) }),
+          resourceUsage: {
+            ...usage,
+            ...(staging.manifests === 0
+              ? {}
+              : {
+                  stagingSeconds: staging.ms / 1000,
+                  casBlobsHit: staging.blobsHit,
+                  casBlobsFetched: staging.blobsFetched,
+                  casBytesFetched: staging.bytesFetched,
+                }),
+          },
         };
         await client.finish(body);
         log.info({ exitCode, reason, failed }, "finished");
@@ -394,6 +457,33 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
           return 0;
         }
         const target = path.join(inDir, dep.name);
+        if (dep.manifest !== undefined && dep.manifest !== null) {
+          try {
+            const staged = await stageByManifest(
+              parseDigest(dep.manifest, `dependencies[${i}].manifest`),
+              dep,
+              target,
+            );
+            say(
+              `staged ${what} at /in/${dep.name}: ${staged.files} files, ${humanSize(staged.bytes)}; ` +
+                `from the instance's cache ${staged.blobsHit} blobs, fetched ${staged.blobsFetched} ` +
+                `(${humanSize(staged.bytesFetched)}) in ${staged.ms} ms`,
+            );
+          } catch (err) {
+            if (stopping()) return 1;
+            if (isNotOurs(err)) {
+              markLost(err);
+              return 1;
+            }
+            if (isNoSpace(err)) throw err;
+            const reason = `${what} could not be staged: ${(err as Error).message}`;
+            say(reason);
+            await finish(null, reason, true);
+            return 0;
+          }
+          inputs.push(dep.name);
+          continue;
+        }
         try {
           const summary = await withRetries(
             async () => {
@@ -560,9 +650,23 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
             runtime.name === "docker"
               ? { shownAs: "/out" }
               : { shownAs: "$DISPATCH_OUTPUT_DIR", absoluteRoot: outDir };
-          const entries = await scanTree(outDir, shown);
-          const up = await client.putOutputs(() => packEntries(outDir, entries, shown));
-          say(`uploaded outputs: ${up.files} files, ${humanSize(up.bytes)}`);
+          if (spec.outputLimits === undefined) {
+            // A REST server without the content-addressed store: the outputs travel as one archive.
+            const entries = await scanTree(outDir, shown);
+            const up = await client.putOutputs(() => packEntries(outDir, entries, shown));
+            say(`uploaded outputs: ${up.files} files, ${humanSize(up.bytes)}`);
+          } else {
+            const up = await cas.uploadTree(outDir, {
+              ...shown,
+              maxEntries: spec.outputLimits.files,
+              maxBytes: spec.outputLimits.bytes,
+            });
+            outputManifest = up.digest;
+            say(
+              `uploaded outputs: ${up.files} files, ${humanSize(up.bytes)}; sent ${humanSize(up.bytesSent)}, ` +
+                `${up.blobsSkipped} blobs already stored`,
+            );
+          }
         } catch (err) {
           if (isNotOurs(err)) {
             markLost(err);
@@ -611,6 +715,8 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       if (container !== null) await container.remove().catch(() => {});
       stdout?.close();
       stderr?.close();
+      // Staged inputs are read-only trees (cas-stage.ts): made writable again before they go.
+      await removeStagedTree(inDir).catch(() => {});
       await rm(dir, { recursive: true, force: true }).catch(() => {});
     }
   }

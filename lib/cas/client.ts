@@ -21,7 +21,13 @@ import {
   isEmptyDigest,
   parseDigest,
 } from "./digest.ts";
-import { canonicalManifest, type Manifest, manifestDigest, parseManifest } from "./manifest.ts";
+import {
+  canonicalManifest,
+  type Manifest,
+  manifestDigest,
+  manifestStats,
+  parseManifest,
+} from "./manifest.ts";
 import { eachLimited, manifestOfTree, type TreeOptions } from "./tree.ts";
 
 /** Blobs up to this size go in batches (batch-upload, batch-read); larger ones stream on their own. */
@@ -98,6 +104,12 @@ export interface UploadProgress {
   bytesSent: number;
 }
 
+export interface UploadTreeOptions extends TreeOptions {
+  onProgress?: (p: UploadProgress) => void;
+  /** Refuse (runner.output_too_large) a tree whose files hold more bytes, before anything is sent. */
+  maxBytes?: number;
+}
+
 export interface CasClient {
   findMissing(digests: readonly Digest[]): Promise<Digest[]>;
   /** Uploads blobs held in memory (any size up to 1 MiB), in batches; any refusal is thrown. */
@@ -111,10 +123,7 @@ export interface CasClient {
   putManifest(m: Manifest): Promise<{ digest: Digest; files: number; bytes: number }>;
   /** The manifest and its canonical bytes, verified against `digest`. */
   getManifest(digest: Digest): Promise<{ manifest: Manifest; bytes: Buffer }>;
-  uploadTree(
-    dir: string,
-    opts?: TreeOptions & { onProgress?: (p: UploadProgress) => void },
-  ): Promise<UploadTreeResult>;
+  uploadTree(dir: string, opts?: UploadTreeOptions): Promise<UploadTreeResult>;
   close(): void;
 }
 
@@ -473,8 +482,17 @@ export function createCasClient(opts: CasClientOptions): CasClient {
     return { manifest: parseManifest(bytes), bytes };
   }
 
-  async function uploadTree(dir: string, o: TreeOptions & { onProgress?: (p: UploadProgress) => void } = {}) {
+  async function uploadTree(dir: string, o: UploadTreeOptions = {}) {
     const { manifest, files } = await manifestOfTree(dir, o);
+    if (o.maxBytes !== undefined) {
+      const total = manifestStats(manifest).bytes;
+      if (total > o.maxBytes) {
+        throw new DispatchCloudError(
+          "runner.output_too_large",
+          `the tree holds ${total} bytes, more than the ${o.maxBytes} allowed`,
+        );
+      }
+    }
     const all = [...files.entries()]
       .map(([hash, f]) => ({ digest: { hash, size: f.size }, path: f.path }))
       .filter((b) => !isEmptyDigest(b.digest));
