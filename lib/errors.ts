@@ -159,6 +159,11 @@ export const ERROR_CODES = {
     status: 503,
     description: "The blob is being deleted by garbage collection right now; retry the upload.",
   },
+  "cas.unknown_manifest": {
+    status: 400,
+    description:
+      "A runner's finish names an outputManifest that is not a manifest stored and readable by the bundle's owner; upload it first.",
+  },
   "output.not_found": {
     status: 404,
     description: "The bundle's outputs have no file or directory at that path.",
