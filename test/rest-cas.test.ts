@@ -11,7 +11,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { gunzipSync, gzipSync } from "node:zlib";
 import type { FastifyInstance } from "fastify";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, expect, it } from "vitest";
 import { type Digest, EMPTY_DIGEST, formatDigest } from "../lib/cas/digest.ts";
 import { canonicalManifest, type Manifest } from "../lib/cas/manifest.ts";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";

@@ -67,15 +67,15 @@ export const MAX_MANIFEST_BYTES = 256 * 2 ** 20;
 
 const PREFIX = "/api/v1/cas";
 
-const FindMissingRequest = Type.Object(
+export const FindMissingRequest = Type.Object(
   { digests: Type.Array(Type.String({ maxLength: 100 }), { maxItems: MAX_FIND_MISSING }) },
   { additionalProperties: false },
 );
-const BatchReadRequest = Type.Object(
+export const BatchReadRequest = Type.Object(
   { digests: Type.Array(Type.String({ maxLength: 100 }), { maxItems: MAX_BATCH_READ }) },
   { additionalProperties: false },
 );
-const BatchUploadRequest = Type.Object(
+export const BatchUploadRequest = Type.Object(
   {
     blobs: Type.Array(
       Type.Object(
