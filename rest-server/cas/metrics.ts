@@ -17,13 +17,14 @@ export interface CasMetrics {
 
 export function createCasMetrics(registry: Registry, db: Db): CasMetrics {
   let last: Promise<Awaited<ReturnType<typeof casTotals>>> | null = null;
-  let lastAt = 0;
-  /** One database read per scrape, shared by the three gauges. */
+  /** One database read per scrape, shared by the three gauges (a scrape collects them together). */
   const totals = () => {
-    const t = Date.now();
-    if (last === null || t - lastAt > 1000) {
-      last = casTotals(db);
-      lastAt = t;
+    if (last === null) {
+      last = casTotals(db).finally(() => {
+        setImmediate(() => {
+          last = null;
+        });
+      });
     }
     return last;
   };
