@@ -175,26 +175,26 @@ for (const backendKind of BACKENDS) {
     it("metrics: blobs and bytes stored, dedup, bytes uploaded, skipped and downloaded", async () => {
       const data = randomBytes(4096);
       const d = digestOf(data);
-      const up = await metric("dispatch_cloud_cas_uploaded_bytes_total");
+      const up = await metric("dispatchcloud_cas_uploaded_bytes_total");
       expect((await put(alice, data)).status).toBe(201);
-      expect((await metric("dispatch_cloud_cas_uploaded_bytes_total")) - up).toBe(4096);
-      const skipped = await metric("dispatch_cloud_cas_skipped_bytes_total");
+      expect((await metric("dispatchcloud_cas_uploaded_bytes_total")) - up).toBe(4096);
+      const skipped = await metric("dispatchcloud_cas_skipped_bytes_total");
       expect(await missing(alice, [d])).toEqual([]);
-      expect((await metric("dispatch_cloud_cas_skipped_bytes_total")) - skipped).toBe(4096);
-      const down = await metric("dispatch_cloud_cas_downloaded_bytes_total");
+      expect((await metric("dispatchcloud_cas_skipped_bytes_total")) - skipped).toBe(4096);
+      const down = await metric("dispatchcloud_cas_downloaded_bytes_total");
       expect((await api("GET", url("blobs", d), alice)).status).toBe(200);
-      expect((await metric("dispatch_cloud_cas_downloaded_bytes_total")) - down).toBe(4096);
+      expect((await metric("dispatchcloud_cas_downloaded_bytes_total")) - down).toBe(4096);
       const { rows } = await getDb().query<Json>(
         "SELECT count(*)::int AS n, sum(size)::int AS b FROM cas_blobs WHERE state = 'present'",
       );
-      expect(await metric("dispatch_cloud_cas_stored_blobs")).toBe(rows[0].n);
-      expect(await metric("dispatch_cloud_cas_stored_bytes")).toBe(rows[0].b);
+      expect(await metric("dispatchcloud_cas_stored_blobs")).toBe(rows[0].n);
+      expect(await metric("dispatchcloud_cas_stored_bytes")).toBe(rows[0].b);
       // Two manifests naming the same blob: twice its bytes referenced.
       for (const name of ["x", "y"]) {
         const body = manifestOf({ [name]: data });
         expect((await api("PUT", url("manifests", digestOf(body)), alice, body, BIN)).status).toBe(201);
       }
-      expect(await metric("dispatch_cloud_cas_dedup_ratio")).toBeGreaterThan(0);
+      expect(await metric("dispatchcloud_cas_dedup_ratio")).toBeGreaterThan(0);
     });
 
     it("find-missing answers missing for a blob others hold, until the caller uploads it too", async () => {
@@ -223,11 +223,11 @@ for (const backendKind of BACKENDS) {
     it("refuses a decompression bomb as it inflates (413 cas.too_large), storing nothing", async () => {
       const bomb = gzipSync(Buffer.alloc(100 * 2 ** 20));
       const claimed = digestOf(Buffer.alloc(2 ** 20));
-      const before = await metric("dispatch_cloud_cas_uploaded_bytes_total");
+      const before = await metric("dispatchcloud_cas_uploaded_bytes_total");
       const res = await put(alice, bomb, claimed, { ...BIN, "content-encoding": "gzip" });
       expectApiError(res, 413, "cas.too_large");
       // Cut off at the digest's size: no more than 1 MiB of the 100 MiB was written.
-      expect((await metric("dispatch_cloud_cas_uploaded_bytes_total")) - before).toBeLessThanOrEqual(2 ** 20);
+      expect((await metric("dispatchcloud_cas_uploaded_bytes_total")) - before).toBeLessThanOrEqual(2 ** 20);
       expect(await missing(alice, [claimed])).toEqual([formatDigest(claimed)]);
       const head = await app.inject({
         method: "HEAD",

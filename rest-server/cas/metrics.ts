@@ -29,7 +29,7 @@ export function createCasMetrics(registry: Registry, db: Db): CasMetrics {
     return last;
   };
   new Gauge({
-    name: "dispatch_cloud_cas_stored_bytes",
+    name: "dispatchcloud_cas_stored_bytes",
     help: "Bytes of the blobs the content-addressed store holds.",
     registers: [registry],
     async collect() {
@@ -37,7 +37,7 @@ export function createCasMetrics(registry: Registry, db: Db): CasMetrics {
     },
   });
   new Gauge({
-    name: "dispatch_cloud_cas_stored_blobs",
+    name: "dispatchcloud_cas_stored_blobs",
     help: "Blobs the content-addressed store holds.",
     registers: [registry],
     async collect() {
@@ -45,7 +45,7 @@ export function createCasMetrics(registry: Registry, db: Db): CasMetrics {
     },
   });
   new Gauge({
-    name: "dispatch_cloud_cas_dedup_ratio",
+    name: "dispatchcloud_cas_dedup_ratio",
     help: "Bytes the stored manifests name (each blob counted once per manifest) over the bytes stored; 1 = no sharing.",
     registers: [registry],
     async collect() {
@@ -55,17 +55,17 @@ export function createCasMetrics(registry: Registry, db: Db): CasMetrics {
   });
   return {
     bytesUploaded: new Counter({
-      name: "dispatch_cloud_cas_uploaded_bytes_total",
+      name: "dispatchcloud_cas_uploaded_bytes_total",
       help: "Blob bytes received by uploads to the content-addressed store (uncompressed).",
       registers: [registry],
     }),
     bytesSkipped: new Counter({
-      name: "dispatch_cloud_cas_skipped_bytes_total",
+      name: "dispatchcloud_cas_skipped_bytes_total",
       help: "Bytes of blobs find-missing answered present, which clients did not have to upload.",
       registers: [registry],
     }),
     bytesDownloaded: new Counter({
-      name: "dispatch_cloud_cas_downloaded_bytes_total",
+      name: "dispatchcloud_cas_downloaded_bytes_total",
       help: "Blob bytes sent by reads from the content-addressed store.",
       registers: [registry],
     }),
