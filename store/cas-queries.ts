@@ -39,23 +39,26 @@ export async function findMissing(
 ): Promise<Digest[]> {
   if (digests.length === 0) return [];
   const touch = opts.touch ?? true;
-  const { rows } = await db.query<{ hash: string; size: string }>(
-    `WITH d AS (SELECT * FROM unnest($1::text[], $2::bigint[]) WITH ORDINALITY AS d(hash, size, i)),
+  // The digests travel as one comma-separated string (`<hash>/<size>,...`): for 10,000 of them that is several
+  // times cheaper to send and parse than two array parameters. The answer is their positions.
+  const { rows } = await db.query<{ i: number }>(
+    `WITH d AS (
+       SELECT split_part(x, '/', 1) AS hash, split_part(x, '/', 2)::bigint AS size, i::int AS i
+       FROM unnest(string_to_array($1, ',')) WITH ORDINALITY AS t(x, i)
+     ),
      ok AS (
        SELECT b.hash, b.touched_at FROM cas_blobs b JOIN d ON b.hash = d.hash AND b.size = d.size
-       WHERE b.state = 'present' AND ${readable("b", "$3", "$4")}
+       WHERE b.state = 'present' AND ${readable("b", "$2", "$3")}
      ),
      t AS (
-       UPDATE cas_blobs c SET touched_at = $5 FROM ok
-       WHERE $6 AND c.hash = ok.hash AND ok.touched_at < $5::timestamptz - make_interval(secs => $7)
+       UPDATE cas_blobs c SET touched_at = $4 FROM ok
+       WHERE $5 AND c.hash = ok.hash AND ok.touched_at < $4::timestamptz - make_interval(secs => $6)
          AND c.state = 'present'
        RETURNING 1
      )
-     SELECT d.hash, d.size::text AS size FROM d WHERE NOT EXISTS (SELECT 1 FROM ok WHERE ok.hash = d.hash)
-     ORDER BY d.i`,
+     SELECT d.i FROM d WHERE NOT EXISTS (SELECT 1 FROM ok WHERE ok.hash = d.hash) ORDER BY d.i`,
     [
-      digests.map((d) => d.hash),
-      digests.map((d) => d.size),
+      digests.map((d) => `${d.hash}/${d.size}`).join(","),
       reader.userUuid,
       reader.manifests,
       now,
@@ -63,7 +66,7 @@ export async function findMissing(
       TOUCH_RESOLUTION_MS / 1000,
     ],
   );
-  return rows.map((r) => ({ hash: r.hash, size: Number(r.size) }));
+  return rows.map((r) => digests[r.i - 1]!);
 }
 
 /** Whether the reader may read the blob (stored and present); `manifest` also requires it be a manifest. */
