@@ -4,7 +4,7 @@
  * compressed and resumed transfers, manifests, the runner's fields, and garbage collection.
  */
 import { createHash, randomBytes } from "node:crypto";
-import { mkdtemp, rm, stat } from "node:fs/promises";
+import { mkdir, mkdtemp, rm, stat, utimes, writeFile } from "node:fs/promises";
 import http from "node:http";
 import type { AddressInfo } from "node:net";
 import { tmpdir } from "node:os";
@@ -403,6 +403,22 @@ for (const backendKind of BACKENDS) {
       await app.casGc.gcOnce();
       expect(await listAll(backend)).not.toContain(formatDigest(digestOf(kept)));
       expect((await put(alice, kept)).status).toBe(201);
+    });
+
+    it("garbage collection removes partial uploads a day after their last write", async () => {
+      const dir = join(dataDir, "cas-partial", aliceUuid);
+      await mkdir(dir, { recursive: true });
+      const stale = join(dir, `${"a".repeat(64)}-10`);
+      const fresh = join(dir, `${"b".repeat(64)}-10`);
+      await writeFile(stale, "12345");
+      await writeFile(fresh, "12345");
+      await utimes(stale, new Date(nowMs - 2 * DAY), new Date(nowMs - 2 * DAY));
+      await utimes(fresh, new Date(nowMs - DAY / 2), new Date(nowMs - DAY / 2));
+      const result = await app.casGc.gcOnce();
+      expect(result.partials).toBeGreaterThanOrEqual(1);
+      await expect(stat(stale)).rejects.toThrow();
+      expect((await stat(fresh)).size).toBe(5);
+      await rm(fresh);
     });
 
     it("an upload cut off by a server restart resumes from the offset the server kept", async () => {
