@@ -9,6 +9,7 @@ import http from "node:http";
 import type { AddressInfo } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { PassThrough } from "node:stream";
 import { gunzipSync, gzipSync } from "node:zlib";
 import type { FastifyInstance } from "fastify";
 import { Registry } from "prom-client";
@@ -403,6 +404,35 @@ for (const backendKind of BACKENDS) {
       await app.casGc.gcOnce();
       expect(await listAll(backend)).not.toContain(formatDigest(digestOf(kept)));
       expect((await put(alice, kept)).status).toBe(201);
+    });
+
+    it("an old blob being uploaded again while garbage collection runs is kept", async () => {
+      const data = randomBytes(100_000);
+      const d = digestOf(data);
+      expect((await put(alice, data)).status).toBe(201);
+      nowMs += 8 * DAY;
+      const body = new PassThrough();
+      const pending = app.inject({
+        method: "PUT",
+        url: url("blobs", d),
+        headers: { authorization: `Bearer ${alice}`, ...BIN },
+        payload: body,
+      });
+      body.write(data.subarray(0, 50_000));
+      // The upload has begun once it touched the row.
+      for (let i = 0; i < 200; i++) {
+        const { rows } = await getDb().query<Json>("SELECT touched_at FROM cas_blobs WHERE hash = $1", [
+          d.hash,
+        ]);
+        if (rows[0]?.touched_at.getTime() === nowMs) break;
+        await new Promise((r) => setTimeout(r, 10));
+      }
+      await app.casGc.gcOnce();
+      body.end(data.subarray(50_000));
+      const res = await pending;
+      expect(res.statusCode, res.body).toBe(201);
+      expect(await listAll(backend)).toContain(formatDigest(d));
+      expect((await api("GET", url("blobs", d), alice)).raw.equals(data)).toBe(true);
     });
 
     it("garbage collection removes partial uploads a day after their last write", async () => {

@@ -540,7 +540,9 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
         } finally {
           await fh.close();
         }
-        if (state !== "present") await backend.adoptFile(d, file);
+        // A blob present when the upload began is kept (the touch keeps collection away); the check is cheap
+        // insurance against a row whose bytes went missing.
+        if (state !== "present" || !(await backend.has(d))) await backend.adoptFile(d, file);
         if (!(await recordUpload(db, d, owner, now()))) throw busy(d);
         return reply.code(201).send({ digest: formatDigest(d) });
       } catch (err) {
