@@ -236,6 +236,36 @@ const Quotas = Section(
   },
 );
 
+const CasS3 = Section("The S3-compatible bucket of the content-addressed store (cas.backend: s3).", {
+  bucket: Str("", "Bucket name."),
+  endpoint: Str("", "Endpoint URL; empty = AWS's for the region.", {
+    format: "dc-http-url-or-empty",
+    expected: "empty or an http:// or https:// URL",
+  }),
+  region: Str("us-east-1", "Region."),
+  prefix: Str("", "Key prefix of the blobs (e.g. dispatch-cloud/cas/); empty = the bucket's root."),
+  forcePathStyle: Bool(false, "Path-style URLs (MinIO and most other S3-compatible servers need them)."),
+});
+
+const Cas = Section("The content-addressed store of bundle inputs and outputs (docs/storage.md).", {
+  backend: OneOf(
+    ["filesystem", "s3"] as const,
+    "Where blobs are kept: the filesystem under <dataDir>/cas, or an S3-compatible bucket (cas.s3).",
+    "filesystem",
+  ),
+  retention: Duration(
+    "7d",
+    "How long a blob lives after it was last uploaded or asked about when no live manifest names it (a manifest lives as long as it was touched within this or is a bundle's output).",
+    { positive: true },
+  ),
+  gcInterval: Duration("1h", "How often the REST server collects garbage in the store; 0 = never.", {}),
+  maxBatchBytes: Size(
+    "Largest batch upload or read: the bytes of its blobs (each blob at most 1 MiB).",
+    "4MiB",
+  ),
+  s3: CasS3,
+});
+
 const Management = Section("The operators' management API, /metrics and health checks.", {
   listen: Str("127.0.0.1:8901", "Address to listen on, host:port.", {
     format: "dc-host-port",
@@ -497,6 +527,7 @@ export const ConfigSchema = Type.Object(
     database: Database,
     restServer: RestServer,
     quotas: Quotas,
+    cas: Cas,
     management: Management,
     logging: Logging,
     dispatcher: Dispatcher,

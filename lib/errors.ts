@@ -164,6 +164,11 @@ export const ERROR_CODES = {
     description:
       "The blob storage (S3-compatible object storage) failed or did not answer; the message names the operation, the key and the storage's own error code.",
   },
+  "cas.unknown_manifest": {
+    status: 400,
+    description:
+      "A runner's finish names an outputManifest that is not a manifest stored and readable by the bundle's owner; upload it first.",
+  },
   "output.not_found": {
     status: 404,
     description: "The bundle's outputs have no file or directory at that path.",

@@ -5,6 +5,7 @@
 import type { Db } from "../store/db.ts";
 import type { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
+import type { BlobBackend } from "./cas/backend.ts";
 import type { LogNotifier } from "./logs.ts";
 import type { OutputStore } from "./outputs.ts";
 import type { SubmitLimits } from "./quotas.ts";
@@ -32,4 +33,6 @@ export interface RouteContext {
   /** Largest body of a batch submission (restServer.maxBatchRequestBodySize). */
   maxBatchBodySize: number;
   maxTokensPerUser: number;
+  /** The content-addressed store's backend (set by createRestServer before the routes are registered). */
+  casBackend: BlobBackend | null;
 }

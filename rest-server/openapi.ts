@@ -5,6 +5,7 @@
 import { ErrorResponse, errors, type Json, json, plain, query, ref } from "../lib/openapi.ts";
 import { VERSION } from "../lib/version.ts";
 import { BundleRequest, MAX_BATCH_ITEMS } from "./bundle-request.ts";
+import { BatchReadRequest, BatchUploadRequest, FindMissingRequest } from "./cas/routes.ts";
 import { TokenRequest } from "./routes-tokens.ts";
 import { KillRequest, UserRequest } from "./routes-users.ts";
 
@@ -46,6 +47,11 @@ export function usersApiDocument(): Json {
   });
   const common = ["auth.missing_token", "auth.invalid_token"] as const;
   const ownBundle = [...common, "request.invalid_param", "bundle.not_found"] as const;
+  const casCommon = [...common, "cas.invalid_digest"] as const;
+  const digestParams: Json[] = [
+    { name: "hash", in: "path", required: true, schema: { type: "string", pattern: "^[0-9a-f]{64}$" } },
+    { name: "size", in: "path", required: true, schema: { type: "integer", minimum: 0 } },
+  ];
   return {
     openapi: "3.1.0",
     info: {
@@ -219,6 +225,148 @@ export function usersApiDocument(): Json {
           },
         },
       },
+      "/api/v1/cas/find-missing": {
+        post: {
+          operationId: "casFindMissing",
+          description:
+            "Which of up to 10,000 digests the caller must upload: absent, or stored but not readable by the caller (docs/storage.md). Asking about a present blob extends its life.",
+          requestBody: body("CasFindMissingRequest"),
+          responses: {
+            "200": json(
+              { type: "object", properties: { missing: { type: "array", items: { type: "string" } } } },
+              "The digests to upload, in the order asked.",
+            ),
+            ...errors([...casCommon, "request.invalid_json", "request.invalid_body"]),
+          },
+        },
+      },
+      "/api/v1/cas/batch-upload": {
+        post: {
+          operationId: "casBatchUpload",
+          description:
+            "Small blobs (each <= 1 MiB, all <= cas.maxBatchBytes) as base64, verified one by one.",
+          requestBody: body("CasBatchUploadRequest"),
+          responses: {
+            "200": json(
+              { type: "object", properties: { results: { type: "array", items: { type: "object" } } } },
+              "One result per blob, in order: ok, or an error with its code.",
+            ),
+            ...errors([...casCommon, "request.invalid_json", "request.invalid_body", "cas.too_large"]),
+          },
+        },
+      },
+      "/api/v1/cas/batch-read": {
+        post: {
+          operationId: "casBatchRead",
+          requestBody: body("CasBatchReadRequest"),
+          responses: {
+            "200": json(
+              { type: "object", properties: { blobs: { type: "array", items: { type: "object" } } } },
+              "One entry per digest, in order: its data (base64) or an error with its code.",
+            ),
+            ...errors([...casCommon, "request.invalid_json", "request.invalid_body"]),
+          },
+        },
+      },
+      "/api/v1/cas/blobs/{hash}/{size}": {
+        put: {
+          operationId: "casPutBlob",
+          description:
+            "A blob's bytes, streamed; Content-Encoding identity, gzip, deflate or br; Upload-Offset resumes an interrupted upload (HEAD /api/v1/cas/uploads/...).",
+          parameters: [
+            ...digestParams,
+            { name: "Upload-Offset", in: "header", required: false, schema: { type: "integer", minimum: 0 } },
+          ],
+          requestBody: {
+            required: true,
+            content: { "application/octet-stream": { schema: { type: "string", format: "binary" } } },
+          },
+          responses: {
+            "201": json(
+              { type: "object", properties: { digest: { type: "string" } } },
+              "Verified and stored.",
+            ),
+            ...errors([
+              ...casCommon,
+              "request.invalid_body",
+              "cas.digest_mismatch",
+              "cas.too_large",
+              "cas.unsupported_encoding",
+              "cas.upload_offset",
+              "cas.busy",
+            ]),
+          },
+        },
+        get: {
+          operationId: "casGetBlob",
+          description:
+            "A blob's bytes; Range bytes=N- or N-M answers 206; Accept-Encoding gzip compresses what is not compressed already.",
+          parameters: digestParams,
+          responses: {
+            "200": {
+              description: "The bytes.",
+              content: { "application/octet-stream": { schema: { type: "string", format: "binary" } } },
+            },
+            "206": {
+              description: "The bytes of the range.",
+              content: { "application/octet-stream": { schema: { type: "string", format: "binary" } } },
+            },
+            ...errors([...casCommon, "cas.not_found", "cas.range_not_satisfiable"]),
+          },
+        },
+      },
+      "/api/v1/cas/uploads/{hash}/{size}": {
+        head: {
+          operationId: "casUploadOffset",
+          parameters: digestParams,
+          responses: {
+            "200": {
+              description:
+                "Upload-Offset: the uncompressed bytes of an interrupted upload the server kept for the caller (0: none).",
+            },
+            ...errors(casCommon),
+          },
+        },
+      },
+      "/api/v1/cas/manifests/{hash}/{size}": {
+        put: {
+          operationId: "casPutManifest",
+          description:
+            "A manifest's canonical JSON; every blob it names must be stored and readable by the caller.",
+          parameters: digestParams,
+          requestBody: { required: true, content: { "application/json": { schema: { type: "object" } } } },
+          responses: {
+            "201": json(
+              {
+                type: "object",
+                properties: {
+                  digest: { type: "string" },
+                  files: { type: "integer" },
+                  bytes: { type: "integer" },
+                },
+              },
+              "Verified and stored.",
+            ),
+            ...errors([
+              ...casCommon,
+              "request.invalid_body",
+              "cas.digest_mismatch",
+              "cas.too_large",
+              "cas.invalid_manifest",
+              "cas.manifest_incomplete",
+              "cas.busy",
+            ]),
+          },
+        },
+        get: {
+          operationId: "casGetManifest",
+          parameters: digestParams,
+          responses: {
+            "200": json({ type: "object" }, "The manifest."),
+            ...errors([...casCommon, "cas.not_found"]),
+          },
+        },
+      },
       "/api/v1/users/current": {
         get: {
           operationId: "currentUser",
@@ -251,6 +399,9 @@ export function usersApiDocument(): Json {
         KillRequest: plain(KillRequest),
         UserRequest: plain(UserRequest),
         TokenRequest: plain(TokenRequest),
+        CasFindMissingRequest: plain(FindMissingRequest),
+        CasBatchUploadRequest: plain(BatchUploadRequest),
+        CasBatchReadRequest: plain(BatchReadRequest),
         Token: TOKEN_VIEW,
         TokenWithSecret: {
           allOf: [

@@ -10,11 +10,14 @@
  */
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
+import { formatDigest, parseDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { outputManifestsByBundle, setOutputManifest } from "../store/cas-queries.ts";
 import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts";
 import { finishBundle, loseBundle, markRunning } from "../store/transitions.ts";
 import type { Bundle, LogStream, TransitionResult } from "../store/types.ts";
 import { authenticateRunner, runnerBundleOf } from "./auth.ts";
+import { readManifestStats } from "./cas/routes.ts";
 import type { RouteContext } from "./context.ts";
 import { parseCount, parseStream } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
@@ -38,6 +41,13 @@ const FinishRequest = Type.Object(
     reason: Type.Optional(Type.String({ maxLength: 1000 })),
     failed: Type.Optional(Type.Boolean()),
     resourceUsage: Type.Optional(ResourceUsage),
+    outputManifest: Type.Optional(
+      Type.String({
+        maxLength: 100,
+        description:
+          "The digest (<sha256>/<size>) of the outputs' manifest, stored in the content-addressed store and readable by the bundle's owner.",
+      }),
+    ),
   },
   { additionalProperties: false },
 );
@@ -122,6 +132,10 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
 
   app.get("/api/v1/runner/spec", { onRequest }, async (request) => {
     const b = runnerBundleOf(request);
+    const manifests = await outputManifestsByBundle(
+      db,
+      b.dependencies.map((d) => d.bundle),
+    );
     return {
       uuid: b.uuid,
       attempt: b.attempt,
@@ -130,7 +144,7 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       env: b.env,
       resources: b.resources,
       limits: b.limits,
-      dependencies: b.dependencies,
+      dependencies: b.dependencies.map((d) => ({ ...d, manifest: manifests.get(d.bundle) ?? null })),
       gpuDevices: b.gpuDevices,
       instanceType: b.instanceType,
     };
@@ -147,6 +161,24 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
   app.post("/api/v1/runner/finish", { onRequest }, async (request) => {
     const bundle = runnerBundleOf(request);
     const body = validate(FinishRequest, request.body);
+    if (body.outputManifest !== undefined) {
+      const d = parseDigest(body.outputManifest, "outputManifest");
+      const backend = ctx.casBackend;
+      const stats =
+        backend === null
+          ? null
+          : await readManifestStats(db, backend, { userUuid: bundle.ownerUuid, manifests: [] }, d);
+      if (stats === null) {
+        throw new DispatchCloudError(
+          "cas.unknown_manifest",
+          `outputManifest: ${formatDigest(d)} is not a manifest in the store readable by the bundle's owner; upload it first`,
+          { path: "outputManifest" },
+        );
+      }
+      if (!(await setOutputManifest(db, bundle.uuid, bundle.attempt, formatDigest(d), stats.bytes))) {
+        throw notCurrentNow(bundle, await getBundle(db, bundle.uuid));
+      }
+    }
     const result = await finishBundle(db, bundle.uuid, bundle.attempt, {
       exitCode: body.exitCode,
       ...(body.failed === undefined ? {} : { failed: body.failed }),

@@ -8,8 +8,10 @@ import { isUtf8 } from "node:buffer";
 import { join } from "node:path";
 import Fastify, { type FastifyBaseLogger, type FastifyInstance } from "fastify";
 import { pino } from "pino";
+import type { Registry } from "prom-client";
 import { defaultConfig } from "../config/load.ts";
 import type { Clock } from "../lib/clock.ts";
+import { systemClock } from "../lib/clock.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import {
   clientErrorHandler,
@@ -30,6 +32,11 @@ import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
 import { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
+import type { BlobBackend } from "./cas/backend.ts";
+import { createFsBackend } from "./cas/backend-fs.ts";
+import { type CasGc, createCasGc } from "./cas/gc.ts";
+import { createCasMetrics } from "./cas/metrics.ts";
+import { registerCasRoutes } from "./cas/routes.ts";
 import type { RouteContext } from "./context.ts";
 import { createLogNotifier } from "./logs.ts";
 import { usersApiDocument } from "./openapi.ts";
@@ -75,12 +82,36 @@ export interface RestServerOptions {
   bundleMinimums?: BundleMinimums;
   /** Per-user limits (config `quotas`); default: no submission limits, 100 tokens per user. */
   quotas?: SubmitLimits & { maxTokensPerUser: number };
+  /** The content-addressed store (config `cas`); defaults: the filesystem under `<dataDir>/cas`, cas's defaults. */
+  cas?: CasServerOptions;
+}
+
+export interface CasServerOptions {
+  /** Where blobs are kept; default createFsBackend(`<dataDir>/cas`). Closed with the server. */
+  backend?: BlobBackend;
+  /** How long an unreferenced blob lives after it was last touched (cas.retention), in ms. */
+  retention?: number;
+  /** Milliseconds between collections (cas.gcInterval); 0 = none (gcOnce only). Default 0. */
+  gcInterval?: number;
+  /** cas.maxBatchBytes. */
+  maxBatchBytes?: number;
+  /** Registry for the store's metrics; none: no metrics. */
+  metricsRegistry?: Registry;
+  /** Sleeps of the periodic collection (FakeClock in tests); default the system clock's. */
+  sleep?: (ms: number, signal?: AbortSignal) => Promise<void>;
 }
 
 export type { RouteContext } from "./context.ts";
 
 export const DEFAULT_MAX_OUTPUT_SIZE = 10 * 2 ** 30;
 export const DEFAULT_MAX_TOKENS_PER_USER = 100;
+
+declare module "fastify" {
+  interface FastifyInstance {
+    /** The content-addressed store's garbage collection (gcOnce for tests and operators). */
+    casGc: CasGc;
+  }
+}
 
 export async function createRestServer(opts: RestServerOptions): Promise<FastifyInstance> {
   const clock = opts.clock;
@@ -113,6 +144,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     tokenCache: new TokenCache(),
     maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
+    casBackend: null,
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,
@@ -186,11 +218,38 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     await ctx.logNotifier.close();
   });
 
+  const casDefaults = defaultConfig().cas;
+  const casBackend = opts.cas?.backend ?? createFsBackend(join(opts.dataDir, "cas"));
+  const partialDir = join(opts.dataDir, "cas-partial");
+  const casGc = createCasGc({
+    db: opts.db,
+    backend: casBackend,
+    clock: { now: ctx.nowMs },
+    retentionMs: opts.cas?.retention ?? casDefaults.retention,
+    partialDir,
+    logger,
+  });
+  app.decorate("casGc", casGc);
+  const gcInterval = opts.cas?.gcInterval ?? 0;
+  if (gcInterval > 0) casGc.start(gcInterval, opts.cas?.sleep ?? systemClock.sleep);
+  app.addHook("onClose", async () => {
+    await casGc.stop();
+    await casBackend.close();
+  });
+  ctx.casBackend = casBackend;
+
   app.get("/_health/ping", async () => ({ health: "OK" }));
   app.get("/api/v1/openapi.json", async () => usersApiDocument());
   registerUserRoutes(app, ctx);
   registerTokenRoutes(app, ctx);
   registerRunnerRoutes(app, ctx);
+  registerCasRoutes(app, ctx, {
+    backend: casBackend,
+    partialDir,
+    maxBatchBytes: opts.cas?.maxBatchBytes ?? casDefaults.maxBatchBytes,
+    metrics:
+      opts.cas?.metricsRegistry === undefined ? null : createCasMetrics(opts.cas.metricsRegistry, opts.db),
+  });
   await app.ready();
   return app;
 }

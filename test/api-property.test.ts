@@ -626,9 +626,11 @@ describeEachDb("both HTTP APIs under generated requests", (getDb) => {
           { method: "GET", url: "/api/v1/bundles/:uuid/outputs/*" },
           { method: "PUT", url: "/api/v1/runner/outputs" },
           { method: "HEAD", url: "/api/v1/bundles/:uuid/logs" },
+          { method: "PUT", url: "/api/v1/cas/blobs/:hash/:size" },
+          { method: "PUT", url: "/api/v1/cas/manifests/:hash/:size" },
         ]),
       );
-    });
+    }, 120_000); // every route gets RUNS_PER_ROUTE requests, and the content-addressed store added 13 routes
   });
 
   describe("the management API on an active dispatcher", () => {

@@ -14,6 +14,7 @@ import { createLogger, type Logger } from "../../lib/logger.ts";
 import { hashToken, newUserToken, newUserUuid } from "../../lib/tokens.ts";
 import { createManagementServer } from "../../management-api/server.ts";
 import { createBundleManager } from "../../rest-server/bundle-manager.ts";
+import { createCasBackend } from "../../rest-server/cas/factory.ts";
 import { createRestServer } from "../../rest-server/server.ts";
 import type { Db } from "../../store/db.ts";
 import { openDb } from "../../store/db.ts";
@@ -180,6 +181,11 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     opened.push({ what: "the database", close: () => db.close() });
     await ensureAdmin(db, config, logger);
     await mkdir(join(dataDir, "outputs"), { recursive: true, mode: 0o700 });
+    // One registry holds the REST server's content-addressed store metrics and (serve) the dispatcher's, which
+    // the management API serves at /metrics.
+    const registry = new Registry();
+    // The S3 backend's factory is wired here once it exists (rest-server/cas/factory.ts).
+    const casBackend = await createCasBackend(config.cas, dataDir);
     const app = await createRestServer({
       db,
       logger,
@@ -197,6 +203,13 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       minUploadRate: config.restServer.minUploadRate,
       bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
       quotas: config.quotas,
+      cas: {
+        backend: casBackend,
+        retention: config.cas.retention,
+        gcInterval: config.cas.gcInterval,
+        maxBatchBytes: config.cas.maxBatchBytes,
+        metricsRegistry: registry,
+      },
     });
     opened.push({ what: "the REST server", close: () => app.close() });
     const manager = createBundleManager({
@@ -207,9 +220,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     await manager.start();
     opened.push({ what: "the bundle manager", close: () => manager.stop() });
     const address = await listenOn(app, config.restServer.listen, "restServer.listen");
-    // `serve` runs the dispatcher in-process; it deploys this program as crunch-run. One registry holds the
-    // dispatcher's metrics, which the management API serves at /metrics.
-    const registry = new Registry();
+    // `serve` runs the dispatcher in-process; it deploys this program as crunch-run.
     let management: { app: FastifyInstance; address: string } | null = null;
     if (mode === "serve") {
       const dispatcher = await createDispatcher({
