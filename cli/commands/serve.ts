@@ -14,6 +14,7 @@ import { createLogger, type Logger } from "../../lib/logger.ts";
 import { hashToken, newUserToken, newUserUuid } from "../../lib/tokens.ts";
 import { createManagementServer } from "../../management-api/server.ts";
 import { createBundleManager } from "../../rest-server/bundle-manager.ts";
+import { createS3Backend } from "../../rest-server/cas/backend-s3.ts";
 import { createCasBackend } from "../../rest-server/cas/factory.ts";
 import { createRestServer } from "../../rest-server/server.ts";
 import type { Db } from "../../store/db.ts";
@@ -184,8 +185,16 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     // One registry holds the REST server's content-addressed store metrics and (serve) the dispatcher's, which
     // the management API serves at /metrics.
     const registry = new Registry();
-    // The S3 backend's factory is wired here once it exists (rest-server/cas/factory.ts).
-    const casBackend = await createCasBackend(config.cas, dataDir);
+    const casBackend = await createCasBackend(config.cas, dataDir, {
+      s3: (c) =>
+        createS3Backend({
+          bucket: c.bucket,
+          region: c.region,
+          prefix: c.prefix,
+          forcePathStyle: c.forcePathStyle,
+          ...(c.endpoint === "" ? {} : { endpoint: c.endpoint }),
+        }),
+    });
     const app = await createRestServer({
       db,
       logger,

@@ -5,11 +5,12 @@
  * a read checks the file's size against the digest's.
  */
 import { randomBytes } from "node:crypto";
-import { createReadStream } from "node:fs";
+import { constants, createReadStream } from "node:fs";
 import { chmod, copyFile, mkdir, open, readdir, rename, rm, stat, unlink } from "node:fs/promises";
 import { join } from "node:path";
 import { Readable } from "node:stream";
 import type { Digest } from "../../lib/cas/digest.ts";
+import { DispatchCloudError } from "../../lib/errors.ts";
 import type { BlobBackend } from "./backend.ts";
 
 const HASH = /^[0-9a-f]{64}$/;
@@ -44,9 +45,17 @@ export function createFsBackend(dir: string): BlobBackend {
     }
   };
 
-  const syncFile = async (file: string) => {
-    const h = await open(file, "r+");
+  /** Fsyncs a file about to become blob `d`, after checking it is a regular file of the digest's size. */
+  const syncFile = async (d: Digest, file: string) => {
+    const h = await open(file, constants.O_RDWR | constants.O_NOFOLLOW | constants.O_NONBLOCK);
     try {
+      const st = await h.stat();
+      if (!st.isFile() || st.size !== d.size) {
+        throw new DispatchCloudError(
+          "cas.digest_mismatch",
+          `the file to store as ${d.hash}/${d.size} is ${st.isFile() ? `${st.size} bytes` : "not a regular file"}`,
+        );
+      }
       await h.chmod(0o600);
       await h.sync();
     } finally {
@@ -61,7 +70,7 @@ export function createFsBackend(dir: string): BlobBackend {
       await ensureDir(dir);
       await ensureDir(tmpDir);
       try {
-        await syncFile(file);
+        await syncFile(d, file);
         await place(d, file);
         return;
       } catch (err) {
@@ -71,7 +80,7 @@ export function createFsBackend(dir: string): BlobBackend {
       const tmp = tmpName();
       try {
         await copyFile(file, tmp);
-        await syncFile(tmp);
+        await syncFile(d, tmp);
         await place(d, tmp);
       } catch (err) {
         await rm(tmp, { force: true });
