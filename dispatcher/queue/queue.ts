@@ -134,6 +134,12 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     if (b.changeSeq <= known) return false;
     const from = cur?.state ?? null;
     if (ACTIVE.has(b.state)) {
+      if (b.inputManifestsProblem !== undefined && b.state === "staged") {
+        logger.warn(
+          { bundleUuid: b.uuid, reason: b.inputManifestsProblem },
+          "bad input_manifests: no locality for it",
+        );
+      }
       bundles.set(b.uuid, b);
       pending.push({ uuid: b.uuid, from, to: b.state, bundle: b });
       return true;
