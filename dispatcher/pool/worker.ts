@@ -478,8 +478,11 @@ export class Worker implements WorkerView {
 
   // --- runners --------------------------------------------------------------------------------------------
 
-  /** Records a `starting` runner at once, then starts it (beside probes and other starts). Throws if it cannot. */
-  startRunner(bundle: Bundle, gpuDevices: readonly number[]): void {
+  /**
+   * Records a `starting` runner at once, then starts it (beside probes and other starts). Throws if it cannot.
+   * `placement`: why the scheduler chose this instance (its cache), for the start's log line.
+   */
+  startRunner(bundle: Bundle, gpuDevices: readonly number[], placement?: string): void {
     if (!this.acceptsBundles) {
       throw new Error(
         `startBundle: worker ${this.id} cannot take bundles (state ${this.state}, idle behaviour ${this.idleBehavior}` +
@@ -493,6 +496,7 @@ export class Worker implements WorkerView {
       gpuDevices: [...gpuDevices],
       now: this.ctx.clock.now(),
       detached: false,
+      ...(placement === undefined ? {} : { placement }),
     });
     this.runners.set(bundle.uuid, r);
     this.settleBusy();
