@@ -116,6 +116,12 @@ const WRITE_CONCURRENCY = 4;
 /** vCPUs may be fractional: sums of them are compared with this slack. */
 const EPSILON = 1e-9;
 const NO_GPUS: readonly number[] = [];
+/**
+ * Locality: the most holders of one input tree a bundle's placement looks at (in the order they were indexed).
+ * A tree held by thousands of instances would otherwise cost thousands of checks per bundle; past the bound the
+ * preference is best-effort (never worse than the usual choice).
+ */
+const HOLDERS_PER_INPUT = 128;
 
 /** Bundles with the same demand share one Shape: demand, eligible types and per-pass placement state. */
 interface Shape {
@@ -265,10 +271,8 @@ function inputsOf(b: Bundle): Inputs | null {
   let total = 0;
   for (const m of list) {
     const key = cacheKey(m.digest);
-    if (key === null) continue;
+    if (key === null || keys.includes(key)) continue;
     total += m.bytes;
-    const at = keys.indexOf(key);
-    if (at >= 0) continue;
     keys.push(key);
     bytes.push(m.bytes);
   }
@@ -1041,19 +1045,23 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       const { demand, gpuCount, typeNames } = e.shape;
       let best = slot;
       let bestHeld = heldOn(slot, inputs);
-      for (const key of inputs.keys) {
-        const set = holders.get(key);
-        if (set === undefined) continue;
-        for (const s of set) {
-          if (s === best || s.pass !== pass || !s.booted || s.price > slot.price) continue;
-          if (!typeNames.has(s.typeName) || !hasRoom(s, demand, gpuCount, limit)) continue;
-          const h = heldOn(s, inputs);
-          if (h > bestHeld || (h === bestHeld && best !== slot && bySlot(s, best) < 0)) {
-            best = s;
-            bestHeld = h;
+      // The usual choice holds every input: nothing can beat it (the common case once caches are warm).
+      if (bestHeld < inputs.total)
+        for (const key of inputs.keys) {
+          const set = holders.get(key);
+          if (set === undefined) continue;
+          let visits = 0;
+          for (const s of set) {
+            if (++visits > HOLDERS_PER_INPUT) break;
+            if (s === best || s.pass !== pass || !s.booted || s.price > slot.price) continue;
+            if (!typeNames.has(s.typeName) || !hasRoom(s, demand, gpuCount, limit)) continue;
+            const h = heldOn(s, inputs);
+            if (h > bestHeld || (h === bestHeld && best !== slot && bySlot(s, best) < 0)) {
+              best = s;
+              bestHeld = h;
+            }
           }
         }
-      }
       cacheChoice = bestHeld > 0 ? { held: bestHeld, total: inputs.total } : null;
       return best;
     };
