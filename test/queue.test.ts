@@ -118,6 +118,11 @@ describeEachDb("bundle queue", (getDb) => {
         reason: expect.stringMatching(/^input_manifests ignored: \[0\]\.digest: /),
       }),
     ]);
+    // A new row of it with the same bad contents (a status write): no second warning.
+    await getDb().query(`UPDATE bundles SET scheduling_status = 'x' WHERE uuid = $1`, [bad.uuid]);
+    await queue.refresh();
+    expect(queue.get(bad.uuid)?.schedulingStatus).toBe("x");
+    expect(lines).toHaveLength(1);
     // Changed later (a new change_seq): read again incrementally.
     await getDb().query(`UPDATE bundles SET input_manifests = '{"x": 1}'::jsonb WHERE uuid = $1`, [
       withInputs.uuid,

@@ -134,7 +134,12 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     if (b.changeSeq <= known) return false;
     const from = cur?.state ?? null;
     if (ACTIVE.has(b.state)) {
-      if (b.inputManifestsProblem !== undefined && b.state === "staged") {
+      // Once per bundle and problem (every status write is a new row of it).
+      if (
+        b.inputManifestsProblem !== undefined &&
+        b.state === "staged" &&
+        cur?.inputManifestsProblem !== b.inputManifestsProblem
+      ) {
         logger.warn(
           { bundleUuid: b.uuid, reason: b.inputManifestsProblem },
           "bad input_manifests: no locality for it",
