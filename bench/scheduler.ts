@@ -16,6 +16,7 @@
  * busy shared machine inflates less than wall time); how long the pool then takes to handle the answers to the
  * pass's starts (not part of the pass); and the process's peak RSS. Targets (issue 21): p90 and max
  * <= 100 ms in both phases, RSS <= 1 GiB. BENCH_BUNDLES, BENCH_INSTANCES and BENCH_PASSES shrink it;
+ * BENCH_INPUTS=<share> gives that share of the staged bundles inputs and every instance a cache line (locality);
  * BENCH_CPU_PROFILE=<prefix> writes each phase's CPU profile.
  */
 
@@ -41,6 +42,15 @@ import { benchBundle, benchConfig, benchEpoch, nullDb, openStubFleet } from "./s
 const BUNDLES = Number(process.env["BENCH_BUNDLES"] ?? 100_000);
 const INSTANCES = Number(process.env["BENCH_INSTANCES"] ?? 10_000);
 const PASSES = Number(process.env["BENCH_PASSES"] ?? 20);
+/**
+ * Locality: the share of staged bundles with inputs (1 to 3 trees of a set of 2,000 manifests), when every
+ * instance's cache (its `--list` cache line) holds 256 of them. Default 0: no inputs, no cache lines.
+ */
+const INPUTS = Number(process.env["BENCH_INPUTS"] ?? 0);
+const MANIFESTS = Array.from(
+  { length: 2000 },
+  (_, i) => `${i.toString(16).padStart(16, "0")}${"c".repeat(48)}/${1000 + i}`,
+);
 /** When set, each timed phase's CPU profile is written to <prefix>-<phase>.cpuprofile (open in DevTools). */
 const PROFILE = process.env["BENCH_CPU_PROFILE"];
 const GiB = 2 ** 30;
@@ -205,6 +215,8 @@ async function main(): Promise<void> {
   for (let i = 0; i < INSTANCES; i++) {
     const type = pickType();
     const vm = await fleet.createVm(type);
+    if (INPUTS > 0)
+      vm.cachedManifests = Array.from({ length: 256 }, () => MANIFESTS[Math.floor(r() * MANIFESTS.length)]!);
     const roll = r();
     if (roll < 0.05) {
       vm.bootAt = Number.POSITIVE_INFINITY;
@@ -236,7 +248,23 @@ async function main(): Promise<void> {
       running++;
     }
   }
-  for (let i = 0; i < BUNDLES; i++) queue.apply(bundle("staged", pickShape(r), Math.floor(r() * 10) * 100));
+  for (let i = 0; i < BUNDLES; i++) {
+    const inputs =
+      INPUTS > 0 && r() < INPUTS
+        ? Array.from({ length: 1 + Math.floor(r() * 3) }, () => ({
+            digest: MANIFESTS[Math.floor(r() * MANIFESTS.length)]!,
+            bytes: Math.floor(r() * 10 * GiB),
+          }))
+        : null;
+    queue.apply(
+      bundle(
+        "staged",
+        pickShape(r),
+        Math.floor(r() * 10) * 100,
+        inputs === null ? {} : { inputManifests: inputs },
+      ),
+    );
+  }
 
   const db = poolDb(queue);
   const pool = createWorkerPool({

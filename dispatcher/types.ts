@@ -50,6 +50,13 @@ export interface WorkerView {
   /** `--list` said preempted: a spot interruption notice; shut down as soon as nothing runs on it. */
   readonly preempted?: boolean;
   /**
+   * The cache keys (lib/runner-protocol.ts cacheKey) of the manifests the instance's cache held in full at the
+   * last successful probe (`--list`'s `cache` line), most recently used first; empty before a probe and from
+   * runners that print no such line. The same array object while the list does not change (the scheduler
+   * re-indexes an instance's cache only when it gets a new one).
+   */
+  readonly cachedManifests?: readonly string[];
+  /**
    * Why it takes no bundles, may never take one, or is going away, in words for people: the runner cannot run
    * here (its first error line), a failed deployment, a secret mismatch, broken, preempted, or the shutdown
    * reason. Null when nothing is wrong.

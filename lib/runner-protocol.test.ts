@@ -1,8 +1,11 @@
 import { describe, expect, it } from "vitest";
 import {
+  CACHE_KEY_HEX,
+  cacheKey,
   clampSpotCheckIntervalMs,
   formatHandOff,
   formatList,
+  MAX_CACHED_MANIFESTS,
   parseHandOff,
   parseList,
   parsePidAnswer,
@@ -30,6 +33,8 @@ describe("the runner protocol", () => {
       broken: false,
       preempted: false,
       spare: null,
+      cachedManifests: [],
+      cacheProblem: null,
       unknown: [],
     });
     expect(parseList("spare /vm/1/var/run/cr-spare-0123456789.sock\n").spare).toBe(
@@ -48,6 +53,8 @@ describe("the runner protocol", () => {
       broken: false,
       preempted: true,
       spare: "/vm/1/var/run/cr-spare-0123456789.sock",
+      cachedManifests: [],
+      cacheProblem: null,
       unknown: [],
     });
     // Only the word on a line of its own.
@@ -72,8 +79,73 @@ describe("the runner protocol", () => {
       "preempted",
       "spare /vm/1/var/run/cr-spare-0123456789.sock",
     ]);
-    expect(parseList(`${lines.join("\n")}\n`)).toEqual({ ...list, unknown: [] });
+    expect(parseList(`${lines.join("\n")}\n`)).toEqual({
+      ...list,
+      cachedManifests: [],
+      cacheProblem: null,
+      unknown: [],
+    });
     expect(formatList({ runners: new Map(), broken: false, preempted: false, spare: null })).toEqual([]);
+  });
+
+  it("writes and reads the cache line: keys of whole digests or hashes, most recent first, bounded", () => {
+    const hashes = Array.from(
+      { length: 300 },
+      (_, i) => `${i.toString(16).padStart(16, "0")}${"b".repeat(48)}`,
+    );
+    const digests = hashes.map((h, i) => `${h}/${1000 + i}`);
+    expect(cacheKey(digests[0]!)).toBe(hashes[0]!.slice(0, CACHE_KEY_HEX));
+    expect(cacheKey(hashes[1]!)).toBe(hashes[1]!.slice(0, 16));
+    for (const bad of ["", "abc", `${"A".repeat(64)}/1`, `${"a".repeat(63)}/1`, `${"a".repeat(65)}`]) {
+      expect(cacheKey(bad)).toBeNull();
+    }
+    const lines = formatList({
+      runners: new Map([[UUID, "running"]]),
+      broken: false,
+      preempted: false,
+      spare: null,
+      // Repeats and what is not a digest are left out; a bare hash counts.
+      cachedManifests: [digests[0]!, "not a digest", digests[0]!, hashes[1]!, ...digests.slice(2)],
+    });
+    expect(lines[0]).toBe(UUID);
+    expect(lines).toHaveLength(2);
+    const words = lines[1]!.split(" ");
+    expect(words[0]).toBe("cache");
+    expect(words.slice(1)).toEqual(hashes.slice(0, MAX_CACHED_MANIFESTS).map((h) => h.slice(0, 16)));
+    const parsed = parseList(`${lines.join("\n")}\n`);
+    expect(parsed.cachedManifests).toEqual(words.slice(1));
+    expect(parsed.cacheProblem).toBeNull();
+    expect([...parsed.runners.keys()]).toEqual([UUID]);
+    expect(parsed.unknown).toEqual([]);
+    // Nothing cached: no line at all (what an older runner prints too).
+    expect(
+      formatList({ runners: new Map(), broken: false, preempted: false, spare: null, cachedManifests: [] }),
+    ).toEqual([]);
+  });
+
+  it("ignores garbage in a cache line with a reason, and never lets it spoil the rest of the list", () => {
+    const k1 = "0123456789abcdef";
+    const k2 = "fedcba9876543210";
+    const out = parseList(
+      `${UUID}\ncache ${k1} NOT-HEX ${k1} 0123 ${k2} ${"e".repeat(64)}\nbroken\ncache ${k2}\nspare /vm/1/x.sock\n`,
+    );
+    expect(out.runners.get(UUID)).toBe("running");
+    expect(out.broken).toBe(true);
+    expect(out.spare).toBe("/vm/1/x.sock");
+    expect(out.cachedManifests).toEqual([k1, k2]);
+    expect(out.cacheProblem).toBe(
+      'cache line: 3 word(s) that are not 16 hex characters ignored (first: "NOT-HEX"); a second cache line ignored',
+    );
+    // Not an unknown line: a booting instance's probe takes unknown lines for a runner that cannot run.
+    expect(out.unknown).toEqual([]);
+    // Too many keys: the first 256 count.
+    const many = Array.from({ length: MAX_CACHED_MANIFESTS + 4 }, (_, i) => i.toString(16).padStart(16, "0"));
+    const long = parseList(`cache ${many.join(" ")}\n`);
+    expect(long.cachedManifests).toEqual(many.slice(0, MAX_CACHED_MANIFESTS));
+    expect(long.cacheProblem).toBe("cache line: 4 key(s) past the first 256 ignored");
+    expect(parseList("cache\n")).toMatchObject({ cachedManifests: [], cacheProblem: null, unknown: [] });
+    // A word that only starts like the line is not it.
+    expect(parseList(`cached ${k1}\n`)).toMatchObject({ cachedManifests: [], unknown: [`cached ${k1}`] });
   });
 
   it("frames a hand-off and its answers both ways", () => {

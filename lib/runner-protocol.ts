@@ -113,22 +113,94 @@ export interface ListedRunners {
   preempted: boolean;
   /** The socket of a warm spare supervisor (`spare <path>`), to hand start documents to directly. */
   spare: string | null;
+  /**
+   * The cache keys (cacheKey) of the manifests whose trees the instance's cache holds in full (`cache <key>
+   * ...`), most recently used first, at most MAX_CACHED_MANIFESTS; empty when the line is absent (an older
+   * runner, or nothing cached).
+   */
+  cachedManifests: string[];
+  /**
+   * Why (part of) the `cache` line was ignored (words that are not keys, more than MAX_CACHED_MANIFESTS, a
+   * second line); null when it was not. Never makes the rest of the list invalid.
+   */
+  cacheProblem: string | null;
   /** Lines that were none of the above (logged, otherwise ignored). */
   unknown: string[];
 }
 
+/** How many manifests a `cache` line names at most (the most recently used ones). */
+export const MAX_CACHED_MANIFESTS = 256;
+/** Hex characters of a manifest's sha256 that name it in a `cache` line (64 bits: collisions only cost a preference). */
+export const CACHE_KEY_HEX = 16;
+const CACHE_KEY = /^[0-9a-f]{16}$/;
+const DIGEST_HASH = /^[0-9a-f]{64}(?:\/|$)/;
+
+/**
+ * The key of a manifest in a `cache` line: the first CACHE_KEY_HEX hex characters of its hash, from its digest
+ * (`<sha256 hex>/<size>`) or its bare sha256 hex. Null for anything else.
+ */
+export function cacheKey(digest: string): string | null {
+  return DIGEST_HASH.test(digest) ? digest.slice(0, CACHE_KEY_HEX) : null;
+}
+
+/** What formatList takes: the cached manifests are optional (as digests or their sha256 hex). */
+export type ListToFormat = Omit<ListedRunners, "unknown" | "cachedManifests" | "cacheProblem"> & {
+  /**
+   * Digests (`<sha256>/<size>`) or sha256 hex of the manifests the cache holds in full, most recently used
+   * first. Written as their cacheKey, without repeats, at most MAX_CACHED_MANIFESTS; anything that is not a
+   * digest is left out (so `--list` never fails for its cache).
+   */
+  cachedManifests?: readonly string[];
+};
+
 /**
  * `crunch-run --list`'s lines: `<uuid>` for a live supervisor, `<uuid> stale` for a bundle whose supervisor is
  * gone but whose container or process still runs, then `broken`, `preempted` and `spare <socket>` when they
- * hold.
+ * hold, then `cache <key> <key> ...` when the cache holds any manifest's tree in full (keys: cacheKey).
  */
-export function formatList(list: Omit<ListedRunners, "unknown">): string[] {
+export function formatList(list: ListToFormat): string[] {
   const lines: string[] = [];
   for (const [uuid, state] of list.runners) lines.push(state === "stale" ? `${uuid} stale` : uuid);
   if (list.broken) lines.push("broken");
   if (list.preempted) lines.push("preempted");
   if (list.spare !== null) lines.push(`spare ${list.spare}`);
+  const keys = new Set<string>();
+  for (const d of list.cachedManifests ?? []) {
+    if (keys.size >= MAX_CACHED_MANIFESTS) break;
+    const key = cacheKey(d);
+    if (key !== null) keys.add(key);
+  }
+  if (keys.size > 0) lines.push(`cache ${[...keys].join(" ")}`);
   return lines;
+}
+
+/** The words of a `cache` line (after `cache`): its keys, and why any of it was ignored. */
+function parseCacheLine(words: readonly string[]): { keys: string[]; problem: string | null } {
+  const keys: string[] = [];
+  const seen = new Set<string>();
+  let bad = 0;
+  let firstBad = "";
+  let over = 0;
+  for (const w of words) {
+    if (!CACHE_KEY.test(w)) {
+      if (bad++ === 0) firstBad = w.slice(0, 40);
+      continue;
+    }
+    if (seen.has(w)) continue;
+    if (keys.length >= MAX_CACHED_MANIFESTS) {
+      over++;
+      continue;
+    }
+    seen.add(w);
+    keys.push(w);
+  }
+  const problems: string[] = [];
+  if (bad > 0)
+    problems.push(
+      `${bad} word(s) that are not ${CACHE_KEY_HEX} hex characters ignored (first: ${JSON.stringify(firstBad)})`,
+    );
+  if (over > 0) problems.push(`${over} key(s) past the first ${MAX_CACHED_MANIFESTS} ignored`);
+  return { keys, problem: problems.length === 0 ? null : `cache line: ${problems.join("; ")}` };
 }
 
 /** Parses `crunch-run --list` (formatList's grammar); lines it does not know are kept in `unknown`. */
@@ -138,11 +210,31 @@ export function parseList(stdout: string): ListedRunners {
     broken: false,
     preempted: false,
     spare: null,
+    cachedManifests: [],
+    cacheProblem: null,
     unknown: [],
   };
+  let cacheLines = 0;
   for (const raw of stdout.split("\n")) {
     const line = raw.trim();
     if (line === "") continue;
+    if (line === "cache" || line.startsWith("cache ") || line.startsWith("cache\t")) {
+      // Only the first cache line counts; nothing in it makes the rest of the list invalid.
+      if (cacheLines++ === 0) {
+        const { keys, problem } = parseCacheLine(
+          line
+            .slice(5)
+            .trim()
+            .split(/\s+/)
+            .filter((w) => w !== ""),
+        );
+        out.cachedManifests = keys;
+        out.cacheProblem = problem;
+      } else if (cacheLines === 2) {
+        out.cacheProblem = `${out.cacheProblem === null ? "cache line: " : `${out.cacheProblem}; `}a second cache line ignored`;
+      }
+      continue;
+    }
     if (line === "broken") {
       out.broken = true;
       continue;

@@ -12,7 +12,9 @@ import type { Dispatcher } from "../dispatcher/main.ts";
 import { CAPACITY_BLOCK_MS } from "../dispatcher/pool/pool.ts";
 import { hhmm } from "../dispatcher/scheduler/status.ts";
 import type { Db } from "../store/db.ts";
-import { killBundle } from "../store/transitions.ts";
+import { setBundleInputManifests } from "../store/queries.ts";
+import { killBundle, stageBundle } from "../store/transitions.ts";
+import { createTestBundle } from "../test/db.ts";
 import { createHarness, GiB, type Harness, stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
 import type { BundleItem } from "./schemas.ts";
 import { createManagementServer } from "./server.ts";
@@ -144,6 +146,61 @@ describe("management API: the queue in scheduler order, each bundle explained", 
       expect((await queueOf(app))[0]!.schedulingStatus).toBe(
         "waiting in queue at position 1: at quota: 1 of 1 instances; waiting for an idle instance of type small",
       );
+    } finally {
+      await app.close();
+      await h.close();
+      await killAll(h.db);
+    }
+  });
+
+  it("places a bundle on the idle instance holding its inputs, says so, and never waits for a busy holder", async () => {
+    const config = stubConfig();
+    const h = await createHarness({
+      db: getDb(),
+      logger,
+      config: { ...config, cloud: { ...config.cloud, timeoutIdle: 3_600_000 } } as Config,
+    });
+    const d = await h.startDispatcher();
+    const app = await managementFor(h, d);
+    const input = { digest: `${"a".repeat(64)}/321`, bytes: 3 * GiB };
+    /** A whole-small bundle with the input, staged only once its input_manifests are set. */
+    const withInput = async (command: string[]) => {
+      const b = await createTestBundle(h.db, h.owner, { resources: WHOLE_SMALL, command });
+      await setBundleInputManifests(h.db, b.uuid, [input]);
+      const r = await stageBundle(h.db, b.uuid, { actor: "test" });
+      if (!r.ok) throw new Error(r.reason);
+      return b.uuid;
+    };
+    const idle = () => d.parts!.pool.workers().filter((w) => w.state === "idle");
+    try {
+      // Two idle small instances (two whole-instance bundles ran on them).
+      const warm = await h.submit(2, () => ({ resources: WHOLE_SMALL, command: ["sleep", "1"] }));
+      await h.drive(async () => [...(await h.states(warm)).values()].every((s) => s === "ready"));
+      await h.drive(async () => idle().length === 2);
+      // The usual order (by id among equals) would pick the first; the second's cache holds the input.
+      const [first, holder] = idle()
+        .map((w) => w.id)
+        .sort();
+      h.cloud.vm(holder!)!.cachedManifests = [input.digest];
+      await h.drive(async () => d.parts!.pool.worker(holder!)?.cachedManifests?.length === 1);
+
+      const a = await withInput(["sleep", "600"]);
+      await h.drive(async () => (await h.states([a])).get(a) === "running");
+      const why = "placed for its cache: 3.0 GiB of 3.0 GiB of inputs held there";
+      expect((await queueOf(app)).find((b) => b.uuid === a)).toMatchObject({
+        state: "running",
+        instanceId: holder,
+        placement: why,
+      });
+
+      // The holder is full now: the next bundle with the same input starts on the other instance at once.
+      const b = await withInput(["sleep", "600"]);
+      await d.runOnce();
+      await h.drive(async () => (await h.states([b])).get(b) === "running");
+      const item = (await queueOf(app)).find((x) => x.uuid === b);
+      expect(item).toMatchObject({ state: "running", instanceId: first });
+      expect(item?.placement).toBeUndefined();
+      expect(h.cloud.vms.size).toBe(2);
     } finally {
       await app.close();
       await h.close();

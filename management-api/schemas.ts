@@ -85,6 +85,13 @@ export const BundleItem = Type.Object(
     instanceId: Type.Union([Type.String(), Type.Null()], {
       description: "The instance it was started on (starting and running bundles).",
     }),
+    placement: Type.Optional(
+      Type.String({
+        description:
+          "Present when the scheduler chose its instance for its cache (docs/storage.md, Locality): " +
+          '"placed for its cache: 1.2 GiB of 1.5 GiB of inputs held there". Kept while it is starting or running.',
+      }),
+    ),
   },
   { additionalProperties: false },
 );

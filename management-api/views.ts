@@ -13,6 +13,8 @@ export interface ManagementParts {
   queue: { all(): Iterable<Bundle>; get(uuid: string): Bundle | undefined; apply(bundle: Bundle): void };
   scheduler: {
     statusOf(uuid: string): string | undefined;
+    /** Why the bundle was started where it is, when it was placed for its cache. */
+    placementOf?(uuid: string): string | undefined;
     /** The instance types that could run the bundle, cheapest first. */
     eligibleTypes(bundle: Bundle): readonly string[];
   };
@@ -53,6 +55,7 @@ export function instanceItems(parts: ManagementParts, nowMs: number): InstanceIt
 
 export function bundleItem(b: Bundle, parts: ManagementParts): BundleItem {
   const status = b.state === "staged" ? parts.scheduler.statusOf(b.uuid) : undefined;
+  const placement = parts.scheduler.placementOf?.(b.uuid);
   return {
     uuid: b.uuid,
     state: b.state,
@@ -62,6 +65,7 @@ export function bundleItem(b: Bundle, parts: ManagementParts): BundleItem {
     firstSeenAt: (b.stagedAt ?? b.createdAt).toISOString(),
     schedulingStatus: status ?? b.schedulingStatus,
     instanceId: b.state === "staged" ? null : b.instanceId,
+    ...(placement === undefined ? {} : { placement }),
   };
 }
 

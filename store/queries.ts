@@ -7,6 +7,7 @@
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "./db.ts";
 import { sqlState } from "./db.ts";
+import { readInputManifests } from "./input-manifests.ts";
 import {
   type ApiToken,
   BUNDLE_CHANNEL,
@@ -14,6 +15,7 @@ import {
   type BundleEvent,
   type BundleState,
   FINAL_STATES,
+  type InputManifest,
   LOG_CHANNEL,
   type LogStream,
   type NewBundle,
@@ -57,9 +59,25 @@ export interface BundleRow {
   finished_at: Date | null;
   /** Optional only for rows built by hand (the bench); the table always has it. */
   last_heartbeat_at?: Date | null;
+  /** JSON from the table (store/migrations/006_locality.sql); checked by readInputManifests. Optional as above. */
+  input_manifests?: unknown;
 }
 
 export function bundleFromRow(r: BundleRow): Bundle {
+  const b = bundleFields(r);
+  // Only bundles with inputs (or bad contents) carry the fields: most have none.
+  if (
+    r.input_manifests !== undefined &&
+    !(Array.isArray(r.input_manifests) && r.input_manifests.length === 0)
+  ) {
+    const { manifests, problem } = readInputManifests(r.input_manifests);
+    if (manifests.length > 0) b.inputManifests = manifests;
+    if (problem !== null) b.inputManifestsProblem = problem;
+  }
+  return b;
+}
+
+function bundleFields(r: BundleRow): Bundle {
   return {
     uuid: r.uuid,
     ownerUuid: r.owner_uuid,
@@ -674,6 +692,24 @@ export async function setSchedulingStatuses(
     [uuids, statuses],
   );
   return rowCount;
+}
+
+/**
+ * Records a bundle's input manifests (docs/storage.md "Locality"; the REST server calls it when the bundle
+ * becomes staged). Only a queued bundle's (created or staged); bumps change_seq, so the dispatcher's queue reads
+ * the row again. Returns whether the row changed.
+ */
+export async function setBundleInputManifests(
+  db: Db,
+  uuid: string,
+  manifests: readonly InputManifest[],
+): Promise<boolean> {
+  const { rowCount } = await db.query(
+    `UPDATE bundles SET input_manifests = $2::jsonb
+     WHERE uuid = $1 AND state IN ('created', 'staged') AND input_manifests IS DISTINCT FROM $2::jsonb`,
+    [uuid, JSON.stringify(manifests.map((m) => ({ digest: m.digest, bytes: m.bytes })))],
+  );
+  return rowCount > 0;
 }
 
 /** Active bundles (staged, starting, running) with uuid > afterUuid, by uuid (the dispatcher queue's full read). */

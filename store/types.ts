@@ -93,6 +93,19 @@ export interface Bundle extends NewBundle {
    * built outside the store (scheduler tests, the bench) need not set it; the store always does.
    */
   lastHeartbeatAt?: Date | null;
+  /**
+   * Its inputs' manifests and their trees' bytes (bundles.input_manifests, checked by readInputManifests), for
+   * the scheduler's locality preference. Absent (or empty) when it has none, or the column held bad contents.
+   */
+  inputManifests?: readonly InputManifest[];
+  /** Why the column's contents were ignored (bad contents), when they were: the dispatcher's queue warns. */
+  inputManifestsProblem?: string;
+}
+
+/** One input tree of a bundle: its manifest's digest (`<sha256 hex>/<size>`) and the bytes of its files. */
+export interface InputManifest {
+  digest: string;
+  bytes: number;
 }
 
 export interface BundleEvent {

@@ -598,6 +598,31 @@ describe("pool: shutdown rules", () => {
     expect(h.vmOf(bad ?? "").destroyed).toBe(true);
   });
 
+  it("keeps the cache keys of the last --list (same array while unchanged); an odd cache line is only logged", async () => {
+    const h = harness(db);
+    const [id = ""] = await h.ready();
+    const w = () => h.pool.worker(id)!;
+    expect(w().cachedManifests).toEqual([]);
+    const d1 = `${"1".repeat(64)}/10`;
+    const d2 = `${"2".repeat(64)}/20`;
+    h.vmOf(id).cachedManifests = [d2, d1];
+    await h.tick(11 * SEC);
+    const first = w().cachedManifests;
+    expect(first).toEqual(["2".repeat(16), "1".repeat(16)]);
+    await h.tick(11 * SEC);
+    expect(w().cachedManifests).toBe(first);
+    // Garbage in the line: the good keys count, the instance stays usable (not a runner that cannot run).
+    h.vmOf(id).cacheLine = `cache ${"3".repeat(16)} nonsense`;
+    await h.tick(11 * SEC);
+    expect(w()).toMatchObject({ state: "idle", broken: false, cachedManifests: ["3".repeat(16)] });
+    expect(w().problem ?? null).toBeNull();
+    // An older runner prints no cache line: nothing cached.
+    h.vmOf(id).cacheLine = null;
+    h.vmOf(id).cachedManifests = [];
+    await h.tick(11 * SEC);
+    expect(w().cachedManifests).toEqual([]);
+  });
+
   it("shuts down a host that fails the identity check and never sends it anything", async () => {
     const h = harness(db);
     h.pool.create(SMALL);

@@ -1,8 +1,10 @@
+import { Writable } from "node:stream";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from "vitest";
 import { type BundleQueue, createBundleQueue } from "../dispatcher/queue/queue.ts";
+import { createLogger } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
-import { changeSeqOlderThan, getBundle } from "../store/queries.ts";
+import { changeSeqOlderThan, getBundle, setBundleInputManifests } from "../store/queries.ts";
 import { killBundle, stageBundle, startBundle } from "../store/transitions.ts";
 import type { Bundle, User } from "../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, openTestDb, type TestDb } from "./db.ts";
@@ -76,6 +78,65 @@ describeEachDb("bundle queue", (getDb) => {
     queue = createBundleQueue({ db: getDb(), clock, logger, pollInterval: HOUR, ...over });
     return queue;
   };
+
+  it("keeps a bundle's input manifests; bad contents are no inputs and a warning, never a failed read", async () => {
+    const lines: string[] = [];
+    const sink = new Writable({
+      write(chunk, _enc, done) {
+        lines.push(String(chunk));
+        done();
+      },
+    });
+    queue = createBundleQueue({
+      db: getDb(),
+      clock,
+      logger: createLogger({ level: "warn", format: "json", destination: sink }),
+      pollInterval: HOUR,
+    });
+    const plain = await stagedBundle(getDb(), owner);
+    const withInputs = await stagedBundle(getDb(), owner);
+    const bad = await stagedBundle(getDb(), owner);
+    const inputs = [
+      { digest: `${"a".repeat(64)}/100`, bytes: 5_000_000 },
+      { digest: `${"b".repeat(64)}/200`, bytes: 7 },
+    ];
+    expect(await setBundleInputManifests(getDb(), withInputs.uuid, inputs)).toBe(true);
+    await getDb().query(`UPDATE bundles SET input_manifests = $2::jsonb WHERE uuid = $1`, [
+      bad.uuid,
+      JSON.stringify([{ digest: "not-a-digest", bytes: 1 }]),
+    ]);
+    await queue.start();
+    expect(queue.get(plain.uuid)?.inputManifests ?? []).toEqual([]);
+    expect(queue.get(withInputs.uuid)?.inputManifests).toEqual(inputs);
+    expect(queue.get(bad.uuid)?.state).toBe("staged");
+    expect(queue.get(bad.uuid)?.inputManifests ?? []).toEqual([]);
+    const warned = lines.map((l) => JSON.parse(l) as { msg: string; bundleUuid: string; reason: string });
+    expect(warned).toEqual([
+      expect.objectContaining({
+        msg: "bad input_manifests: no locality for it",
+        bundleUuid: bad.uuid,
+        reason: expect.stringMatching(/^input_manifests ignored: \[0\]\.digest: /),
+      }),
+    ]);
+    // A new row of it with the same bad contents (a status write): no second warning.
+    await getDb().query(`UPDATE bundles SET scheduling_status = 'x' WHERE uuid = $1`, [bad.uuid]);
+    await queue.refresh();
+    expect(queue.get(bad.uuid)?.schedulingStatus).toBe("x");
+    expect(lines).toHaveLength(1);
+    // Changed later (a new change_seq): read again incrementally.
+    await getDb().query(`UPDATE bundles SET input_manifests = '{"x": 1}'::jsonb WHERE uuid = $1`, [
+      withInputs.uuid,
+    ]);
+    await queue.refresh();
+    expect(queue.get(withInputs.uuid)?.inputManifests ?? []).toEqual([]);
+    expect(queue.get(withInputs.uuid)?.inputManifestsProblem).toBe(
+      "input_manifests ignored: not a JSON array",
+    );
+    expect(await setBundleInputManifests(getDb(), plain.uuid, inputs.slice(1))).toBe(true);
+    expect(await setBundleInputManifests(getDb(), plain.uuid, inputs.slice(1))).toBe(false);
+    await queue.refresh();
+    expect(queue.get(plain.uuid)?.inputManifests).toEqual(inputs.slice(1));
+  });
 
   it("loads every active bundle, over several pages, and none of the others", async () => {
     const db = getDb();

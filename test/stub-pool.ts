@@ -18,7 +18,8 @@ import type {
   WorkerView,
 } from "../dispatcher/types.ts";
 import type { Clock } from "../lib/clock.ts";
-import type { Bundle, GpuRequest } from "../store/types.ts";
+import { CACHE_KEY_HEX } from "../lib/runner-protocol.ts";
+import type { Bundle, GpuRequest, InputManifest } from "../store/types.ts";
 
 const GiB = 2 ** 30;
 const CAPACITY_BLOCK_MS = 60_000;
@@ -34,6 +35,8 @@ export interface StubWorkerInit {
   placeholder?: boolean;
   broken?: boolean;
   runners?: StubRunner[];
+  /** Cache keys (lib/runner-protocol.ts cacheKey) or manifest digests its cache holds (the last --list's). */
+  cached?: string[];
 }
 
 interface StubWorker {
@@ -48,13 +51,14 @@ interface StubWorker {
   stateSince: number;
   lastBusy: number;
   broken: boolean;
+  cachedManifests: readonly string[];
 }
 
 export class StubSchedulerPool implements SchedulerPool {
   /** Every call the scheduler made, in order. */
   readonly calls = {
     create: [] as string[],
-    start: [] as { workerId: string; uuid: string; gpuDevices: number[] }[],
+    start: [] as { workerId: string; uuid: string; gpuDevices: number[]; placement?: string }[],
     shutdown: [] as { workerId: string; reason: string }[],
   };
   /** Most instances (placeholders included, shut down ones not); null = unlimited. */
@@ -92,6 +96,7 @@ export class StubSchedulerPool implements SchedulerPool {
       stateSince: now,
       lastBusy: now,
       broken: init.broken ?? false,
+      cachedManifests: (init.cached ?? []).map((d) => d.slice(0, CACHE_KEY_HEX)),
     };
     for (const r of init.runners ?? []) this.addRunnerTo(w, r, "running");
     if (w.runners.size > 0 && w.state === "idle") w.state = "running";
@@ -101,6 +106,11 @@ export class StubSchedulerPool implements SchedulerPool {
 
   worker(id: string): WorkerView | undefined {
     return this.list.find((w) => w.id === id);
+  }
+
+  /** A new probe's cache line: the worker's cache now holds these (cache keys or digests). */
+  setCached(id: string, cached: string[]): void {
+    this.get(id).cachedManifests = cached.map((d) => d.slice(0, CACHE_KEY_HEX));
   }
 
   /** Changes a worker's state, behaviour or brokenness. */
@@ -180,9 +190,14 @@ export class StubSchedulerPool implements SchedulerPool {
     return { ok: true, worker };
   }
 
-  startBundle(workerId: string, bundle: Bundle, gpuDevices: number[]): void {
+  startBundle(workerId: string, bundle: Bundle, gpuDevices: number[], placement?: string): void {
     const w = this.get(workerId);
-    this.calls.start.push({ workerId, uuid: bundle.uuid, gpuDevices });
+    this.calls.start.push({
+      workerId,
+      uuid: bundle.uuid,
+      gpuDevices,
+      ...(placement === undefined ? {} : { placement }),
+    });
     this.addRunnerTo(w, { uuid: bundle.uuid, gpuDevices }, "starting");
     if (w.state === "idle") w.state = "running";
   }
@@ -321,6 +336,8 @@ export function testBundle(
     priority?: number;
     createdAt?: Date;
     state?: Bundle["state"];
+    /** Its input manifests (bundle.inputManifests). */
+    inputs?: InputManifest[];
   } = {},
 ): Bundle {
   seq++;
@@ -365,5 +382,6 @@ export function testBundle(
     startingAt: null,
     runningAt: null,
     finishedAt: null,
+    ...(opts.inputs === undefined ? {} : { inputManifests: opts.inputs }),
   };
 }

@@ -8,6 +8,7 @@ import { posix } from "node:path";
 import type { Clock } from "../../lib/clock.ts";
 import type { ExecOptions, ExecResult, Executor } from "../../lib/executor.ts";
 import { SshError } from "../../lib/executor.ts";
+import { formatList } from "../../lib/runner-protocol.ts";
 import { constantTimeEqual } from "../../lib/tokens.ts";
 import { type CommandList, type Pipeline, parseShell, type Redirect, ShellSyntaxError } from "./shell.ts";
 import type { StubVm } from "./vm.ts";
@@ -401,6 +402,14 @@ class Run {
       }
       if (vm.broken) write(io.stdout, "broken\n");
       if (vm.preempted) write(io.stdout, "preempted\n");
+      const cache = formatList({
+        runners: new Map(),
+        broken: false,
+        preempted: false,
+        spare: null,
+        cachedManifests: vm.cachedManifests,
+      });
+      for (const line of vm.cacheLine === null ? cache : [vm.cacheLine]) write(io.stdout, `${line}\n`);
       return 0;
     }
     if (args.includes("--version")) {

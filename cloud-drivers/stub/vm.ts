@@ -82,6 +82,12 @@ export class StubVm extends EventEmitter<StubVmEvents> {
    * refuses to start anything (exit 1), as crunch-run does once its preempted file exists.
    */
   preempted = false;
+  /**
+   * What the instance's cache holds (a test sets it): manifest digests, most recently used first, printed by
+   * `crunch-run --list` as its `cache` line (lib/runner-protocol.ts formatList); or a raw line to print as is.
+   */
+  cachedManifests: string[] = [];
+  cacheLine: string | null = null;
   /** Every command fails (exit 2, "cannot fork"). */
   commandsFail = false;
   /** SSH answers but the boot probe never passes. */

@@ -85,7 +85,7 @@ export interface WorkerPool {
    * token), the start document handed to the spare or `R --detach <uuid>`. A lost claim drops the runner; a failed
    * start requeues the bundle (event runner:start_failed). Throws if the worker cannot take bundles.
    */
-  startBundle(workerId: string, bundle: Bundle, gpuDevices: number[]): void;
+  startBundle(workerId: string, bundle: Bundle, gpuDevices: number[], placement?: string): void;
   /**
    * Probes the worker now (at most once a second per worker; a probe in flight is followed by another): for a
    * runner still listed whose bundle the queue already has back in `staged` (a preempted runner that reported
@@ -445,8 +445,8 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     workers: () => [...workers.values()],
     worker: (id) => lookup(id),
     create,
-    startBundle(workerId, bundle, gpuDevices) {
-      mustGet(workerId, "startBundle").startRunner(bundle, gpuDevices);
+    startBundle(workerId, bundle, gpuDevices, placement) {
+      mustGet(workerId, "startBundle").startRunner(bundle, gpuDevices, placement);
     },
     probeNow(workerId) {
       const w = lookup(workerId);

@@ -72,12 +72,21 @@ export class RemoteRunner implements RunnerView {
   killing: KillState | null = null;
   /** When `--detach` returned success (runners found by `--list` count as detached when found). */
   detachedAt: number | null;
+  /** Why the scheduler chose this instance (placed for its cache), for the start's log line. */
+  readonly placement: string | undefined;
 
   constructor(
     readonly worker: RunnerHost,
     readonly uuid: string,
-    init: { state: RunnerView["state"]; gpuDevices: readonly number[]; now: number; detached: boolean },
+    init: {
+      state: RunnerView["state"];
+      gpuDevices: readonly number[];
+      now: number;
+      detached: boolean;
+      placement?: string;
+    },
   ) {
+    this.placement = init.placement;
     this.state = init.state;
     this.gpuDevices = init.gpuDevices;
     this.since = init.now;
@@ -156,7 +165,14 @@ export class RemoteRunner implements RunnerView {
     }
     if (failure === null) {
       this.detachedAt = ctx.clock.now();
-      log.info({ attempt: started.attempt, via }, "runner started");
+      log.info(
+        {
+          attempt: started.attempt,
+          via,
+          ...(this.placement === undefined ? {} : { placement: this.placement }),
+        },
+        "runner started",
+      );
       ctx.emit({ type: "runner:started", workerId: w.id, uuid });
       return;
     }

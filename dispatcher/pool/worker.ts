@@ -24,6 +24,15 @@ import type { ListedRunners } from "../../lib/runner-protocol.ts";
 /** Probes in a row in which the runner cannot run before the instance is shut down as broken. */
 export const RUNNER_FAILURE_TRIES = 3;
 
+const NO_CACHED: readonly string[] = Object.freeze([]);
+
+/** Whether two lists of cache keys are the same, in the same order. */
+function sameKeys(a: readonly string[], b: readonly string[]): boolean {
+  if (a.length !== b.length) return false;
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+  return true;
+}
+
 export const BOOTING: ReadonlySet<WorkerState> = new Set(["unknown", "booting"]);
 export const BOOTED: ReadonlySet<WorkerState> = new Set(["idle", "running"]);
 
@@ -58,6 +67,10 @@ export class Worker implements WorkerView {
   preempted = false;
   /** The warm spare supervisor's socket from the last `--list`, if one waited. */
   spareSocket: string | null = null;
+  /** The last `--list`'s cache keys (WorkerView.cachedManifests): a new array only when the list changed. */
+  cachedManifests: readonly string[] = NO_CACHED;
+  /** Why the last `--list`'s cache line was (partly) ignored, logged when it changes. */
+  private cacheProblem: string | null = null;
   secretMismatch = false;
   deployFailed = false;
   /** Probes in a row in which the runner, in place, could not run (`--version`/`--list`), and the last reason. */
@@ -437,6 +450,14 @@ export class Worker implements WorkerView {
   private applyList(listed: ListedRunners, now: number): void {
     if (listed.unknown.length > 0) this.log.warn({ lines: listed.unknown }, "unexpected lines from --list");
     this.spareSocket = listed.spare;
+    if (!sameKeys(this.cachedManifests, listed.cachedManifests)) {
+      this.cachedManifests = listed.cachedManifests.length === 0 ? NO_CACHED : listed.cachedManifests;
+    }
+    if (listed.cacheProblem !== this.cacheProblem) {
+      this.cacheProblem = listed.cacheProblem;
+      if (listed.cacheProblem !== null)
+        this.log.warn({ reason: listed.cacheProblem }, "odd cache line from --list");
+    }
     if (listed.broken && !this.listBroken) {
       this.listBroken = true;
       this.log.warn("crunch-run reports the instance broken");
@@ -457,8 +478,11 @@ export class Worker implements WorkerView {
 
   // --- runners --------------------------------------------------------------------------------------------
 
-  /** Records a `starting` runner at once, then starts it (beside probes and other starts). Throws if it cannot. */
-  startRunner(bundle: Bundle, gpuDevices: readonly number[]): void {
+  /**
+   * Records a `starting` runner at once, then starts it (beside probes and other starts). Throws if it cannot.
+   * `placement`: why the scheduler chose this instance (its cache), for the start's log line.
+   */
+  startRunner(bundle: Bundle, gpuDevices: readonly number[], placement?: string): void {
     if (!this.acceptsBundles) {
       throw new Error(
         `startBundle: worker ${this.id} cannot take bundles (state ${this.state}, idle behaviour ${this.idleBehavior}` +
@@ -472,6 +496,7 @@ export class Worker implements WorkerView {
       gpuDevices: [...gpuDevices],
       now: this.ctx.clock.now(),
       detached: false,
+      ...(placement === undefined ? {} : { placement }),
     });
     this.runners.set(bundle.uuid, r);
     this.settleBusy();

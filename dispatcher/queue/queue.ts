@@ -134,6 +134,17 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     if (b.changeSeq <= known) return false;
     const from = cur?.state ?? null;
     if (ACTIVE.has(b.state)) {
+      // Once per bundle and problem (every status write is a new row of it).
+      if (
+        b.inputManifestsProblem !== undefined &&
+        b.state === "staged" &&
+        cur?.inputManifestsProblem !== b.inputManifestsProblem
+      ) {
+        logger.warn(
+          { bundleUuid: b.uuid, reason: b.inputManifestsProblem },
+          "bad input_manifests: no locality for it",
+        );
+      }
       bundles.set(b.uuid, b);
       pending.push({ uuid: b.uuid, from, to: b.state, bundle: b });
       return true;

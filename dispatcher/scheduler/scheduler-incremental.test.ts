@@ -213,6 +213,39 @@ describe("the incremental pass makes the same starts and says the same as a full
     await pass();
   });
 
+  it("with locality: caches that change between passes, bundles with and without inputs", async () => {
+    const { both, pass } = twins();
+    const d = (c: string) => `${c.repeat(64)}/1`;
+    const GiB = 2 ** 30;
+    const bundles = Array.from({ length: 24 }, (_, i) =>
+      testBundle({
+        vcpus: [1, 2, 4][i % 3]!,
+        priority: 100 * (i % 2),
+        ...(i % 4 === 3 ? {} : { inputs: [{ digest: d("abc"[i % 3]!), bytes: (1 + (i % 5)) * GiB }] }),
+      }),
+    );
+    both((w) => {
+      w.queue.set(...bundles);
+      w.pool.maxInstances = 5;
+      w.pool.addWorker({ id: "i-1", type: small });
+      w.pool.addWorker({ id: "i-2", type: small, cached: [d("a")] });
+      w.pool.addWorker({ id: "i-3", type: large, cached: [d("b"), d("c")] });
+      w.pool.addWorker({ id: "i-4", type: small, cached: [d("c")] });
+    });
+    const first = await pass();
+    expect(first.starts.some((s) => s.placement !== undefined)).toBe(true);
+    both((w) => refuse(w, first.starts));
+    both((w) => {
+      w.pool.setCached("i-1", [d("b"), d("a")]);
+      w.pool.setCached("i-2", []);
+    });
+    const second = await pass();
+    expect(second.starts.length).toBeGreaterThan(0);
+    both((w) => refuse(w, second.starts));
+    both((w) => w.pool.removeWorker("i-4"));
+    await pass();
+  });
+
   it("over a seeded random run of changes", async () => {
     const { kept, both, pass } = twins();
     const r = mulberry32(21);

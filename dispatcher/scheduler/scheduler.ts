@@ -25,6 +25,7 @@ import type { InstanceType } from "../../cloud-drivers/types.ts";
 import type { Config } from "../../config/schema.ts";
 import type { Clock } from "../../lib/clock.ts";
 import type { Logger } from "../../lib/logger.ts";
+import { cacheKey } from "../../lib/runner-protocol.ts";
 import type { Db } from "../../store/db.ts";
 import { setSchedulingStatuses } from "../../store/queries.ts";
 import type { Bundle } from "../../store/types.ts";
@@ -38,7 +39,8 @@ import * as say from "./status.ts";
 export interface SchedulerPool {
   workers(): readonly WorkerView[];
   create(type: InstanceType): CreateResult;
-  startBundle(workerId: string, bundle: Bundle, gpuDevices: number[]): void;
+  /** `placement`: why this instance, when it was chosen for its cache (for the start's log line). */
+  startBundle(workerId: string, bundle: Bundle, gpuDevices: number[], placement?: string): void;
   shutdown(workerId: string, reason: string): void;
   quota(): { atQuota: boolean; instances: number; max: number | null; until: number | null };
   capacityBlocked(type: InstanceType): { until: number; message: string } | null;
@@ -74,6 +76,11 @@ export interface Scheduler {
   eligibleTypes(bundle: Bundle): readonly string[];
   /** Writes changed statuses to the store now (else throttled by dispatcher.schedulingStatusInterval). */
   flushStatuses(): Promise<void>;
+  /**
+   * Why an active bundle was started where it was, when it was placed for its cache ("placed for its cache:
+   * 1.2 GiB of 1.5 GiB of inputs held there"), while it stays in the queue (starting, running); else undefined.
+   */
+  placementOf(uuid: string): string | undefined;
 }
 
 /**
@@ -109,6 +116,12 @@ const WRITE_CONCURRENCY = 4;
 /** vCPUs may be fractional: sums of them are compared with this slack. */
 const EPSILON = 1e-9;
 const NO_GPUS: readonly number[] = [];
+/**
+ * Locality: the most holders of one input tree a bundle's placement looks at (in the order they were indexed).
+ * A tree held by thousands of instances would otherwise cost thousands of checks per bundle; past the bound the
+ * preference is best-effort (never worse than the usual choice).
+ */
+const HOLDERS_PER_INPUT = 128;
 
 /** Bundles with the same demand share one Shape: demand, eligible types and per-pass placement state. */
 interface Shape {
@@ -158,6 +171,12 @@ interface Slot {
   gpus: readonly number[];
   /** Runners + bundles placed in this pass. */
   load: number;
+  /** The worker's cachedManifests this slot's cache index was built from, and that index (null: none). */
+  cacheList: readonly string[];
+  cache: ReadonlySet<string> | null;
+  /** Locality: the bytes of the bundle being placed that it holds, valid while heldStamp is that bundle's stamp. */
+  heldStamp: number;
+  held: number;
 }
 
 /** A worker's room after its runners, and what it was computed from (see roomOf); its slot. */
@@ -226,10 +245,38 @@ interface Entry {
   written: string | null;
   writtenPosition: number;
   writtenReason: string;
+  /** Its inputs (cache keys and bytes; null: none, most bundles), from bundle.inputManifests. */
+  inputs: Inputs | null;
   /** The booting instance (id and slot) it was planned on in pass plannedPass: kept by the next pass while it has room. */
   plannedOn: string | null;
   plannedSlot: Slot | null;
   plannedPass: number;
+}
+
+/** A bundle's input trees as the scheduler weighs them: cache keys (lib/runner-protocol.ts cacheKey), bytes. */
+interface Inputs {
+  readonly keys: readonly string[];
+  readonly bytes: readonly number[];
+  readonly total: number;
+}
+
+const NO_KEYS: readonly string[] = [];
+
+/** The inputs of a bundle (null when it has none, or none with a usable digest). */
+function inputsOf(b: Bundle): Inputs | null {
+  const list = b.inputManifests;
+  if (list === undefined || list.length === 0) return null;
+  const keys: string[] = [];
+  const bytes: number[] = [];
+  let total = 0;
+  for (const m of list) {
+    const key = cacheKey(m.digest);
+    if (key === null || keys.includes(key)) continue;
+    total += m.bytes;
+    keys.push(key);
+    bytes.push(m.bytes);
+  }
+  return keys.length === 0 ? null : { keys, bytes, total };
 }
 
 /** Where the last pass stopped visiting: order[start..] wait at positions from position + 1, for `base`. */
@@ -323,7 +370,18 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
   const changed = new Set<string>();
   const full = opts.fullPasses === true;
   let readAll = true;
+  /** Why active bundles were started where they are, when placed for their cache (placementOf). */
+  const placements = new Map<string, string>();
   queue.subscribe((changes) => {
+    if (placements.size > 0) {
+      for (const c of changes) {
+        if (
+          (c.to === "staged" && c.from !== "staged") ||
+          (c.to !== "staged" && c.to !== "starting" && c.to !== "running")
+        )
+          placements.delete(c.uuid);
+      }
+    }
     if (readAll) return;
     for (const c of changes) changed.add(c.uuid);
   });
@@ -385,6 +443,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         written: b.schedulingStatus,
         writtenPosition: -1,
         writtenReason: "",
+        inputs: inputsOf(b),
         plannedOn: null,
         plannedSlot: null,
         plannedPass: -1,
@@ -395,6 +454,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       if (e.bundle === b) return;
       e.bundle = b;
       e.shape = shapeOf(b);
+      e.inputs = inputsOf(b);
       e.exhausted = b.attempt >= b.maxAttempts;
       e.written = b.schedulingStatus;
       e.writtenPosition = -1;
@@ -676,6 +736,40 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       if (list !== undefined) for (const c of list) c.stale = true;
     }
   }
+  /**
+   * Locality: which slots' caches hold each manifest (by cache key). A slot is re-indexed only when its worker
+   * has a new cachedManifests array (after a probe whose cache line changed), and unindexed when it leaves.
+   */
+  const holders = new Map<string, Set<Slot>>();
+  function indexCache(slot: Slot, list: readonly string[]): void {
+    for (const key of slot.cacheList) {
+      const set = holders.get(key);
+      if (set === undefined) continue;
+      set.delete(slot);
+      if (set.size === 0) holders.delete(key);
+    }
+    slot.cacheList = list;
+    slot.cache = list.length === 0 ? null : new Set(list);
+    for (const key of list) {
+      const set = holders.get(key);
+      if (set === undefined) holders.set(key, new Set([slot]));
+      else set.add(slot);
+    }
+  }
+  /** Bumped per locality choice: a slot's `held` is for the bundle being placed when its heldStamp equals it. */
+  let heldStamp = 0;
+  /** The bytes of these inputs the slot's cache holds. */
+  function heldOn(slot: Slot, inputs: Inputs): number {
+    if (slot.heldStamp === heldStamp) return slot.held;
+    let held = 0;
+    const cache = slot.cache;
+    if (cache !== null)
+      for (let i = 0; i < inputs.keys.length; i++) if (cache.has(inputs.keys[i]!)) held += inputs.bytes[i]!;
+    slot.heldStamp = heldStamp;
+    slot.held = held;
+    return held;
+  }
+
   function roomOf(w: WorkerView, t: InstanceType): WorkerRoom {
     let c = rooms.get(w);
     if (c !== undefined && !c.stale && c.type === t && c.runners.length === w.runners.size) {
@@ -718,6 +812,10 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         scratch: 0,
         gpus: NO_GPUS,
         load: 0,
+        cacheList: NO_KEYS,
+        cache: null,
+        heldStamp: -1,
+        held: 0,
       };
     }
     c = {
@@ -833,6 +931,8 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       slot.scratch = c.scratch;
       slot.gpus = c.gpus;
       slot.load = w.runners.size;
+      const cached = w.cachedManifests ?? NO_KEYS;
+      if (cached !== slot.cacheList) indexCache(slot, cached);
       slots.push(slot);
       if (slot.load >= limit) return slot;
       ts.list.push(slot);
@@ -849,6 +949,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       if (c.pass === pass) continue;
       rooms.delete(w);
       unindexRoom(c);
+      indexCache(c.slot, NO_KEYS);
     }
 
     const prepare = (shape: Shape) => {
@@ -902,8 +1003,15 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       return b;
     };
 
-    const setStarting = (e: Entry, instanceId: string) => {
-      e.status = say.startingOn(instanceId);
+    const setStarting = (
+      e: Entry,
+      instanceId: string,
+      cache: { held: number; total: number } | null = null,
+    ) => {
+      e.status =
+        cache === null
+          ? say.startingOn(instanceId)
+          : say.startingOnForCache(instanceId, cache.held, cache.total);
       e.persist = false;
       e.reason = "";
     };
@@ -924,8 +1032,44 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       return shape.blockedSentence;
     };
 
+    /**
+     * Locality (dispatcher/README.md "A bundle's way"): `slot` is the usual choice for a bundle with inputs; a
+     * booted instance with room, of an eligible type no dearer than it, whose cache holds more of the inputs' bytes
+     * wins instead (the one holding the most; ties by the usual order). Only instances that can start it now are
+     * weighed, so no bundle waits for its cache. Returns the choice and, when its cache holds any of the inputs,
+     * how much (for the sentence and the log); null when it holds none.
+     */
+    let cacheChoice: { held: number; total: number } | null = null;
+    const preferCache = (slot: Slot, e: Entry, inputs: Inputs): Slot => {
+      heldStamp++;
+      const { demand, gpuCount, typeNames } = e.shape;
+      let best = slot;
+      let bestHeld = heldOn(slot, inputs);
+      // The usual choice holds every input: nothing can beat it (the common case once caches are warm).
+      if (bestHeld < inputs.total)
+        for (const key of inputs.keys) {
+          const set = holders.get(key);
+          if (set === undefined) continue;
+          let visits = 0;
+          for (const s of set) {
+            if (++visits > HOLDERS_PER_INPUT) break;
+            if (s === best || s.pass !== pass || !s.booted || s.price > slot.price) continue;
+            if (!typeNames.has(s.typeName) || !hasRoom(s, demand, gpuCount, limit)) continue;
+            const h = heldOn(s, inputs);
+            if (h > bestHeld || (h === bestHeld && best !== slot && bySlot(s, best) < 0)) {
+              best = s;
+              bestHeld = h;
+            }
+          }
+        }
+      cacheChoice = bestHeld > 0 ? { held: bestHeld, total: inputs.total } : null;
+      return best;
+    };
+
     const place = (slot: Slot, e: Entry) => {
       const { demand, gpuCount } = e.shape;
+      const cache = cacheChoice;
+      cacheChoice = null;
       e.plannedOn = slot.booted ? null : slot.id;
       e.plannedSlot = slot.booted ? null : slot;
       e.plannedPass = pass;
@@ -936,15 +1080,19 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       if (gpuCount > 0) slot.gpus = slot.gpus.slice(gpuCount);
       slot.load++;
       if (slot.booted) {
+        const note = cache === null ? undefined : say.forCache(cache.held, cache.total);
         try {
-          pool.startBundle(slot.id, e.bundle, devices);
+          if (note === undefined) pool.startBundle(slot.id, e.bundle, devices);
+          else pool.startBundle(slot.id, e.bundle, devices, note);
         } catch (err) {
           log.error({ err, bundleUuid: e.uuid, instanceId: slot.id }, "pool refused to start a bundle");
           setWaiting(e, say.waitingForIdle(slot.typeName));
           return;
         }
         result.started.push(e.uuid);
-        setStarting(e, slot.id);
+        setStarting(e, slot.id, cache);
+        if (note === undefined) placements.delete(e.uuid);
+        else placements.set(e.uuid, note);
         return;
       }
       result.planned++;
@@ -1048,7 +1196,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       e.plannedOn = null;
       if (stoppedAt() === null) {
         const sticky = before === null ? null : e.plannedSlot;
-        const slot =
+        let slot =
           sticky !== null &&
           sticky.pass === pass &&
           sticky.id === before &&
@@ -1056,6 +1204,8 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
           hasRoom(sticky, shape.demand, shape.gpuCount, limit)
             ? sticky
             : pick(shape);
+        // Bundles without inputs (most) skip this entirely.
+        if (slot !== null && e.inputs !== null && slot !== sticky) slot = preferCache(slot, e, e.inputs);
         if (slot !== null) {
           place(slot, e);
           return true;
@@ -1108,5 +1258,6 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     },
     eligibleTypes: (bundle) => [...shapeOf(bundle).typeNames],
     flushStatuses: () => exclusive(() => flush(Number.POSITIVE_INFINITY)),
+    placementOf: (uuid) => placements.get(uuid),
   };
 }

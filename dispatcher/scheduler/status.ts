@@ -66,3 +66,24 @@ export const onlyHeld = (typeName: string): string => `only held instances of ty
 
 /** The bundle was just handed to an instance (kept in memory: the transition clears the stored status). */
 export const startingOn = (instanceId: string): string => `starting on ${instanceId}`;
+
+/** Bytes for people: `512 B`, `1.2 GiB` (binary units, one decimal). */
+export function approxSize(bytes: number): string {
+  const units = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+  if (bytes < 1024) return `${bytes} B`;
+  let v = bytes / 1024;
+  let u = 0;
+  while (v >= 1024 && u < units.length - 1) {
+    v /= 1024;
+    u++;
+  }
+  return `${v.toFixed(1)} ${units[u]}`;
+}
+
+/** Why the instance was chosen: its cache holds `held` of the bundle's `total` input bytes (placement). */
+export const forCache = (held: number, total: number): string =>
+  `placed for its cache: ${approxSize(held)} of ${approxSize(total)} of inputs held there`;
+
+/** Started on an instance chosen for its cache. */
+export const startingOnForCache = (instanceId: string, held: number, total: number): string =>
+  `starting on ${instanceId} (${forCache(held, total)})`;
