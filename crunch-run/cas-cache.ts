@@ -260,6 +260,14 @@ export class CasCache {
     const tmp = this.tmpName();
     await writeFile(tmp, JSON.stringify(idx), { mode: 0o644 });
     await rename(tmp, this.indexFile);
+    // The held manifests apart, so `--list` (every probe) reads a few KiB, not an index of 100k blobs.
+    const held = Object.entries(idx.manifests ?? {})
+      .sort((a, b) => b[1] - a[1])
+      .slice(0, MAX_HELD_MANIFESTS)
+      .map(([d]) => d);
+    const heldTmp = this.tmpName();
+    await writeFile(heldTmp, `${held.join("\n")}\n`, { mode: 0o644 });
+    await rename(heldTmp, heldManifestsFile(this.dir));
   }
 
   /** Reads, changes and writes the index under the lock. */
@@ -510,16 +518,7 @@ export class CasCache {
 
   /** The manifests held in full, most recently used first, at most 256 (for the dispatcher's locality). */
   async heldManifests(): Promise<Digest[]> {
-    let idx: Index;
-    try {
-      idx = JSON.parse(await readFile(this.indexFile, "utf8")) as Index;
-    } catch {
-      return [];
-    }
-    return Object.entries(idx.manifests ?? {})
-      .sort((a, b) => b[1] - a[1])
-      .slice(0, MAX_HELD_MANIFESTS)
-      .map(([d]) => parseDigest(d));
+    return readHeldManifests(this.dir);
   }
 
   /** Blobs and bytes the index holds. */
@@ -531,4 +530,29 @@ export class CasCache {
       return { items: all.length, bytes };
     });
   }
+}
+
+/** The small file beside the index listing the manifests held in full, most recently used first. */
+export const heldManifestsFile = (cacheDir: string): string => path.join(cacheDir, "held-manifests");
+
+/**
+ * The manifests a cache holds in full, read without opening the cache (crunch-run `--list`): nothing when there
+ * is no cache yet, and lines that are not digests are passed over, so a damaged file never breaks `--list`.
+ */
+export async function readHeldManifests(cacheDir: string): Promise<Digest[]> {
+  let text: string;
+  try {
+    text = await readFile(heldManifestsFile(cacheDir), "utf8");
+  } catch {
+    return [];
+  }
+  const out: Digest[] = [];
+  for (const line of text.split("\n").slice(0, MAX_HELD_MANIFESTS)) {
+    try {
+      if (line !== "") out.push(parseDigest(line));
+    } catch {
+      // Not a digest: passed over.
+    }
+  }
+  return out;
 }

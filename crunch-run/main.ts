@@ -21,11 +21,13 @@ import { spawn } from "node:child_process";
 import { closeSync, createWriteStream, existsSync, mkdirSync, openSync } from "node:fs";
 import { readdir } from "node:fs/promises";
 import { constants as osConstants } from "node:os";
+import { formatDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Logger } from "../lib/logger.ts";
 import { formatList, MAX_WARM_SUPERVISORS, versionLine } from "../lib/runner-protocol.ts";
 import { selfCommand } from "../lib/self.ts";
 import { VERSION } from "../lib/version.ts";
+import { readHeldManifests } from "./cas-cache.ts";
 import {
   holderAlive,
   type LockInfo,
@@ -308,6 +310,7 @@ export async function listBundles(paths: RunnerPaths, env: NodeJS.ProcessEnv): P
     broken: existsSync(paths.brokenFile),
     preempted: existsSync(paths.preemptedFile),
     spare: socket !== null && existsSync(socket) ? socket : null,
+    cachedManifests: (await readHeldManifests(paths.casCacheDir)).map(formatDigest),
   });
 }
 

@@ -6,6 +6,7 @@ import type { Db } from "../store/db.ts";
 import type { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { BlobBackend } from "./cas/backend.ts";
+import type { StoredOutputs } from "./cas/stored-outputs.ts";
 import type { LogNotifier } from "./logs.ts";
 import type { OutputStore } from "./outputs.ts";
 import type { SubmitLimits } from "./quotas.ts";
@@ -35,4 +36,6 @@ export interface RouteContext {
   maxTokensPerUser: number;
   /** The content-addressed store's backend (set by createRestServer before the routes are registered). */
   casBackend: BlobBackend | null;
+  /** Outputs kept as manifests in the store (bundles whose runner finished with an outputManifest). */
+  storedOutputs: StoredOutputs;
 }

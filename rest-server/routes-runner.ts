@@ -147,6 +147,10 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       dependencies: b.dependencies.map((d) => ({ ...d, manifest: manifests.get(d.bundle) ?? null })),
       gpuDevices: b.gpuDevices,
       instanceType: b.instanceType,
+      // Outputs go to the content-addressed store, within these limits (checked again at finish).
+      ...(ctx.casBackend === null
+        ? {}
+        : { outputLimits: { files: ctx.maxOutputFiles, bytes: ctx.maxOutputSize } }),
     };
   });
 
@@ -175,6 +179,14 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
           { path: "outputManifest" },
         );
       }
+      if (stats.files > ctx.maxOutputFiles) {
+        throw new DispatchCloudError(
+          "runner.output_too_many_files",
+          `the outputs hold ${stats.files} files, more than the ${ctx.maxOutputFiles} allowed`,
+          { path: "outputManifest" },
+        );
+      }
+      if (stats.bytes > ctx.maxOutputSize) throw tooLarge(ctx.maxOutputSize);
       if (!(await setOutputManifest(db, bundle.uuid, bundle.attempt, formatDigest(d), stats.bytes))) {
         throw notCurrentNow(bundle, await getBundle(db, bundle.uuid));
       }
@@ -249,7 +261,11 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     if (source === null || source.state !== "ready") {
       throw unavailable(`bundle ${dep.bundle} is ${source?.state ?? "gone"}, not ready`);
     }
-    const tar = await ctx.outputs.pack(dep.bundle, parseOutputPath(dep.subpath, "subpath"));
+    const subpath = parseOutputPath(dep.subpath, "subpath");
+    const tar =
+      source.outputManifest === undefined
+        ? await ctx.outputs.pack(dep.bundle, subpath)
+        : (await ctx.storedOutputs.of(source.uuid, source.outputManifest)).pack(subpath);
     if (tar === null) throw unavailable(`bundle ${dep.bundle} has no output ${JSON.stringify(dep.subpath)}`);
     return reply.type("application/x-tar").send(tar);
   });

@@ -264,7 +264,11 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
     const rel = parseOutputPath(raw);
     const page = parseOutputListQuery(request.query);
     // One file more than the page tells whether another page follows.
-    const entry = await ctx.outputs.get(bundle.uuid, rel, { after: page.after, limit: page.limit + 1 });
+    const want = { after: page.after, limit: page.limit + 1 };
+    const entry =
+      bundle.outputManifest === undefined
+        ? await ctx.outputs.get(bundle.uuid, rel, want)
+        : (await ctx.storedOutputs.of(bundle.uuid, bundle.outputManifest)).get(rel, want);
     if (entry.kind === "dir") {
       const files = entry.files.slice(0, page.limit);
       const last = files[files.length - 1];

@@ -37,6 +37,7 @@ import { createFsBackend } from "./cas/backend-fs.ts";
 import { type CasGc, createCasGc } from "./cas/gc.ts";
 import { createCasMetrics } from "./cas/metrics.ts";
 import { registerCasRoutes } from "./cas/routes.ts";
+import { createStoredOutputs } from "./cas/stored-outputs.ts";
 import type { RouteContext } from "./context.ts";
 import { createLogNotifier } from "./logs.ts";
 import { usersApiDocument } from "./openapi.ts";
@@ -145,6 +146,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
     casBackend: null,
+    storedOutputs: createStoredOutputs(() => ctx.casBackend),
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,

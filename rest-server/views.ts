@@ -33,6 +33,8 @@ export function bundleView(b: Bundle, nowMs: number) {
     exitCode: b.exitCode,
     resourceUsage: b.resourceUsage,
     costDollars: b.costDollars,
+    outputManifest: b.outputManifest ?? null,
+    outputBytes: b.outputBytes ?? null,
     timings: {
       createdAt: b.createdAt.toISOString(),
       stagedAt: iso(b.stagedAt),

@@ -61,6 +61,9 @@ export interface BundleRow {
   last_heartbeat_at?: Date | null;
   /** JSON from the table (store/migrations/006_locality.sql); checked by readInputManifests. Optional as above. */
   input_manifests?: unknown;
+  /** The outputs' manifest digest and bytes (store/migrations/005_cas.sql). Optional as above. */
+  output_manifest?: string | null;
+  output_bytes?: string | number | null;
 }
 
 export function bundleFromRow(r: BundleRow): Bundle {
@@ -73,6 +76,10 @@ export function bundleFromRow(r: BundleRow): Bundle {
     const { manifests, problem } = readInputManifests(r.input_manifests);
     if (manifests.length > 0) b.inputManifests = manifests;
     if (problem !== null) b.inputManifestsProblem = problem;
+  }
+  if (r.output_manifest !== undefined && r.output_manifest !== null) {
+    b.outputManifest = r.output_manifest;
+    b.outputBytes = Number(r.output_bytes ?? 0);
   }
   return b;
 }

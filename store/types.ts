@@ -100,6 +100,13 @@ export interface Bundle extends NewBundle {
   inputManifests?: readonly InputManifest[];
   /** Why the column's contents were ignored (bad contents), when they were: the dispatcher's queue warns. */
   inputManifestsProblem?: string;
+  /**
+   * The manifest (`<sha256 hex>/<size>`) of its outputs in the content-addressed store, recorded by the runner's
+   * finish, and the bytes of their files. Absent when the outputs are an archive on the REST server's disk (an
+   * older runner) or there are none yet.
+   */
+  outputManifest?: string;
+  outputBytes?: number;
 }
 
 /** One input tree of a bundle: its manifest's digest (`<sha256 hex>/<size>`) and the bytes of its files. */
