@@ -119,7 +119,13 @@ export async function stageBundles(
        WHERE b.state = 'created' ORDER BY b.uuid FOR UPDATE OF b
      ), upd AS (
        UPDATE bundles b SET state = 'staged', state_reason = cur.reason, scheduling_status = NULL,
-         staged_at = ${NOW}
+         staged_at = ${NOW},
+         -- Its inputs' trees, for the scheduler's locality (006_locality.sql): the output manifests of its
+         -- dependencies, known from now on (each is final). Skipped for bundles without dependencies.
+         input_manifests = CASE WHEN b.dependencies = '[]'::jsonb THEN b.input_manifests ELSE coalesce((
+           SELECT jsonb_agg(DISTINCT jsonb_build_object('digest', d.output_manifest, 'bytes', d.output_bytes))
+           FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
+           WHERE bd.bundle_uuid = b.uuid AND d.output_manifest IS NOT NULL), '[]'::jsonb) END
        FROM cur WHERE b.uuid = cur.uuid AND b.state = 'created'
        RETURNING b.*
      ), ev AS (

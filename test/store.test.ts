@@ -779,6 +779,33 @@ describeEachDb("store", (getDb) => {
       ]);
       expect(await stageBundles(db(), [{ uuid: a.uuid, reason: null }], "bundle-manager")).toEqual([]);
     });
+
+    it("gives a staged bundle its dependencies' output manifests (once each) as its inputs, for locality", async () => {
+      const owner = (await createTestUser(db())).uuid;
+      const dep = await createTestBundle(db(), owner);
+      const plain = await createTestBundle(db(), owner);
+      const digest = `${"ab".repeat(32)}/120`;
+      await db().query("UPDATE bundles SET output_manifest = $2, output_bytes = 5000 WHERE uuid = $1", [
+        dep.uuid,
+        digest,
+      ]);
+      const uuid = testBundleUuid();
+      const twice = [
+        { bundle: dep.uuid, subpath: "", name: "a" },
+        { bundle: dep.uuid, subpath: "x", name: "b" },
+      ];
+      await insertBundle(db(), uuid, testNewBundle(owner, { dependencies: twice }), "created");
+      await stageBundles(
+        db(),
+        [
+          { uuid, reason: null },
+          { uuid: plain.uuid, reason: null },
+        ],
+        "bundle-manager",
+      );
+      expect((await getBundle(db(), uuid))!.inputManifests).toEqual([{ digest, bytes: 5000 }]);
+      expect((await getBundle(db(), plain.uuid))!.inputManifests).toBeUndefined();
+    });
   });
 
   describe("transactions", () => {
