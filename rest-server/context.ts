@@ -6,6 +6,7 @@ import type { Db } from "../store/db.ts";
 import type { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { BlobBackend } from "./cas/backend.ts";
+import type { CasMetrics } from "./cas/metrics.ts";
 import type { StoredOutputs } from "./cas/stored-outputs.ts";
 import type { LogNotifier } from "./logs.ts";
 import type { OutputStore } from "./outputs.ts";
@@ -38,4 +39,6 @@ export interface RouteContext {
   casBackend: BlobBackend | null;
   /** Outputs kept as manifests in the store (bundles whose runner finished with an outputManifest). */
   storedOutputs: StoredOutputs;
+  /** The store's metrics (runners report their staging figures at finish); null without a registry. */
+  casMetrics: CasMetrics | null;
 }

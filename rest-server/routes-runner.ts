@@ -191,6 +191,14 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
         throw notCurrentNow(bundle, await getBundle(db, bundle.uuid));
       }
     }
+    // What staging by manifest cost (crunch-run's figures in the usage), for the store's metrics.
+    const u = body.resourceUsage;
+    if (ctx.casMetrics !== null && u !== undefined && u["stagingSeconds"] !== undefined) {
+      ctx.casMetrics.vmCacheHits.inc(u["casBlobsHit"] ?? 0);
+      ctx.casMetrics.vmCacheMisses.inc(u["casBlobsFetched"] ?? 0);
+      ctx.casMetrics.vmBytesFetched.inc(u["casBytesFetched"] ?? 0);
+      ctx.casMetrics.stagingSeconds.observe(u["stagingSeconds"]);
+    }
     const result = await finishBundle(db, bundle.uuid, bundle.attempt, {
       exitCode: body.exitCode,
       ...(body.failed === undefined ? {} : { failed: body.failed }),

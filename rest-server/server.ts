@@ -147,6 +147,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
     casBackend: null,
     storedOutputs: createStoredOutputs(() => ctx.casBackend),
+    casMetrics: null,
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,
@@ -245,12 +246,13 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   registerUserRoutes(app, ctx);
   registerTokenRoutes(app, ctx);
   registerRunnerRoutes(app, ctx);
+  ctx.casMetrics =
+    opts.cas?.metricsRegistry === undefined ? null : createCasMetrics(opts.cas.metricsRegistry, opts.db);
   registerCasRoutes(app, ctx, {
     backend: casBackend,
     partialDir,
     maxBatchBytes: opts.cas?.maxBatchBytes ?? casDefaults.maxBatchBytes,
-    metrics:
-      opts.cas?.metricsRegistry === undefined ? null : createCasMetrics(opts.cas.metricsRegistry, opts.db),
+    metrics: ctx.casMetrics,
   });
   await app.ready();
   return app;

@@ -284,9 +284,9 @@ export class E2eSystem {
     });
     let sum = 0;
     for (const line of (await res.text()).split("\n")) {
-      const m = /^([^{\s]+)\{([^}]*)\}\s+(\S+)$/.exec(line);
+      const m = /^([^{\s]+)(?:\{([^}]*)\})?\s+(\S+)$/.exec(line);
       if (m === null || m[1] !== name) continue;
-      const got = Object.fromEntries([...m[2]!.matchAll(/(\w+)="([^"]*)"/g)].map((x) => [x[1], x[2]]));
+      const got = Object.fromEntries([...(m[2] ?? "").matchAll(/(\w+)="([^"]*)"/g)].map((x) => [x[1], x[2]]));
       if (Object.entries(labels).every(([k, v]) => got[k] === v)) sum += Number(m[3]);
     }
     return sum;
