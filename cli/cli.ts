@@ -7,6 +7,7 @@ import { queueCommand } from "./commands/queue.ts";
 import { migrateCommand, serveCommand } from "./commands/serve.ts";
 import { submitCommand } from "./commands/submit.ts";
 import { tokensCommand } from "./commands/tokens.ts";
+import { uploadCommand } from "./commands/upload.ts";
 import { usersCommand } from "./commands/users.ts";
 import { type CliIo, type Command, EXIT_OK, reportError, usageError } from "./io.ts";
 
@@ -29,6 +30,7 @@ users and bundles (clients of the REST server: --api-url URL, token from DISPATC
   tokens create|list|revoke     your API tokens: make another (--ttl, --expires-at), list them, revoke one
   submit [FILE] [flags] -- CMD  submit a bundle; --wait follows it until it is final
   bundles list|show|kill|events
+  upload DIR [--name N]         a directory into the content-addressed store, as a ready bundle to depend on
 operators (clients of the management API: --management-url URL, default http://127.0.0.1:8901; token from
 DISPATCH_CLOUD_MANAGEMENT_TOKEN, --token-file F, or <data dir>/management-token):
   instance list [--header]      every instance as the dispatcher sees it
@@ -55,6 +57,7 @@ export const COMMANDS: Record<string, Command> = {
   tokens: tokensCommand,
   submit: submitCommand,
   bundles: bundlesCommand,
+  upload: uploadCommand,
   instance: instanceCommand,
   queue: queueCommand,
 };

@@ -7,9 +7,11 @@
  * call (finish, outputs, logs, dependencies: 10 minutes, as the REST server may be restarting); 4xx answers
  * are never retried.
  */
+
 import http from "node:http";
 import https from "node:https";
 import type { Readable } from "node:stream";
+import { CasApiError } from "../lib/cas/client.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 
 /** The runner API answered with a non-2xx status. */
@@ -27,8 +29,10 @@ export class RunnerApiError extends Error {
 
 /** 401/409 on a runner call: the bundle is no longer this runner's (killed, requeued, finished elsewhere). */
 export const isNotOurs = (err: unknown): boolean =>
-  err instanceof RunnerApiError &&
-  (err.status === 401 || (err.status === 409 && err.code !== "runner.log_gap"));
+  (err instanceof RunnerApiError &&
+    (err.status === 401 || (err.status === 409 && err.code !== "runner.log_gap"))) ||
+  // The content-addressed store refuses the same token the same way (inputs staged, outputs uploaded with it).
+  (err instanceof CasApiError && err.status === 401);
 
 /** Errors of the local filesystem: retrying cannot help (ENOSPC is judged by the supervisor: broken). */
 const LOCAL_CODES = new Set([

@@ -674,7 +674,12 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
           }
           if (isNoSpace(err)) throw err;
           const why =
-            err instanceof RunnerApiError ? `${err.code}: ${err.apiMessage}` : (err as Error).message;
+            err instanceof RunnerApiError
+              ? `${err.code}: ${err.apiMessage}`
+              : // The server's limits (checked here first) read as they did when the server refused the upload.
+                err instanceof DispatchCloudError && err.code.startsWith("runner.")
+                ? `${err.code}: ${err.message}`
+                : (err as Error).message;
           say(`uploading the outputs failed: ${why}`);
           failed = true;
           reason = reason ?? `uploading the outputs failed: ${why}`;

@@ -7,7 +7,7 @@ import { VERSION } from "../lib/version.ts";
 import { BundleRequest, MAX_BATCH_ITEMS } from "./bundle-request.ts";
 import { BatchReadRequest, BatchUploadRequest, FindMissingRequest } from "./cas/routes.ts";
 import { TokenRequest } from "./routes-tokens.ts";
-import { KillRequest, UserRequest } from "./routes-users.ts";
+import { KillRequest, UploadRequest, UserRequest } from "./routes-users.ts";
 
 const nullable = (type: string, extra: Json = {}): Json => ({ type: [type, "null"], ...extra });
 /** An API token as the users' API shows it (rest-server/routes-tokens.ts; never the token itself). */
@@ -121,6 +121,26 @@ export function usersApiDocument(): Json {
               "bundle.invalid_dependency",
               "quota.queued_bundles",
               "quota.rate_limited",
+            ]),
+          },
+        },
+      },
+      "/api/v1/bundles/uploads": {
+        post: {
+          operationId: "createUploadBundle",
+          description:
+            "A tree uploaded to the content-addressed store (its manifest digest), kept as a bundle that is ready " +
+            "from the start with the tree as its outputs; other bundles name it as a dependency.",
+          requestBody: body("UploadRequest"),
+          responses: {
+            "201": bundle,
+            ...errors([
+              ...common,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "cas.invalid_digest",
+              "cas.unknown_manifest",
             ]),
           },
         },
@@ -397,6 +417,7 @@ export function usersApiDocument(): Json {
           },
         },
         KillRequest: plain(KillRequest),
+        UploadRequest: plain(UploadRequest),
         UserRequest: plain(UserRequest),
         TokenRequest: plain(TokenRequest),
         CasFindMissingRequest: plain(FindMissingRequest),

@@ -3,6 +3,7 @@
  */
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
+import { formatDigest, parseDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { NO_CONTROL_PATTERN } from "../lib/text-limits.ts";
 import { BUNDLE_UUID_PATTERN, hashToken, newBundleUuid, newUserToken, newUserUuid } from "../lib/tokens.ts";
@@ -11,6 +12,7 @@ import {
   getBundleForOwner,
   insertBundle,
   insertBundles,
+  insertUploadedBundle,
   listBundles,
   listEvents,
 } from "../store/queries.ts";
@@ -18,6 +20,7 @@ import { killBundle } from "../store/transitions.ts";
 import { BUNDLE_STATES, type Bundle, type BundleState, isFinalState, type User } from "../store/types.ts";
 import { callerOf, requireAdmin, userAuthHook } from "./auth.ts";
 import { parseBatchRequest, parseBundleRequest } from "./bundle-request.ts";
+import { readManifestStats } from "./cas/routes.ts";
 import type { RouteContext } from "./context.ts";
 import { logReadable, parseLogQuery } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
@@ -50,6 +53,18 @@ export const UserRequest = Type.Object(
       errorMessage: "must be 1-100 characters from A-Z a-z 0-9 . _ @ -, starting with a letter or digit",
     }),
     isAdmin: Type.Optional(Type.Boolean({ default: false })),
+  },
+  { additionalProperties: false },
+);
+
+/** `POST /bundles/uploads`: a tree in the content-addressed store, kept as a ready bundle. */
+export const UploadRequest = Type.Object(
+  {
+    manifest: Type.String({
+      maxLength: 100,
+      description: "The digest (<sha256 hex>/<size>) of the tree's manifest, uploaded by the caller.",
+    }),
+    name: Type.Optional(Type.String({ maxLength: 200, pattern: NO_CONTROL_PATTERN })),
   },
   { additionalProperties: false },
 );
@@ -157,6 +172,33 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
       "bundle created",
     );
     return reply.code(201).send(view(result.value));
+  });
+
+  // A tree uploaded to the content-addressed store, as a ready bundle that others may depend on.
+  app.post("/api/v1/bundles/uploads", { onRequest }, async (request, reply) => {
+    const caller = callerOf(request);
+    const body = validate(UploadRequest, request.body);
+    const d = parseDigest(body.manifest, "manifest");
+    const backend = ctx.casBackend;
+    const stats =
+      backend === null
+        ? null
+        : await readManifestStats(db, backend, { userUuid: caller.uuid, manifests: [] }, d);
+    if (stats === null) {
+      throw new DispatchCloudError(
+        "cas.unknown_manifest",
+        `manifest: ${formatDigest(d)} is not a manifest in the store that you may read; upload the tree first`,
+        { path: "manifest" },
+      );
+    }
+    const bundle = await insertUploadedBundle(db, newBundleUuid(ctx.clusterId), {
+      ownerUuid: caller.uuid,
+      name: body.name ?? "",
+      manifest: formatDigest(d),
+      bytes: stats.bytes,
+    });
+    request.log.info({ bundleUuid: bundle.uuid, owner: caller.uuid, files: stats.files }, "tree uploaded");
+    return reply.code(201).send(view(bundle));
   });
 
   // Many bundles in one request, all or nothing (docs/api.md "Batch submission").

@@ -458,6 +458,43 @@ async function insertBundleRow(db: Db, uuid: string, b: NewBundle, initialState:
   return bundleFromRow(rows[0]!);
 }
 
+/**
+ * A tree a user uploaded to the content-addressed store, kept as a bundle that is `ready` from the start with the
+ * tree as its outputs (as CodaLab keeps uploads): other bundles name it as a dependency like any bundle. It has no
+ * command, image or attempts; its event says it was uploaded.
+ */
+export async function insertUploadedBundle(
+  db: Db,
+  uuid: string,
+  u: { ownerUuid: string; name: string; manifest: string; bytes: number },
+): Promise<Bundle> {
+  const { rows } = await db.query<BundleRow>(
+    `WITH b AS (
+       INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
+         limits, dependencies, allow_failed_dependencies, max_attempts, state, state_reason, finished_at,
+         output_manifest, output_bytes)
+       VALUES ($1, $2, $3, '[]'::jsonb, '', '{}'::jsonb, $4::jsonb, false, 0, $5::jsonb, '[]'::jsonb, false, 1,
+         'ready', 'uploaded', date_trunc('milliseconds', now()), $6, $7)
+       RETURNING *
+     ), e AS (
+       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+       SELECT uuid, NULL, state, attempt, state_reason, $8 FROM b
+     )
+     SELECT b.* FROM b`,
+    [
+      uuid,
+      u.ownerUuid,
+      u.name,
+      JSON.stringify({ vcpus: 0, ram: 0, scratch: 0, gpu: null }),
+      JSON.stringify({ time: null, disk: null, network: false }),
+      u.manifest,
+      u.bytes,
+      `user:${u.ownerUuid}`,
+    ],
+  );
+  return bundleFromRow(rows[0]!);
+}
+
 /** Rows per INSERT statement of insertBundles: one jsonb parameter of about 0.5 MB. */
 const INSERT_CHUNK = 1000;
 

@@ -47,7 +47,7 @@ export interface RunnerHarness {
    * supervisor with the environment it is given rather than handing the bundle to a spare started earlier.
    */
   dropSpares(): void;
-  /** `--list`'s output without its `spare <socket>` line (whether a warm spare waits is beside the point). */
+  /** `crunch-run --list` without the warm pool's `spare` line and the cache's `cache` line: the runners alone. */
   listBundles(extraEnv?: NodeJS.ProcessEnv): Promise<string>;
   /** Polls the store until the bundle is final (ready, failed, killed). */
   waitFinal(uuid: string, timeoutMs?: number): Promise<Bundle>;
@@ -172,7 +172,8 @@ export async function startRunnerHarness(db: Db, limits: HarnessLimits = {}): Pr
         if (name.startsWith("cr-spare-")) rmSync(join(dir, name), { force: true });
       }
     },
-    listBundles: async (extraEnv) => (await run(["--list"], "", extraEnv)).stdout.replace(/^spare .*\n/m, ""),
+    listBundles: async (extraEnv) =>
+      (await run(["--list"], "", extraEnv)).stdout.replace(/^(spare|cache) .*\n/gm, ""),
     waitFinal: (uuid, timeoutMs) => waitState(uuid, ["ready", "failed", "killed"], timeoutMs),
     waitState,
     async log(uuid, stream) {

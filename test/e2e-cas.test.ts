@@ -5,10 +5,15 @@
  * second such bundle on the same instance fetches nothing. The runner's figures reach the bundle's resource
  * usage, its stderr log and the store's metrics.
  */
+import { execFile } from "node:child_process";
+import { mkdir, symlink, writeFile } from "node:fs/promises";
+import { join } from "node:path";
+import { promisify } from "node:util";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { parseDigest } from "../lib/cas/digest.ts";
 import { E2eSystem } from "./e2e-harness.ts";
 import { requireDockerImage } from "./local-driver-helpers.ts";
+import { BIN } from "./serve-process.ts";
 
 const IMAGE = requireDockerImage();
 
@@ -88,5 +93,39 @@ describe("end to end: inputs and outputs by digest, the instance's cache", () =>
     expect(await sys.metricSum("dispatchcloud_cas_vm_fetched_bytes_total", {})).toBe(
       outputBytes + manifest.size,
     );
+  }, 300_000);
+
+  it("`upload DIR` stores a local tree once, as a ready bundle that a bundle mounts as its input", async () => {
+    const tree = join(sys.dir, "upload-me");
+    await mkdir(join(tree, "sub"), { recursive: true });
+    await writeFile(join(tree, "sub", "data.txt"), "uploaded bytes\n");
+    await writeFile(join(tree, "big"), Buffer.alloc(300_000, 7));
+    await symlink("sub/data.txt", join(tree, "alias"));
+    const upload = () =>
+      promisify(execFile)(BIN, ["upload", tree, "--name", "my-tree", "--api-url", sys.apiUrl], {
+        cwd: sys.dir,
+        env: { ...process.env, DISPATCH_CLOUD_DATA_DIR: join(sys.dir, "data") },
+      });
+    const first = await upload();
+    const uuid = first.stdout.trim();
+    expect(first.stderr).toMatch(
+      /uploaded 2 files.* 0 of 2 blobs already stored; manifest [0-9a-f]{64}\/\d+/,
+    );
+    const uploaded = await sys.get(uuid);
+    expect(uploaded).toMatchObject({ state: "ready", name: "my-tree", stateReason: "uploaded" });
+    // The same tree again: nothing is sent; a new bundle names the same manifest.
+    const again = await upload();
+    expect(again.stderr).toMatch(/sent 0 ?B, 2 of 2 blobs already stored/);
+    expect((await sys.get(again.stdout.trim()))["outputManifest"]).toBe(uploaded["outputManifest"]);
+
+    const user = await sys.submit({
+      image: IMAGE,
+      command: ["sh", "-c", "cat /in/t/alias > /out/copy && wc -c < /in/t/big > /out/size"],
+      dependencies: [{ bundle: uuid, name: "t" }],
+    });
+    const v = await sys.waitState(user);
+    expect(v.state, JSON.stringify(v)).toBe("ready");
+    expect((await sys.text(`/bundles/${user}/outputs/copy`)).body).toBe("uploaded bytes\n");
+    expect((await sys.text(`/bundles/${user}/outputs/size`)).body.trim()).toBe("300000");
   }, 300_000);
 });
