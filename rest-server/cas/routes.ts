@@ -14,7 +14,7 @@ import { createReadStream } from "node:fs";
 import { mkdir, open, rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import { pipeline, Readable } from "node:stream";
-import { createBrotliDecompress, createGunzip, createGzip, createInflate } from "node:zlib";
+import { createBrotliDecompress, createGunzip, createGzip, createInflate, gzipSync } from "node:zlib";
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
 import {
@@ -205,6 +205,18 @@ const COMPRESSED_MAGIC = [
 
 export function looksCompressed(head: Uint8Array): boolean {
   return COMPRESSED_MAGIC.some((m) => m.length <= head.length && m.every((b, i) => head[i] === b));
+}
+
+/** Bytes of a blob's start that a trial compression looks at before the server gzips a download. */
+const GZIP_TRIAL_BYTES = 64 * 1024;
+
+/**
+ * Whether gzipping a download pays: not a compressed format, not tiny, and a fast trial on its first bytes
+ * shrinks them by a tenth. Random or already-compressed data would only cost both sides CPU.
+ */
+export function worthGzip(head: Buffer): boolean {
+  if (head.length < 512 || looksCompressed(head)) return false;
+  return gzipSync(head, { level: 1 }).length < head.length * 0.9;
 }
 
 async function readAll(s: Readable): Promise<Buffer> {
@@ -418,9 +430,9 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
     }
     const accepts = /\bgzip\b/.test((request.headers["accept-encoding"] ?? "").toString());
     if (accepts && d.size > 0 && !head) {
-      const peek = await backend.read(d, { start: 0, end: Math.min(8, d.size) });
+      const peek = await backend.read(d, { start: 0, end: Math.min(GZIP_TRIAL_BYTES, d.size) });
       if (peek === null) throw notFound(d);
-      if (!looksCompressed(await readAll(peek))) {
+      if (worthGzip(await readAll(peek))) {
         const s = await backend.read(d);
         if (s === null) throw notFound(d);
         cas.metrics?.bytesDownloaded.inc(d.size);
