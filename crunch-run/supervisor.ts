@@ -457,34 +457,8 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
           return 0;
         }
         const target = path.join(inDir, dep.name);
-        if (dep.manifest !== undefined && dep.manifest !== null) {
-          try {
-            const staged = await stageByManifest(
-              parseDigest(dep.manifest, `dependencies[${i}].manifest`),
-              dep,
-              target,
-            );
-            say(
-              `staged ${what} at /in/${dep.name}: ${staged.files} files, ${humanSize(staged.bytes)}; ` +
-                `from the instance's cache ${staged.blobsHit} blobs, fetched ${staged.blobsFetched} ` +
-                `(${humanSize(staged.bytesFetched)}) in ${staged.ms} ms`,
-            );
-          } catch (err) {
-            if (stopping()) return 1;
-            if (isNotOurs(err)) {
-              markLost(err);
-              return 1;
-            }
-            if (isNoSpace(err)) throw err;
-            const reason = `${what} could not be staged: ${(err as Error).message}`;
-            say(reason);
-            await finish(null, reason, true);
-            return 0;
-          }
-          inputs.push(dep.name);
-          continue;
-        }
-        try {
+        const manifest = dep.manifest ?? null;
+        const stageArchive = async () => {
           const summary = await withRetries(
             async () => {
               await rm(target, { recursive: true, force: true });
@@ -498,7 +472,18 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
                 log.warn({ what, err: (err as Error).message }, "dependency download retried"),
             },
           );
-          say(`staged ${what} at /in/${dep.name}: ${summary.files} files, ${humanSize(summary.bytes)}`);
+          return `${summary.files} files, ${humanSize(summary.bytes)}`;
+        };
+        const stageManifest = async (m: string) => {
+          const staged = await stageByManifest(parseDigest(m, `dependencies[${i}].manifest`), dep, target);
+          return (
+            `${staged.files} files, ${humanSize(staged.bytes)}; from the instance's cache ${staged.blobsHit} ` +
+            `blobs, fetched ${staged.blobsFetched} (${humanSize(staged.bytesFetched)}) in ${staged.ms} ms`
+          );
+        };
+        try {
+          const summary = manifest === null ? await stageArchive() : await stageManifest(manifest);
+          say(`staged ${what} at /in/${dep.name}: ${summary}`);
         } catch (err) {
           if (stopping()) return 1;
           if (isNotOurs(err)) {
