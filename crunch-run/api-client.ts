@@ -13,6 +13,7 @@ import https from "node:https";
 import type { Readable } from "node:stream";
 import { CasApiError } from "../lib/cas/client.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { retryWithBackoff } from "../lib/retry.ts";
 
 /** The runner API answered with a non-2xx status. */
 export class RunnerApiError extends Error {
@@ -65,35 +66,9 @@ export interface RetryOptions {
   onRetry?: (err: unknown, delayMs: number) => void;
 }
 
-const defaultSleep = (ms: number, signal?: AbortSignal) =>
-  new Promise<void>((resolve, reject) => {
-    if (signal?.aborted) return reject(signal.reason);
-    const t = setTimeout(() => {
-      signal?.removeEventListener("abort", onAbort);
-      resolve();
-    }, ms);
-    const onAbort = () => {
-      clearTimeout(t);
-      reject(signal?.reason);
-    };
-    signal?.addEventListener("abort", onAbort, { once: true });
-  });
-
 /** Runs fn until it succeeds, fails permanently, or the budget is spent (then the last error is thrown). */
-export async function withRetries<T>(fn: () => Promise<T>, opts: RetryOptions): Promise<T> {
-  const sleep = opts.sleep ?? defaultSleep;
-  const deadline = Date.now() + opts.budgetMs;
-  let delay = 200;
-  for (;;) {
-    try {
-      return await fn();
-    } catch (err) {
-      if (opts.signal?.aborted || !isTransient(err) || Date.now() + delay > deadline) throw err;
-      opts.onRetry?.(err, delay);
-      await sleep(delay, opts.signal);
-      delay = Math.min(delay * 2, 5000);
-    }
-  }
+export function withRetries<T>(fn: () => Promise<T>, opts: RetryOptions): Promise<T> {
+  return retryWithBackoff(() => fn(), { ...opts, isTransient });
 }
 
 export interface ResourceUsage {

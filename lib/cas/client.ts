@@ -13,6 +13,7 @@ import type { Readable } from "node:stream";
 import { pipeline } from "node:stream/promises";
 import { createGunzip, createGzip, gzipSync, constants as zlibConstants } from "node:zlib";
 import { DispatchCloudError, ERROR_CODES, type ErrorCode } from "../errors.ts";
+import { retryWithBackoff } from "../retry.ts";
 import {
   type Digest,
   DigestBuilder,
@@ -160,20 +161,6 @@ function readAll(res: Readable): Promise<Buffer> {
   });
 }
 
-const sleep = (ms: number, signal?: AbortSignal) =>
-  new Promise<void>((resolve, reject) => {
-    if (signal?.aborted) return reject(signal.reason);
-    const t = setTimeout(() => {
-      signal?.removeEventListener("abort", onAbort);
-      resolve();
-    }, ms);
-    const onAbort = () => {
-      clearTimeout(t);
-      reject(signal?.reason);
-    };
-    signal?.addEventListener("abort", onAbort, { once: true });
-  });
-
 /** Splits items into groups of at most `maxItems` whose `weight` adds up to at most `maxWeight`. */
 export function batches<T>(
   items: readonly T[],
@@ -265,19 +252,13 @@ export function createCasClient(opts: CasClientOptions): CasClient {
     });
   }
 
-  async function retrying<T>(what: string, fn: (attempt: number) => Promise<T>): Promise<T> {
-    const deadline = Date.now() + budgetMs;
-    let delay = 200;
-    for (let attempt = 0; ; attempt++) {
-      try {
-        return await fn(attempt);
-      } catch (err) {
-        if (opts.signal?.aborted || !isTransient(err) || Date.now() + delay > deadline) throw err;
-        opts.onRetry?.(what, err, delay);
-        await sleep(delay, opts.signal);
-        delay = Math.min(delay * 2, 5000);
-      }
-    }
+  function retrying<T>(what: string, fn: (attempt: number) => Promise<T>): Promise<T> {
+    return retryWithBackoff(fn, {
+      budgetMs,
+      isTransient,
+      ...(opts.signal === undefined ? {} : { signal: opts.signal }),
+      onRetry: (err, delay) => opts.onRetry?.(what, err, delay),
+    });
   }
 
   async function json<T>(method: string, path: string, what: string, body?: unknown): Promise<T> {
