@@ -25,11 +25,8 @@ import { CasCache } from "../crunch-run/cas-cache.ts";
 import { removeStagedTree, stageTree } from "../crunch-run/cas-stage.ts";
 import { createCasClient } from "../lib/cas/client.ts";
 import { formatDigest } from "../lib/cas/digest.ts";
-import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { formatSize, parseSize } from "../lib/units.ts";
-import { createRestServer } from "../rest-server/server.ts";
-import { createUser } from "../store/queries.ts";
-import { openTestDb } from "../test/db.ts";
+import { startBenchServer } from "./rest-server.ts";
 
 const { values } = parseArgs({
   options: {
@@ -72,23 +69,11 @@ console.log(
     .join(" ")}`,
 );
 
-const db = await openTestDb(values.db === "pg" ? "pg" : "pglite");
-const token = newUserToken();
-await createUser(db, {
-  uuid: newUserUuid("bench"),
-  name: "bench",
-  isAdmin: false,
-  tokenHash: hashToken(token),
-});
-const app = await createRestServer({
-  db,
-  logger: false,
-  clusterId: "bench",
-  maxRequestBodySize: 8 * 2 ** 20,
-  defaultMaxAttempts: 3,
+const { db, app, url, token } = await startBenchServer({
+  db: values.db === "pg" ? "pg" : "pglite",
   dataDir: path.join(work, "server"),
+  maxRequestBodySize: 8 * 2 ** 20,
 });
-const url = await app.listen({ host: "127.0.0.1", port: 0 });
 const client = createCasClient({ url, token });
 
 try {

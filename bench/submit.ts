@@ -18,11 +18,9 @@ import { parseArgs } from "node:util";
 import { pino } from "pino";
 import { createBundleQueue } from "../dispatcher/queue/queue.ts";
 import { systemClock } from "../lib/clock.ts";
-import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createBundleManager } from "../rest-server/bundle-manager.ts";
-import { createRestServer } from "../rest-server/server.ts";
-import { createUser } from "../store/queries.ts";
-import { openTestDb } from "../test/db.ts";
+import type { openTestDb } from "../test/db.ts";
+import { startBenchServer } from "./rest-server.ts";
 
 const { values } = parseArgs({
   options: {
@@ -67,28 +65,16 @@ async function cpuSoFar(
 /** The server side, in its own process so the clients' work is not counted against it. */
 async function serve(kind: "pg" | "pglite"): Promise<void> {
   const logger = pino({ level: "silent" });
-  const db = await openTestDb(kind);
   const dir = mkdtempSync(path.join(tmpdir(), "dc-bench-submit-"));
-  const token = newUserToken();
-  await createUser(db, {
-    uuid: newUserUuid("bench"),
-    name: "bench",
-    isAdmin: false,
-    tokenHash: hashToken(token),
-  });
-  const app = await createRestServer({
-    db,
-    logger: false,
-    clusterId: "bench",
-    maxRequestBodySize: 2 ** 20,
-    defaultMaxAttempts: 3,
+  const { db, app, url, token } = await startBenchServer({
+    db: kind,
     dataDir: dir,
+    maxRequestBodySize: 2 ** 20,
   });
   const manager = createBundleManager({ db, logger, pollInterval: 10_000, batchSize: 5000 });
   const queue = createBundleQueue({ db, clock: systemClock, logger, pollInterval: 1000 });
   await manager.start();
   await queue.start();
-  const url = await app.listen({ host: "127.0.0.1", port: 0 });
   const send = (m: ToParent) => process.send?.(m);
   process.on("message", async (m: string) => {
     if (m === "size") send({ size: queue.size, at: Date.now() });
