@@ -200,6 +200,23 @@ describe("the index", () => {
     expect(await cache.fetchManifest(reader, d)).toMatchObject({ blobsFetched: 0, blobsHit: 2 });
   });
 
+  it("keeps a blob's mtime (its last use after a rebuild) to within an hour, so a warm fetch writes none", async () => {
+    const clock = { t: Math.round(Date.now()) };
+    const cache = cacheWith({ clock });
+    const data = randomBytes(3000);
+    const d = storeTree({ a: data });
+    const p = cache.blobPath(digestBytes(data));
+    await cache.fetchManifest(reader, d);
+    const first = statSync(p).mtimeMs;
+    expect(Math.abs(first - clock.t)).toBeLessThan(60_000);
+    clock.t += 59 * 60_000; // used again within the hour: the index says so, the mtime is left
+    await cache.fetchManifest(reader, d);
+    expect(statSync(p).mtimeMs).toBe(first);
+    clock.t += 2 * 60_000; // more than an hour after the mtime's use: rewritten
+    await cache.fetchManifest(reader, d);
+    expect(Math.round(statSync(p).mtimeMs)).toBe(clock.t);
+  });
+
   it("breaks a lock left by a dead process", async () => {
     const cache = cacheWith();
     await cache.init();

@@ -17,6 +17,7 @@
  * wiped; their mtime is their last use). Downloads happen outside the lock; only index changes are inside it.
  */
 import { randomBytes } from "node:crypto";
+import { statSync, utimesSync } from "node:fs";
 import {
   chmod,
   mkdir,
@@ -28,18 +29,21 @@ import {
   stat,
   statfs,
   unlink,
-  utimes,
   writeFile,
 } from "node:fs/promises";
 import path from "node:path";
 import { batches, type CasClient, MAX_BATCH_BYTES, SMALL_BLOB } from "../lib/cas/client.ts";
 import { type Digest, digestBytes, formatDigest, isEmptyDigest, parseDigest } from "../lib/cas/digest.ts";
 import { type Manifest, manifestStats, parseManifest } from "../lib/cas/manifest.ts";
-import { eachLimited } from "../lib/cas/tree.ts";
+import { eachInSlices, eachLimited } from "../lib/cas/tree.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { parseLock, procStartTime, readLockText, removeDeadLock } from "./lock.ts";
 
 const GiB = 1024 ** 3;
+/** Synchronous file operations between two turns of the event loop (eachInSlices). */
+const SYNC_SLICE = 500;
+/** A blob's mtime is rewritten on use only when older than this (it only orders evictions after a rebuild). */
+const MTIME_RESOLUTION_MS = 3_600_000;
 
 export interface CacheLimits {
   /** Most bytes of blobs (default 50 GiB). */
@@ -81,8 +85,11 @@ export type CasReader = Pick<CasClient, "getManifest" | "batchRead" | "download"
 
 interface Index {
   version: 1;
-  /** hash -> [size, lastUsed (ms)] */
-  blobs: Record<string, [number, number]>;
+  /**
+   * hash -> [size, lastUsed (ms), mtime (ms): the last use written to the blob's mtime, for a rebuild]; indexes
+   * written before the third element existed lack it (the next use writes the mtime).
+   */
+  blobs: Record<string, [number, number, number?]>;
   /** manifest digest text -> lastUsed (ms) */
   manifests: Record<string, number>;
 }
@@ -174,13 +181,14 @@ export class CasCache {
 
   /** True when the blob is in the cache with its size (the empty blob always is). */
   async has(d: Digest): Promise<boolean> {
+    return this.hasSync(d);
+  }
+
+  /** has(), as one synchronous stat (fetchManifest asks it of every blob of a tree, in slices). */
+  private hasSync(d: Digest): boolean {
     if (isEmptyDigest(d)) return true;
-    try {
-      const st = await stat(this.blobPath(d));
-      return st.isFile() && st.size === d.size;
-    } catch {
-      return false;
-    }
+    const st = statSync(this.blobPath(d), { throwIfNoEntry: false });
+    return st?.isFile() === true && st.size === d.size;
   }
 
   // ---- the index and its lock ----
@@ -250,7 +258,7 @@ export class CasCache {
       for (const name of await readdir(path.join(top, sub)).catch(() => [] as string[])) {
         if (!HASH.test(name) || !name.startsWith(sub)) continue;
         const st = await stat(path.join(top, sub, name)).catch(() => null);
-        if (st?.isFile()) idx.blobs[name] = [st.size, st.mtimeMs];
+        if (st?.isFile()) idx.blobs[name] = [st.size, st.mtimeMs, st.mtimeMs];
       }
     }
     return idx;
@@ -365,18 +373,28 @@ export class CasCache {
   /** Adds blobs (and a held manifest) to the index, marks them used now, then evicts what the limits require. */
   private async record(used: Digest[], manifest?: Digest): Promise<void> {
     const now = this.now();
+    const stale: Digest[] = [];
     await this.update(async (idx) => {
       for (const d of used) {
         if (isEmptyDigest(d)) continue;
-        idx.blobs[d.hash] = [d.size, now];
+        const mtime = idx.blobs[d.hash]?.[2];
+        const write = mtime === undefined || mtime < now - MTIME_RESOLUTION_MS || mtime > now;
+        if (write) stale.push(d);
+        idx.blobs[d.hash] = [d.size, now, write ? now : mtime];
       }
       if (manifest !== undefined) idx.manifests[formatDigest(manifest)] = now;
       // What was just used stays, even unpinned: its caller is about to read it.
       await this.evictIn(idx, new Set(used.map((d) => d.hash)));
     });
-    // The mtime carries the last use through a rebuild of the index.
-    await eachLimited(used, 8, async (d) => {
-      if (!isEmptyDigest(d)) await utimes(this.blobPath(d), now / 1000, now / 1000).catch(() => {});
+    // The mtime carries the last use through a rebuild of the index, to within MTIME_RESOLUTION_MS: a blob used
+    // again sooner keeps its mtime (a warm tree of 10,000 blobs costs no 10,000 writes).
+    const t = now / 1000;
+    await eachInSlices(stale, SYNC_SLICE, (d) => {
+      try {
+        utimesSync(this.blobPath(d), t, t);
+      } catch {
+        // Evicted meanwhile by another process: nothing to mark.
+      }
     });
   }
 
@@ -473,8 +491,8 @@ export class CasCache {
       await this.pin(opts.pin.id, opts.pin.lockFile, [digest.hash, ...blobs.map((b) => b.hash)]);
     }
     const missing: Digest[] = [];
-    await eachLimited(blobs, 16, async (b) => {
-      if (!(await this.has(b))) missing.push(b);
+    await eachInSlices(blobs, SYNC_SLICE, (b) => {
+      if (!this.hasSync(b)) missing.push(b);
     });
     const small = missing.filter((b) => b.size <= SMALL_BLOB);
     const large = missing.filter((b) => b.size > SMALL_BLOB);

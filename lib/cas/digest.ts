@@ -17,6 +17,8 @@ export interface Digest {
 export const MAX_BLOB_SIZE = 2 ** 40;
 
 const HASH = /^[0-9a-f]{64}$/;
+/** A well-formed `<hash>/<size>` (the size still to be checked against MAX_BLOB_SIZE). */
+const DIGEST_TEXT = /^([0-9a-f]{64})\/(0|[1-9][0-9]{0,15})$/;
 
 export const EMPTY_DIGEST: Digest = {
   hash: "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
@@ -49,6 +51,12 @@ export function parseDigest(text: unknown, field = "digest"): Digest {
     throw new DispatchCloudError("cas.invalid_digest", `${field}: must be a string "<sha256 hex>/<size>"`, {
       path: field,
     });
+  }
+  // The common case in one test (find-missing parses 10,000 of them per request); a mismatch is explained below.
+  const m = DIGEST_TEXT.exec(text);
+  if (m !== null) {
+    const size = Number(m[2]);
+    if (size <= MAX_BLOB_SIZE) return { hash: m[1]!, size };
   }
   const slash = text.indexOf("/");
   if (slash < 0 || text.length > 64 + 1 + 16) {
