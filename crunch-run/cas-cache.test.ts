@@ -75,6 +75,9 @@ describe("fetchManifest", () => {
     const p = cache.blobPath(digestBytes(large));
     expect(readFileSync(p).equals(large)).toBe(true);
     expect(statSync(p).mode & 0o777).toBe(0o444);
+    const ps = cache.blobPath(digestBytes(small));
+    expect(readFileSync(ps).equals(small)).toBe(true);
+    expect(statSync(ps).mode & 0o777).toBe(0o444);
     expect(p).toMatch(new RegExp(`/blobs/${digestBytes(large).hash.slice(0, 2)}/[0-9a-f]{64}$`));
     const r2 = await cache.fetchManifest(reader, d);
     expect(r2).toMatchObject({ blobsHit: 2, blobsFetched: 0, bytesFetched: 0 });

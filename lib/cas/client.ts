@@ -9,7 +9,7 @@ import { createReadStream } from "node:fs";
 import { open, rm } from "node:fs/promises";
 import http from "node:http";
 import https from "node:https";
-import type { Readable } from "node:stream";
+import { type Readable, Writable } from "node:stream";
 import { pipeline } from "node:stream/promises";
 import { createGunzip, createGzip, gzipSync, constants as zlibConstants } from "node:zlib";
 import { DispatchCloudError, ERROR_CODES, type ErrorCode } from "../errors.ts";
@@ -409,13 +409,27 @@ export function createCasClient(opts: CasClientOptions): CasClient {
         if (enc === "gzip") body = res.pipe(createGunzip());
         else if (enc !== "identity") throw new Error(`${what}: unexpected Content-Encoding ${enc}`);
         res.on("error", (err) => body.destroy(err));
-        await pipeline(body, async (chunks: AsyncIterable<Buffer>) => {
-          for await (const c of chunks) {
-            if (b.size + c.length > digest.size) throw mismatch(`${what}: more bytes than the digest's size`);
-            await fh.write(c, 0, c.length, b.size);
-            b.update(c);
-          }
+        // Written, then hashed, at the offset reached: chunks that arrive while a write is under way go in the
+        // next write together (writev), so the socket is paused only when the disk falls behind. What was hashed
+        // was written, so a resume from b.size leaves no hole.
+        const sink = new Writable({
+          highWaterMark: 1024 * 1024,
+          writev(chunks, done) {
+            const buf = chunks.length === 1 ? chunks[0]!.chunk : Buffer.concat(chunks.map((c) => c.chunk));
+            if (b.size + buf.length > digest.size) {
+              done(mismatch(`${what}: more bytes than the digest's size`));
+              return;
+            }
+            fh.write(buf, 0, buf.length, b.size).then(
+              () => {
+                b.update(buf);
+                done();
+              },
+              (err: Error) => done(err),
+            );
+          },
         });
+        await pipeline(body, sink);
       });
       const got = b.digest();
       if (got.hash !== digest.hash || got.size !== digest.size) {
