@@ -15,6 +15,7 @@ import {
   type BundleEvent,
   type BundleState,
   FINAL_STATES,
+  type ImageStoreRef,
   type InputManifest,
   LOG_CHANNEL,
   type LogStream,
@@ -64,6 +65,9 @@ export interface BundleRow {
   /** The outputs' manifest digest and bytes (store/migrations/005_cas.sql). Optional as above. */
   output_manifest?: string | null;
   output_bytes?: string | number | null;
+  /** The pinned image reference and the store image (store/migrations/007_images.sql). Optional as above. */
+  image_pinned?: string | null;
+  image_store?: ImageStoreRef | null;
 }
 
 export function bundleFromRow(r: BundleRow): Bundle {
@@ -81,6 +85,8 @@ export function bundleFromRow(r: BundleRow): Bundle {
     b.outputManifest = r.output_manifest;
     b.outputBytes = Number(r.output_bytes ?? 0);
   }
+  if (r.image_pinned !== undefined && r.image_pinned !== null) b.imagePinned = r.image_pinned;
+  if (r.image_store !== undefined && r.image_store !== null) b.imageStore = r.image_store;
   return b;
 }
 
@@ -422,8 +428,9 @@ async function insertBundleRow(db: Db, uuid: string, b: NewBundle, initialState:
   const { rows } = await db.query<BundleRow>(
     `WITH b AS (
        INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
-         limits, dependencies, allow_failed_dependencies, max_attempts, state)
-       VALUES ($1, $2, $3, $4::jsonb, $5, $6::jsonb, $7::jsonb, $8, $9, $10::jsonb, $11::jsonb, $12, $13, $14)
+         limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store)
+       VALUES ($1, $2, $3, $4::jsonb, $5, $6::jsonb, $7::jsonb, $8, $9, $10::jsonb, $11::jsonb, $12, $13, $14,
+         $17, $18::jsonb)
        RETURNING *
      ), d AS (
        INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
@@ -453,6 +460,8 @@ async function insertBundleRow(db: Db, uuid: string, b: NewBundle, initialState:
       initialState,
       `user:${b.ownerUuid}`,
       BUNDLE_CHANNEL,
+      b.imagePinned ?? null,
+      b.imageStore == null ? null : JSON.stringify(b.imageStore),
     ],
   );
   return bundleFromRow(rows[0]!);
@@ -564,16 +573,20 @@ export async function insertBundleRows(
     dependencies: b.dependencies,
     allow_failed_dependencies: b.allowFailedDependencies,
     max_attempts: b.maxAttempts,
+    image_pinned: b.imagePinned ?? null,
+    image_store: b.imageStore ?? null,
   }));
   const { rows: inserted } = await db.query<BundleRow>(
     `WITH b AS (
        INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
-         limits, dependencies, allow_failed_dependencies, max_attempts, state)
+         limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store)
        SELECT r.uuid, r.owner_uuid, r.name, r.command, r.image, r.env, r.resources, r.preemptible, r.priority,
-         r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, 'created'
+         r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, 'created', r.image_pinned,
+         CASE WHEN jsonb_typeof(r.image_store) = 'object' THEN r.image_store END
        FROM jsonb_to_recordset($1::jsonb) AS r(uuid text, owner_uuid text, name text, command jsonb,
          image text, env jsonb, resources jsonb, preemptible boolean, priority int, limits jsonb,
-         dependencies jsonb, allow_failed_dependencies boolean, max_attempts int)
+         dependencies jsonb, allow_failed_dependencies boolean, max_attempts int, image_pinned text,
+         image_store jsonb)
        RETURNING *
      ), d AS (
        INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)

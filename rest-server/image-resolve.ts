@@ -1,0 +1,90 @@
+/**
+ * Submit-time resolution of a bundle's image (docs/images.md "Pinning"): a chain of resolvers is asked in order
+ * (our store first, then registries) and the first answer is stored on the bundle, so every attempt runs the
+ * same image. No answer leaves the reference unpinned (run as given: an image already on the instance, or a
+ * pull of the name); that is not an error.
+ */
+import type { Db } from "../store/db.ts";
+import { findImage } from "../store/image-queries.ts";
+import type { ImageStoreRef, NewBundle } from "../store/types.ts";
+
+/** `sha256:` and 64 lowercase hex digits: an image id (the config's digest). */
+export const IMAGE_ID_PATTERN = "^sha256:[0-9a-f]{64}$";
+/**
+ * A name `docker tag` accepts: an optional registry host[:port]/, a lowercase repository path, an optional :tag.
+ * (Digests are not names: an image in the store is named by its id instead.)
+ */
+export const IMAGE_NAME_PATTERN =
+  "^(?:[a-z0-9][a-z0-9.-]*(?::[0-9]{1,5})?/)?[a-z0-9][a-z0-9._/-]{0,199}(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$";
+const IMAGE_NAME = new RegExp(IMAGE_NAME_PATTERN);
+const IMAGE_ID = new RegExp(IMAGE_ID_PATTERN);
+
+/**
+ * The name as stored: with its tag (`:latest` when it has none), as docker reads it, so `busybox` and
+ * `busybox:latest` are one image. Null when it is not a name.
+ */
+export function normalizeImageName(name: string): string | null {
+  if (name.startsWith("sha256:") || name.length > 255 || !IMAGE_NAME.test(name)) return null;
+  const last = name.slice(name.lastIndexOf("/") + 1);
+  return last.includes(":") ? name : `${name}:latest`;
+}
+
+export interface ImageResolution {
+  /** The immutable reference to run: `sha256:<image id hex>` (our store) or `repo@sha256:<hex>` (a registry). */
+  pinned: string;
+  /** The image is in our store: its tree's manifest, image id and bytes; null otherwise. */
+  store: ImageStoreRef | null;
+}
+
+/** One way to resolve a reference for its owner; null: not this resolver's to answer. */
+export type ImageResolver = (ref: string, ownerUuid: string) => Promise<ImageResolution | null>;
+
+/** The store resolver: the owner's image named `ref`, by name or by `sha256:` image id. */
+export function storeImageResolver(db: Db): ImageResolver {
+  return async (ref, ownerUuid) => {
+    const key = IMAGE_ID.test(ref) ? ref : normalizeImageName(ref);
+    if (key === null) return null;
+    const img = await findImage(db, ownerUuid, key);
+    if (img === null) return null;
+    return { pinned: img.imageId, store: { manifest: img.manifest, imageId: img.imageId, bytes: img.bytes } };
+  };
+}
+
+/** The first answer of the chain, or null. */
+export async function resolveImage(
+  chain: readonly ImageResolver[],
+  ref: string,
+  ownerUuid: string,
+): Promise<ImageResolution | null> {
+  for (const resolve of chain) {
+    const r = await resolve(ref, ownerUuid);
+    if (r !== null) return r;
+  }
+  return null;
+}
+
+/**
+ * The bundles with their images resolved (each distinct image once), ready to insert: `imagePinned` and
+ * `imageStore` set where the chain answered. A bundle without an image (an upload) is left as it is.
+ */
+export async function pinImages<T extends NewBundle>(
+  chain: readonly ImageResolver[],
+  bundles: readonly T[],
+): Promise<T[]> {
+  if (chain.length === 0) return [...bundles];
+  const answers = new Map<string, Promise<ImageResolution | null>>();
+  const resolved = await Promise.all(
+    bundles.map(async (b) => {
+      if (b.image === "") return b;
+      const key = `${b.ownerUuid}\u0000${b.image}`;
+      let answer = answers.get(key);
+      if (answer === undefined) {
+        answer = resolveImage(chain, b.image, b.ownerUuid);
+        answers.set(key, answer);
+      }
+      const r = await answer;
+      return r === null ? b : { ...b, imagePinned: r.pinned, imageStore: r.store };
+    }),
+  );
+  return resolved;
+}
