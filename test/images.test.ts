@@ -236,6 +236,12 @@ describeEachDb("images in the store", (getDb) => {
     expect(got.body.imagePinned).toBe(img.imageId);
 
     const { spec, token } = await runnerSpec(coalesced.uuid);
+    // Staged, its image's tree counts among its inputs for the scheduler's locality, with the tree's bytes.
+    const staged = await getDb().query<{ input_manifests: unknown }>(
+      "SELECT input_manifests FROM bundles WHERE uuid = $1",
+      [coalesced.uuid],
+    );
+    expect(staged.rows[0]!.input_manifests).toEqual([{ digest: img.manifest, bytes: img.view.bytes }]);
     expect(spec).toMatchObject({ image: "pin/me:1", imagePinned: img.imageId, imageStore: store });
     const registry = await runnerSpec(batch.body.items[1].uuid);
     expect(registry.spec).toMatchObject({
