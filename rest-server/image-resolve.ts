@@ -63,28 +63,31 @@ export async function resolveImage(
   return null;
 }
 
+/** Distinct references resolved at once by pinImages (a batch of 10,000 bundles may name many images). */
+const RESOLVE_CONCURRENCY = 8;
+
 /**
- * The bundles with their images resolved (each distinct image once), ready to insert: `imagePinned` and
- * `imageStore` set where the chain answered. A bundle without an image (an upload) is left as it is.
+ * The bundles with their images resolved (each distinct image once, a few at a time), ready to insert:
+ * `imagePinned` and `imageStore` set where the chain answered. A bundle without an image (an upload) is left as it is.
  */
 export async function pinImages<T extends NewBundle>(
   chain: readonly ImageResolver[],
   bundles: readonly T[],
 ): Promise<T[]> {
   if (chain.length === 0) return [...bundles];
-  const answers = new Map<string, Promise<ImageResolution | null>>();
-  const resolved = await Promise.all(
-    bundles.map(async (b) => {
-      if (b.image === "") return b;
-      const key = `${b.ownerUuid}\u0000${b.image}`;
-      let answer = answers.get(key);
-      if (answer === undefined) {
-        answer = resolveImage(chain, b.image, b.ownerUuid);
-        answers.set(key, answer);
-      }
-      const r = await answer;
-      return r === null ? b : { ...b, imagePinned: r.pinned, imageStore: r.store };
-    }),
-  );
-  return resolved;
+  const key = (b: NewBundle) => `${b.ownerUuid}\u0000${b.image}`;
+  const distinct = [...new Map(bundles.filter((b) => b.image !== "").map((b) => [key(b), b])).values()];
+  const answers = new Map<string, ImageResolution | null>();
+  let next = 0;
+  const worker = async () => {
+    while (next < distinct.length) {
+      const b = distinct[next++]!;
+      answers.set(key(b), await resolveImage(chain, b.image, b.ownerUuid));
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(RESOLVE_CONCURRENCY, distinct.length) }, worker));
+  return bundles.map((b) => {
+    const r = b.image === "" ? null : (answers.get(key(b)) ?? null);
+    return r === null ? b : { ...b, imagePinned: r.pinned, imageStore: r.store };
+  });
 }
