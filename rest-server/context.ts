@@ -42,6 +42,9 @@ export interface RouteContext {
   storedOutputs: StoredOutputs;
   /** The store's metrics (runners report their staging figures at finish); null without a registry. */
   casMetrics: CasMetrics | null;
-  /** Submit-time image resolution, tried in order (our store first, then registries); image-resolve.ts. */
+  /**
+   * Submit-time image resolution, tried in order (our store first, then registries; image-resolve.ts). Empty when
+   * no registry resolver is configured: the insert statements resolve images in the store on their own.
+   */
   imageResolvers: ImageResolver[];
 }

@@ -4,30 +4,13 @@
  * same image. No answer leaves the reference unpinned (run as given: an image already on the instance, or a
  * pull of the name); that is not an error.
  */
+
+import { imageKey } from "../lib/image-names.ts";
 import type { Db } from "../store/db.ts";
 import { findImage } from "../store/image-queries.ts";
 import type { ImageStoreRef, NewBundle } from "../store/types.ts";
 
-/** `sha256:` and 64 lowercase hex digits: an image id (the config's digest). */
-export const IMAGE_ID_PATTERN = "^sha256:[0-9a-f]{64}$";
-/**
- * A name `docker tag` accepts: an optional registry host[:port]/, a lowercase repository path, an optional :tag.
- * (Digests are not names: an image in the store is named by its id instead.)
- */
-export const IMAGE_NAME_PATTERN =
-  "^(?:[a-z0-9][a-z0-9.-]*(?::[0-9]{1,5})?/)?[a-z0-9][a-z0-9._/-]{0,199}(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$";
-const IMAGE_NAME = new RegExp(IMAGE_NAME_PATTERN);
-const IMAGE_ID = new RegExp(IMAGE_ID_PATTERN);
-
-/**
- * The name as stored: with its tag (`:latest` when it has none), as docker reads it, so `busybox` and
- * `busybox:latest` are one image. Null when it is not a name.
- */
-export function normalizeImageName(name: string): string | null {
-  if (name.startsWith("sha256:") || name.length > 255 || !IMAGE_NAME.test(name)) return null;
-  const last = name.slice(name.lastIndexOf("/") + 1);
-  return last.includes(":") ? name : `${name}:latest`;
-}
+export { IMAGE_ID_PATTERN, IMAGE_NAME_PATTERN, normalizeImageName } from "../lib/image-names.ts";
 
 export interface ImageResolution {
   /** The immutable reference to run: `sha256:<image id hex>` (our store) or `repo@sha256:<hex>` (a registry). */
@@ -42,7 +25,7 @@ export type ImageResolver = (ref: string, ownerUuid: string) => Promise<ImageRes
 /** The store resolver: the owner's image named `ref`, by name or by `sha256:` image id. */
 export function storeImageResolver(db: Db): ImageResolver {
   return async (ref, ownerUuid) => {
-    const key = IMAGE_ID.test(ref) ? ref : normalizeImageName(ref);
+    const key = imageKey(ref);
     if (key === null) return null;
     const img = await findImage(db, ownerUuid, key);
     if (img === null) return null;

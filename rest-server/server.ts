@@ -155,7 +155,12 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     casBackend: null,
     storedOutputs: createStoredOutputs(() => ctx.casBackend),
     casMetrics: null,
-    imageResolvers: [storeImageResolver(opts.db), ...(opts.imageResolvers ?? [])],
+    // The insert statements themselves pin an image of the owner's in the store (no extra query per submission);
+    // with other resolvers, the store is asked first here too, so a registry is never asked about a store image.
+    imageResolvers:
+      (opts.imageResolvers ?? []).length === 0
+        ? []
+        : [storeImageResolver(opts.db), ...(opts.imageResolvers ?? [])],
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,

@@ -261,6 +261,47 @@ describeEachDb("images in the store", (getDb) => {
     expect(spec2.body).toMatchObject({ attempt: 2, imagePinned: img.imageId, imageStore: store });
   });
 
+  it("without registry resolvers, the insert statements pin store images themselves, on every path", async () => {
+    const plain = await createRestServer({
+      db: getDb(),
+      logger: false,
+      clusterId: CLUSTER,
+      maxRequestBodySize: 64 * 1024,
+      defaultMaxAttempts: 3,
+      dataDir: join(dataDir, "plain"),
+      clock: { now: () => nowMs },
+    });
+    try {
+      const p = injectClient(plain);
+      const img = await push(alice.token, "sql/pin");
+      const one = await p("POST", "/api/v1/bundles", alice.token, { command: ["true"], image: "sql/pin" });
+      expect(one.body.imagePinned, JSON.stringify(one.body)).toBe(img.imageId);
+      const withDep = await p("POST", "/api/v1/bundles", alice.token, {
+        command: ["true"],
+        image: img.imageId,
+        dependencies: [{ bundle: one.body.uuid }],
+      });
+      expect(withDep.body.imagePinned).toBe(img.imageId);
+      const batch = await p("POST", "/api/v1/bundles/batch", alice.token, {
+        items: [
+          { command: ["true"], image: "sql/pin:latest" },
+          { command: ["true"], image: "reg.test/tool:2" },
+        ],
+      });
+      expect(batch.body.items.map((b: Json) => b.imagePinned)).toEqual([img.imageId, null]);
+      const bobs = await p("POST", "/api/v1/bundles", bob.token, { command: ["true"], image: "sql/pin" });
+      expect(bobs.body.imagePinned).toBe(null);
+      const { spec } = await runnerSpec(one.body.uuid);
+      expect(spec.imageStore).toEqual({
+        manifest: img.manifest,
+        imageId: img.imageId,
+        bytes: img.view.bytes,
+      });
+    } finally {
+      await plain.close();
+    }
+  });
+
   it("lets the owner's runners read the image's blobs, even after the owner removed the image", async () => {
     const img = await push(alice.token, "read/me:1");
     const layer = Object.entries(img.files).find(([p]) => p.endsWith("layer.tar"))![1];
