@@ -11,6 +11,7 @@ import { join } from "node:path";
 import { createCasClient, type UploadProgress } from "../../lib/cas/client.ts";
 import { formatDigest } from "../../lib/cas/digest.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
+import { normalizeImageName } from "../../lib/image-names.ts";
 import { extractTar } from "../../lib/tar.ts";
 import { formatSize } from "../../lib/units.ts";
 import { CLIENT_OPTIONS, parse } from "../args.ts";
@@ -107,6 +108,12 @@ async function push(io: CliIo): Promise<number> {
   const name = values.name ?? image;
   if (/^(sha256:)?[0-9a-f]{12,64}$/.test(name)) {
     throw usageError(`${image} is an image id, not a name: give the name to register it under with --name`);
+  }
+  // Checked before anything is saved or sent (the server checks again).
+  if (normalizeImageName(name) === null) {
+    throw usageError(
+      `${JSON.stringify(name)} is not an image name (repo[:tag], lowercase repository, optional registry host); give one with --name`,
+    );
   }
   const apiUrl = values["api-url"] ?? io.env["DISPATCH_CLOUD_API_URL"] ?? DEFAULT_API_URL;
   const token = await findToken(io, {
