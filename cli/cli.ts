@@ -2,6 +2,7 @@ import { runConfigCheck, runConfigDefaults } from "../config/check.ts";
 import { bundlesCommand } from "./commands/bundles.ts";
 import { cloudtestCommand } from "./commands/cloudtest.ts";
 import { dispatcherCommand } from "./commands/dispatcher.ts";
+import { imagesCommand } from "./commands/images.ts";
 import { instanceCommand } from "./commands/instance.ts";
 import { queueCommand } from "./commands/queue.ts";
 import { migrateCommand, serveCommand } from "./commands/serve.ts";
@@ -31,6 +32,7 @@ users and bundles (clients of the REST server: --api-url URL, token from DISPATC
   submit [FILE] [flags] -- CMD  submit a bundle; --wait follows it until it is final
   bundles list|show|kill|events
   upload DIR [--name N]         a directory into the content-addressed store, as a ready bundle to depend on
+  images push|list|rm           container images in the content-addressed store (docker save; no registry)
 operators (clients of the management API: --management-url URL, default http://127.0.0.1:8901; token from
 DISPATCH_CLOUD_MANAGEMENT_TOKEN, --token-file F, or <data dir>/management-token):
   instance list [--header]      every instance as the dispatcher sees it
@@ -58,6 +60,7 @@ export const COMMANDS: Record<string, Command> = {
   submit: submitCommand,
   bundles: bundlesCommand,
   upload: uploadCommand,
+  images: imagesCommand,
   instance: instanceCommand,
   queue: queueCommand,
 };

@@ -83,6 +83,13 @@ export interface RunnerSpec {
   attempt: number;
   command: string[];
   image: string;
+  /**
+   * The immutable reference pinned at submit time (docs/images.md "Pinning"): `repo@sha256:<hex>` for a registry
+   * image, `sha256:<image id hex>` for an image in our store; null/absent: run `image` as given.
+   */
+  imagePinned?: string | null;
+  /** The image is in our store: its unpacked `docker save` tree's manifest, its id and the tree's bytes. */
+  imageStore?: { manifest: string; imageId: string; bytes: number } | null;
   env: Record<string, string>;
   resources: {
     vcpus: number;

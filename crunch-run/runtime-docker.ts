@@ -26,6 +26,7 @@ import {
   type ContainerRuntime,
   classifyStartFailure,
   containerEnv,
+  type PrepareContext,
   type RunningContainer,
   runtimeFailed,
 } from "./runtime.ts";
@@ -95,7 +96,8 @@ export function containerCreateBody(config: ContainerConfig, user: { uid: number
     }
   }
   return {
-    Image: spec.image,
+    // An image from our store runs by the id it was pinned to; anything else by the name the bundle gave.
+    Image: spec.imageStore?.imageId ?? spec.image,
     Cmd: spec.command,
     Env: Object.entries(env).map(([k, v]) => `${k}=${v}`),
     User: `${user.uid}:${user.gid}`,
@@ -116,13 +118,23 @@ export function createDockerRuntime(docker: DockerClient): ContainerRuntime {
   return {
     name: "docker",
     warnings: [],
-    async prepare(spec: RunnerSpec) {
+    async prepare(spec: RunnerSpec, ctx: PrepareContext) {
       const image = spec.image;
-      const inspect = async () => {
-        const res = await docker.call("GET", `/images/${encodeURIComponent(image)}/json`);
+      const inspect = async (ref = image) => {
+        const res = await docker.call("GET", `/images/${encodeURIComponent(ref)}/json`);
         if (res.status >= 500) throw brokenDaemon("image inspect", new Error(res.body.toString("utf8")));
         return res.status === 200;
       };
+      // An image in our store (docs/images.md "Resolution order"): on the daemon by its id, else loaded from the
+      // store; the container runs it by id (containerCreateBody), so a tag moved meanwhile changes nothing.
+      const store = spec.imageStore ?? null;
+      if (store !== null) {
+        if (await inspect(store.imageId)) return;
+        if (ctx.loadFromStore !== undefined) {
+          await ctx.loadFromStore(store);
+          if (await inspect(store.imageId)) return;
+        }
+      }
       if (await inspect()) return;
       const { fromImage, tag } = splitImageRef(image);
       const res = await docker.call(

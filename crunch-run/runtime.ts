@@ -51,12 +51,32 @@ export interface RunningContainer {
   remove(): Promise<void>;
 }
 
+/** A registry's credentials for one pull (the start document's registryAuth; never logged). */
+export interface RegistryAuth {
+  server: string;
+  username: string;
+  password: string;
+}
+
+/** What prepare may use besides the spec. */
+export interface PrepareContext {
+  /** A line for the bundle's log (and the supervisor's). */
+  say(line: string): void;
+  registryAuth: RegistryAuth[];
+  signal: AbortSignal;
+  /** Loads the spec's imageStore image from the content-addressed store into the daemon (image-store.ts). */
+  loadFromStore?: (store: NonNullable<RunnerSpec["imageStore"]>) => Promise<void>;
+}
+
 export interface ContainerRuntime {
   readonly name: "docker" | "process";
   /** Sentences for the bundle's stderr before the run (the process runtime's NO ISOLATION warning). */
   readonly warnings: string[];
-  /** Makes sure the image is there (docker: inspect, else pull); throws crunchrun.image_missing. */
-  prepare(spec: RunnerSpec): Promise<void>;
+  /**
+   * Makes sure the image is there (docker: on the daemon, else loaded from our store, else pulled; docs/images.md
+   * "Resolution order"); throws crunchrun.image_missing.
+   */
+  prepare(spec: RunnerSpec, ctx: PrepareContext): Promise<void>;
   start(config: ContainerConfig): Promise<RunningContainer>;
 }
 

@@ -53,6 +53,7 @@ import { createSpotNoticeClient } from "./azure-events.ts";
 import { CasCache } from "./cas-cache.ts";
 import { removeStagedTree, stageTree } from "./cas-stage.ts";
 import { createDockerClient, DockerApiError } from "./docker-api.ts";
+import { createStoreImageLoader } from "./image-store.ts";
 import { imdsEndpoint, type SpotNotice, type SpotPoller, startSpotPoller } from "./imds.ts";
 import { parseLock, readLockText, releaseLock, replaceLock } from "./lock.ts";
 import { LogStream } from "./log-stream.ts";
@@ -188,6 +189,15 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
   });
   const pinId = `${doc.uuid}-${doc.attempt}`;
   let cache = null as CasCache | null;
+  /** The instance's cache, opened on first use (dependencies staged by manifest, images from the store). */
+  const openCache = async (): Promise<CasCache> => {
+    if (cache === null) {
+      const c = new CasCache(paths.casCacheDir);
+      await c.init();
+      cache = c;
+    }
+    return cache;
+  };
 
   try {
     try {
@@ -254,16 +264,12 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       ms: number;
     }> => {
       const t0 = performance.now();
-      if (cache === null) {
-        const c = new CasCache(paths.casCacheDir);
-        await c.init();
-        cache = c;
-      }
-      const fetched = await cache.fetchManifest(cas, digest, { pin: { id: pinId, lockFile: lock } });
+      const c = await openCache();
+      const fetched = await c.fetchManifest(cas, digest, { pin: { id: pinId, lockFile: lock } });
       const part = subManifest(fetched.manifest, dep.subpath);
       if (part === null) throw new Error(`the dependency's outputs have no ${JSON.stringify(dep.subpath)}`);
       await removeStagedTree(target);
-      const r = await stageTree(cache, part, target);
+      const r = await stageTree(c, part, target);
       const ms = Math.round(performance.now() - t0);
       staging.ms += ms;
       staging.blobsHit += fetched.blobsHit;
@@ -508,7 +514,34 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         stderr.write(`[crunch-run] WARNING: ${w}\n`);
       }
       try {
-        await runtime.prepare(spec);
+        await runtime.prepare(spec, {
+          say,
+          registryAuth: [],
+          signal: abort.signal,
+          // An image in our store is loaded from the instance's cache (fetched into it first) when Docker lacks it.
+          ...(runtime.name === "docker" && spec.imageStore != null
+            ? {
+                loadFromStore: createStoreImageLoader({
+                  cache: openCache,
+                  cas,
+                  docker: createDockerClient(env),
+                  pin: { id: pinId, lockFile: lock },
+                  lockDir: paths.lockDir,
+                  image: spec.image,
+                  say,
+                  signal: abort.signal,
+                  onLoaded: (r) => {
+                    if (r.fetch === null) return;
+                    staging.ms += r.ms;
+                    staging.blobsHit += r.fetch.blobsHit;
+                    staging.blobsFetched += r.fetch.blobsFetched;
+                    staging.bytesFetched += r.fetch.bytesFetched;
+                    staging.manifests++;
+                  },
+                }),
+              }
+            : {}),
+        });
         if (stopping()) return 1;
         container = await runtime.start({
           uuid: doc.uuid,
@@ -522,6 +555,11 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         });
         clearRuntimeFailures(paths);
       } catch (err) {
+        if (stopping()) return 1;
+        if (isNotOurs(err)) {
+          markLost(err);
+          return 1;
+        }
         if (
           err instanceof DispatchCloudError &&
           (err.code === "crunchrun.image_missing" || err.code === "crunchrun.command_unusable")

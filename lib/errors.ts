@@ -169,6 +169,29 @@ export const ERROR_CODES = {
     description:
       "A runner's finish names an outputManifest that is not a manifest stored and readable by the bundle's owner; upload it first.",
   },
+  "images.invalid_name": {
+    status: 400,
+    description:
+      "An image name is not a usable reference: 1-255 characters of a-z 0-9 . _ - / : starting with a letter or digit, not `sha256:` (that prefix names an image id).",
+  },
+  "images.invalid_image_id": {
+    status: 400,
+    description: "An image id is not `sha256:` followed by 64 lowercase hex digits.",
+  },
+  "images.unknown_manifest": {
+    status: 400,
+    description:
+      "The image's manifest is not a manifest in the content-addressed store that the caller may read; upload the image's tree first.",
+  },
+  "images.config_missing": {
+    status: 400,
+    description:
+      "The image's tree holds no file whose bytes hash to the image id (its config), and no manifest.json: it is not the unpacked `docker save` of that image.",
+  },
+  "images.not_found": {
+    status: 404,
+    description: "The caller has no image of that name or id in the store.",
+  },
   "output.not_found": {
     status: 404,
     description: "The bundle's outputs have no file or directory at that path.",
@@ -318,6 +341,11 @@ export const ERROR_CODES = {
     description: "The CLI found no API token (flag, environment or token file).",
   },
   "cli.unreachable": { status: 503, description: "The CLI could not reach the REST server." },
+  "cli.docker_save_failed": {
+    status: 400,
+    description:
+      "`images push` could not save the image with `docker save` (no docker command, no such image, or not a docker save archive); the message has docker's words.",
+  },
 } as const satisfies Record<string, { status: number; description: string }>;
 
 export type ErrorCode = keyof typeof ERROR_CODES;

@@ -8,6 +8,7 @@ import type { BundleMinimums } from "./bundle-request.ts";
 import type { BlobBackend } from "./cas/backend.ts";
 import type { CasMetrics } from "./cas/metrics.ts";
 import type { StoredOutputs } from "./cas/stored-outputs.ts";
+import type { ImageResolver } from "./image-resolve.ts";
 import type { LogNotifier } from "./logs.ts";
 import type { OutputStore } from "./outputs.ts";
 import type { SubmitLimits } from "./quotas.ts";
@@ -41,4 +42,9 @@ export interface RouteContext {
   storedOutputs: StoredOutputs;
   /** The store's metrics (runners report their staging figures at finish); null without a registry. */
   casMetrics: CasMetrics | null;
+  /**
+   * Submit-time image resolution, tried in order (our store first, then registries; image-resolve.ts). Empty when
+   * no registry resolver is configured: the insert statements resolve images in the store on their own.
+   */
+  imageResolvers: ImageResolver[];
 }

@@ -6,6 +6,7 @@ import { ErrorResponse, errors, type Json, json, plain, query, ref } from "../li
 import { VERSION } from "../lib/version.ts";
 import { BundleRequest, MAX_BATCH_ITEMS } from "./bundle-request.ts";
 import { BatchReadRequest, BatchUploadRequest, FindMissingRequest } from "./cas/routes.ts";
+import { ImageRequest } from "./images-routes.ts";
 import { TokenRequest } from "./routes-tokens.ts";
 import { KillRequest, UploadRequest, UserRequest } from "./routes-users.ts";
 
@@ -37,6 +38,19 @@ const TOKEN_VIEW: Json = {
   ],
 };
 
+/** An image in the store as the users' API shows it (rest-server/images-routes.ts). */
+const IMAGE_VIEW: Json = {
+  type: "object",
+  properties: {
+    name: { type: "string" },
+    imageId: { type: "string", pattern: "^sha256:[0-9a-f]{64}$" },
+    manifest: { type: "string", description: "The tree's manifest digest, <sha256 hex>/<size>." },
+    bytes: { type: "integer", description: "The tree's file bytes." },
+    createdAt: { type: "string", format: "date-time" },
+  },
+  required: ["name", "imageId", "manifest", "bytes", "createdAt"],
+};
+
 /** The users' API (rest-server/routes-users.ts); request bodies are the schemas the routes validate with. */
 export function usersApiDocument(): Json {
   const uuid: Json = { name: "uuid", in: "path", required: true, schema: { type: "string" } };
@@ -48,6 +62,14 @@ export function usersApiDocument(): Json {
   const common = ["auth.missing_token", "auth.invalid_token"] as const;
   const ownBundle = [...common, "request.invalid_param", "bundle.not_found"] as const;
   const casCommon = [...common, "cas.invalid_digest"] as const;
+  const imageRef: Json = {
+    name: "ref",
+    in: "path",
+    required: true,
+    description:
+      "An image name, percent-encoded (`/` as %2F; `:latest` when it has no tag), or `sha256:<image id>`.",
+    schema: { type: "string" },
+  };
   const digestParams: Json[] = [
     { name: "hash", in: "path", required: true, schema: { type: "string", pattern: "^[0-9a-f]{64}$" } },
     { name: "size", in: "path", required: true, schema: { type: "integer", minimum: 0 } },
@@ -387,6 +409,64 @@ export function usersApiDocument(): Json {
           },
         },
       },
+      "/api/v1/images": {
+        post: {
+          operationId: "registerImage",
+          description:
+            "Registers an image whose unpacked `docker save` tree the caller uploaded to the store (docs/images.md); a second registration of a name replaces what it named (`replaced`).",
+          requestBody: body("ImageRequest"),
+          responses: {
+            "201": json(
+              { allOf: [ref("Image"), { type: "object", properties: { replaced: { type: "boolean" } } }] },
+              "The image as registered.",
+            ),
+            ...errors([
+              ...common,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "cas.invalid_digest",
+              "images.invalid_name",
+              "images.invalid_image_id",
+              "images.unknown_manifest",
+              "images.config_missing",
+            ]),
+          },
+        },
+        get: {
+          operationId: "listImages",
+          responses: {
+            "200": json(
+              { type: "object", properties: { items: { type: "array", items: ref("Image") } } },
+              "The caller's images, by name.",
+            ),
+            ...errors(common),
+          },
+        },
+      },
+      "/api/v1/images/{ref}": {
+        get: {
+          operationId: "getImage",
+          parameters: [imageRef],
+          responses: {
+            "200": json(ref("Image"), "The image."),
+            ...errors([...common, "images.invalid_name", "images.not_found"]),
+          },
+        },
+        delete: {
+          operationId: "deleteImage",
+          description:
+            "Removes the name (by id: every name of that image). Bundles already pinned to it still run it.",
+          parameters: [imageRef],
+          responses: {
+            "200": json(
+              { type: "object", properties: { removed: { type: "array", items: ref("Image") } } },
+              "What was removed.",
+            ),
+            ...errors([...common, "images.invalid_name", "images.not_found"]),
+          },
+        },
+      },
       "/api/v1/users/current": {
         get: {
           operationId: "currentUser",
@@ -423,6 +503,8 @@ export function usersApiDocument(): Json {
         CasFindMissingRequest: plain(FindMissingRequest),
         CasBatchUploadRequest: plain(BatchUploadRequest),
         CasBatchReadRequest: plain(BatchReadRequest),
+        ImageRequest: plain(ImageRequest),
+        Image: IMAGE_VIEW,
         Token: TOKEN_VIEW,
         TokenWithSecret: {
           allOf: [

@@ -141,6 +141,9 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       attempt: b.attempt,
       command: b.command,
       image: b.image,
+      // Pinned at submit time (docs/images.md): every attempt runs the same image; imageStore when it is ours.
+      imagePinned: b.imagePinned ?? null,
+      imageStore: b.imageStore ?? null,
       env: b.env,
       resources: b.resources,
       limits: b.limits,

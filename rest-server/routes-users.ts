@@ -22,6 +22,7 @@ import { callerOf, requireAdmin, userAuthHook } from "./auth.ts";
 import { parseBatchRequest, parseBundleRequest } from "./bundle-request.ts";
 import { readManifestStats } from "./cas/routes.ts";
 import type { RouteContext } from "./context.ts";
+import { pinImages } from "./image-resolve.ts";
 import { logReadable, parseLogQuery } from "./logs.ts";
 import { parseOutputPath } from "./outputs.ts";
 import { encodeOutputCursor, parseOutputListQuery } from "./outputs-listing.ts";
@@ -148,12 +149,11 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
 
   app.post("/api/v1/bundles", { onRequest }, async (request, reply) => {
     const caller = callerOf(request);
-    const newBundle = parseBundleRequest(
-      request.body,
-      caller.uuid,
-      ctx.defaultMaxAttempts,
-      ctx.bundleMinimums,
-    );
+    // The image pinned now (our store, then registries: image-resolve.ts), so every attempt runs the same one.
+    const [newBundle] = await pinImages(ctx.imageResolvers, [
+      parseBundleRequest(request.body, caller.uuid, ctx.defaultMaxAttempts, ctx.bundleMinimums),
+    ]);
+    if (newBundle === undefined) throw new Error("pinImages lost the bundle");
     const uuid = newBundleUuid(ctx.clusterId);
     // Without dependencies or limits to check, the insert joins the submissions around it in one statement.
     const grouped = newBundle.dependencies.length === 0 && !limitsApply(caller, ctx.submitLimits);
@@ -207,11 +207,9 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
     { onRequest, bodyLimit: ctx.maxBatchBodySize },
     async (request, reply) => {
       const caller = callerOf(request);
-      const bundles = parseBatchRequest(
-        request.body,
-        caller.uuid,
-        ctx.defaultMaxAttempts,
-        ctx.bundleMinimums,
+      const bundles = await pinImages(
+        ctx.imageResolvers,
+        parseBatchRequest(request.body, caller.uuid, ctx.defaultMaxAttempts, ctx.bundleMinimums),
       );
       const items = bundles.map((bundle) => ({ uuid: newBundleUuid(ctx.clusterId), bundle }));
       const result = await insertWithinLimits(db, {

@@ -39,6 +39,8 @@ import { createCasMetrics } from "./cas/metrics.ts";
 import { registerCasRoutes } from "./cas/routes.ts";
 import { createStoredOutputs } from "./cas/stored-outputs.ts";
 import type { RouteContext } from "./context.ts";
+import { type ImageResolver, storeImageResolver } from "./image-resolve.ts";
+import { registerImageRoutes } from "./images-routes.ts";
 import { createLogNotifier } from "./logs.ts";
 import { usersApiDocument } from "./openapi.ts";
 import { createOutputStore } from "./outputs.ts";
@@ -85,6 +87,11 @@ export interface RestServerOptions {
   quotas?: SubmitLimits & { maxTokensPerUser: number };
   /** The content-addressed store (config `cas`); defaults: the filesystem under `<dataDir>/cas`, cas's defaults. */
   cas?: CasServerOptions;
+  /**
+   * Image resolvers tried after the store's own (images pushed with `dispatch-cloud images push`) when a bundle is
+   * submitted: a registry resolver pins tags to digests (docs/images.md "Pinning"). Default none.
+   */
+  imageResolvers?: ImageResolver[];
 }
 
 export interface CasServerOptions {
@@ -148,6 +155,12 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     casBackend: null,
     storedOutputs: createStoredOutputs(() => ctx.casBackend),
     casMetrics: null,
+    // The insert statements themselves pin an image of the owner's in the store (no extra query per submission);
+    // with other resolvers, the store is asked first here too, so a registry is never asked about a store image.
+    imageResolvers:
+      (opts.imageResolvers ?? []).length === 0
+        ? []
+        : [storeImageResolver(opts.db), ...(opts.imageResolvers ?? [])],
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,
@@ -245,6 +258,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   app.get("/api/v1/openapi.json", async () => usersApiDocument());
   registerUserRoutes(app, ctx);
   registerTokenRoutes(app, ctx);
+  registerImageRoutes(app, ctx);
   registerRunnerRoutes(app, ctx);
   ctx.casMetrics =
     opts.cas?.metricsRegistry === undefined ? null : createCasMetrics(opts.cas.metricsRegistry, opts.db);

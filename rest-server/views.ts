@@ -18,6 +18,7 @@ export function bundleView(b: Bundle, nowMs: number) {
     schedulingStatus: b.schedulingStatus,
     command: b.command,
     image: b.image,
+    imagePinned: b.imagePinned ?? null,
     env: b.env,
     resources: b.resources,
     preemptible: b.preemptible,

@@ -18,13 +18,19 @@ export interface CasReader {
 /** find-missing rewrites a blob's touched_at only when it is older than this (repeated asks cost no writes). */
 export const TOUCH_RESOLUTION_MS = 3_600_000;
 
-/** SQL true when blob row `b` is readable by user $U and the extra manifests $M (text[]). */
+/**
+ * SQL true when blob row `b` is readable by user $U and the extra manifests $M (text[]): the user uploaded it, or
+ * it is (or a manifest naming it is) one of $M, one the user uploaded, or the tree of one of the user's images
+ * (store/migrations/007_images.sql: whoever uploaded the image's blobs, its owner's bundles read them).
+ */
 const readable = (b: string, u: string, m: string) => `(
   EXISTS (SELECT 1 FROM cas_access a WHERE a.hash = ${b}.hash AND a.user_uuid = ${u})
   OR ${b}.hash = ANY(${m}::text[])
+  OR EXISTS (SELECT 1 FROM images i WHERE i.manifest_hash = ${b}.hash AND i.owner_uuid = ${u})
   OR EXISTS (SELECT 1 FROM cas_manifest_refs r WHERE r.blob_hash = ${b}.hash
     AND (r.manifest_hash = ANY(${m}::text[])
-      OR EXISTS (SELECT 1 FROM cas_access a2 WHERE a2.hash = r.manifest_hash AND a2.user_uuid = ${u}))))`;
+      OR EXISTS (SELECT 1 FROM cas_access a2 WHERE a2.hash = r.manifest_hash AND a2.user_uuid = ${u})
+      OR EXISTS (SELECT 1 FROM images i2 WHERE i2.manifest_hash = r.manifest_hash AND i2.owner_uuid = ${u}))))`;
 
 /**
  * Of `digests`, those not stored or not readable by the reader, in one statement; the readable ones whose
@@ -233,7 +239,8 @@ export async function setOutputManifest(
 
 /**
  * Marks up to `limit` dead blobs 'deleting' and returns them: not touched since `cutoff`, not a live manifest,
- * named by no live manifest. A manifest is live when touched since `cutoff` or a bundle's output manifest.
+ * named by no live manifest. A manifest is live when touched since `cutoff`, a bundle's output manifest, an
+ * image's tree (images in the store), or the image tree an unfinished bundle was pinned to at submit time.
  * The empty blob is never collected (it is not stored).
  */
 export async function markDeadBlobs(db: Db, cutoff: Date, limit: number): Promise<Digest[]> {
@@ -241,6 +248,9 @@ export async function markDeadBlobs(db: Db, cutoff: Date, limit: number): Promis
     `WITH live AS (
        SELECT hash FROM cas_blobs WHERE manifest AND touched_at >= $1
        UNION SELECT split_part(output_manifest, '/', 1) FROM bundles WHERE output_manifest IS NOT NULL
+       UNION SELECT manifest_hash FROM images
+       UNION SELECT split_part(image_store->>'manifest', '/', 1) FROM bundles
+         WHERE image_store IS NOT NULL AND state NOT IN ('ready', 'failed', 'killed')
      ),
      dead AS (
        SELECT b.hash FROM cas_blobs b

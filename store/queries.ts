@@ -5,6 +5,7 @@
  * change of a table is reviewed against all of its queries at once; each function is a few lines.
  */
 import { DispatchCloudError } from "../lib/errors.ts";
+import { imageKey } from "../lib/image-names.ts";
 import type { Db } from "./db.ts";
 import { sqlState } from "./db.ts";
 import { readInputManifests } from "./input-manifests.ts";
@@ -15,6 +16,7 @@ import {
   type BundleEvent,
   type BundleState,
   FINAL_STATES,
+  type ImageStoreRef,
   type InputManifest,
   LOG_CHANNEL,
   type LogStream,
@@ -64,6 +66,9 @@ export interface BundleRow {
   /** The outputs' manifest digest and bytes (store/migrations/005_cas.sql). Optional as above. */
   output_manifest?: string | null;
   output_bytes?: string | number | null;
+  /** The pinned image reference and the store image (store/migrations/007_images.sql). Optional as above. */
+  image_pinned?: string | null;
+  image_store?: ImageStoreRef | null;
 }
 
 export function bundleFromRow(r: BundleRow): Bundle {
@@ -81,6 +86,8 @@ export function bundleFromRow(r: BundleRow): Bundle {
     b.outputManifest = r.output_manifest;
     b.outputBytes = Number(r.output_bytes ?? 0);
   }
+  if (r.image_pinned !== undefined && r.image_pinned !== null) b.imagePinned = r.image_pinned;
+  if (r.image_store !== undefined && r.image_store !== null) b.imageStore = r.image_store;
   return b;
 }
 
@@ -385,6 +392,16 @@ export async function countActiveBundles(db: Db, ownerUuid: string, upTo: number
 // Bundles
 
 /**
+ * The owner's image in the store that a bundle's `image` names (store/migrations/007_images.sql; docs/images.md
+ * "Pinning"), as a subquery of the insert statements: by name (`key`, the normalised name) or by image id; its
+ * id and `{manifest, imageId, bytes}`. Resolved in the insert itself, so pinning costs a submission no query.
+ */
+const OWN_IMAGE = (owner: string, image: string, key: string) => `
+  SELECT i.image_id, jsonb_build_object('manifest', i.manifest, 'imageId', i.image_id, 'bytes', i.bytes) AS store
+  FROM images i WHERE i.owner_uuid = ${owner} AND (i.name = ${key} OR i.image_id = ${image})
+  ORDER BY (i.name = ${key}) IS TRUE DESC, i.created_at DESC LIMIT 1`;
+
+/**
  * Inserts a bundle in state `created`, its dependency rows and its first event, and notifies, in one
  * transaction. Every dependency must be a bundle of the same owner.
  */
@@ -420,10 +437,11 @@ export async function insertBundle(
 /** The one statement of insertBundle: the row, its dependency rows, its first event and its NOTIFY. */
 async function insertBundleRow(db: Db, uuid: string, b: NewBundle, initialState: "created"): Promise<Bundle> {
   const { rows } = await db.query<BundleRow>(
-    `WITH b AS (
+    `WITH img AS (${OWN_IMAGE("$2", "$5", "$19")}), b AS (
        INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
-         limits, dependencies, allow_failed_dependencies, max_attempts, state)
-       VALUES ($1, $2, $3, $4::jsonb, $5, $6::jsonb, $7::jsonb, $8, $9, $10::jsonb, $11::jsonb, $12, $13, $14)
+         limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store)
+       VALUES ($1, $2, $3, $4::jsonb, $5, $6::jsonb, $7::jsonb, $8, $9, $10::jsonb, $11::jsonb, $12, $13, $14,
+         coalesce((SELECT image_id FROM img), $17), coalesce((SELECT store FROM img), $18::jsonb))
        RETURNING *
      ), d AS (
        INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
@@ -453,6 +471,9 @@ async function insertBundleRow(db: Db, uuid: string, b: NewBundle, initialState:
       initialState,
       `user:${b.ownerUuid}`,
       BUNDLE_CHANNEL,
+      b.imagePinned ?? null,
+      b.imageStore == null ? null : JSON.stringify(b.imageStore),
+      imageKey(b.image),
     ],
   );
   return bundleFromRow(rows[0]!);
@@ -564,16 +585,23 @@ export async function insertBundleRows(
     dependencies: b.dependencies,
     allow_failed_dependencies: b.allowFailedDependencies,
     max_attempts: b.maxAttempts,
+    image_pinned: b.imagePinned ?? null,
+    image_store: b.imageStore ?? null,
+    image_key: imageKey(b.image),
   }));
   const { rows: inserted } = await db.query<BundleRow>(
     `WITH b AS (
        INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
-         limits, dependencies, allow_failed_dependencies, max_attempts, state)
+         limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store)
        SELECT r.uuid, r.owner_uuid, r.name, r.command, r.image, r.env, r.resources, r.preemptible, r.priority,
-         r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, 'created'
+         r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, 'created',
+         coalesce(img.image_id, r.image_pinned),
+         coalesce(img.store, CASE WHEN jsonb_typeof(r.image_store) = 'object' THEN r.image_store END)
        FROM jsonb_to_recordset($1::jsonb) AS r(uuid text, owner_uuid text, name text, command jsonb,
          image text, env jsonb, resources jsonb, preemptible boolean, priority int, limits jsonb,
-         dependencies jsonb, allow_failed_dependencies boolean, max_attempts int)
+         dependencies jsonb, allow_failed_dependencies boolean, max_attempts int, image_pinned text,
+         image_store jsonb, image_key text)
+       LEFT JOIN LATERAL (${OWN_IMAGE("r.owner_uuid", "r.image", "r.image_key")}) img ON true
        RETURNING *
      ), d AS (
        INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)

@@ -121,11 +121,14 @@ export async function stageBundles(
        UPDATE bundles b SET state = 'staged', state_reason = cur.reason, scheduling_status = NULL,
          staged_at = ${NOW},
          -- Its inputs' trees, for the scheduler's locality (006_locality.sql): the output manifests of its
-         -- dependencies, known from now on (each is final). Skipped for bundles without dependencies.
+         -- dependencies, known from now on (each is final). Skipped for bundles without dependencies. An image
+         -- from the store (007_images.sql) is an input tree too: its bytes cached on an instance count alike.
          input_manifests = CASE WHEN b.dependencies = '[]'::jsonb THEN b.input_manifests ELSE coalesce((
            SELECT jsonb_agg(DISTINCT jsonb_build_object('digest', d.output_manifest, 'bytes', d.output_bytes))
            FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
            WHERE bd.bundle_uuid = b.uuid AND d.output_manifest IS NOT NULL), '[]'::jsonb) END
+           || CASE WHEN jsonb_typeof(b.image_store) = 'object' THEN jsonb_build_array(jsonb_build_object(
+             'digest', b.image_store->'manifest', 'bytes', b.image_store->'bytes')) ELSE '[]'::jsonb END
        FROM cur WHERE b.uuid = cur.uuid AND b.state = 'created'
        RETURNING b.*
      ), ev AS (

@@ -65,6 +65,24 @@ export interface NewBundle {
   dependencies: BundleDependency[];
   allowFailedDependencies: boolean;
   maxAttempts: number;
+  /**
+   * The image reference pinned at submit time (rest-server/image-resolve.ts; docs/images.md "Pinning"):
+   * `sha256:<image id hex>` for an image in the store, `repo@sha256:<hex>` for a registry image. Absent or null:
+   * the image is run as `image` names it. Every attempt gets the same.
+   */
+  imagePinned?: string | null;
+  /** The image is in the content-addressed store (docs/images.md "Images in our store"); absent or null: not. */
+  imageStore?: ImageStoreRef | null;
+}
+
+/** An image in the content-addressed store, as a bundle's spec names it. */
+export interface ImageStoreRef {
+  /** The manifest digest (`<sha256 hex>/<size>`) of the unpacked `docker save` tree. */
+  manifest: string;
+  /** The image's config digest, `sha256:<hex>` (the id `docker load` gives it). */
+  imageId: string;
+  /** The tree's file bytes. */
+  bytes: number;
 }
 
 /** A stored bundle: what was submitted, plus its state and what the dispatcher and runner recorded. */

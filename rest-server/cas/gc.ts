@@ -2,7 +2,8 @@
  * Garbage collection of the content-addressed store (docs/storage.md, "Garbage collection and retention").
  * A blob is live when it was touched (uploaded, asked about by find-missing, named by a manifest being stored)
  * within the retention, or is named by a live manifest; a manifest is live when touched within the retention
- * or it is a bundle's output manifest. Dead blobs are marked 'deleting' in one statement (an upload that
+ * or it is a bundle's output manifest, an image's tree (store/image-queries.ts), or the image tree an unfinished
+ * bundle was pinned to (docs/images.md). Dead blobs are marked 'deleting' in one statement (an upload that
  * touched the row first keeps it; one that meets the mark answers cas.busy), their bytes removed, then their
  * rows. Partial uploads older than a day are removed too.
  */

@@ -2,7 +2,8 @@
  * The content-addressed store's API (docs/storage.md, "The API"): find-missing, batch upload and read,
  * streaming uploads (compressed or not, resumable) and downloads (ranges, gzip), and manifests. Users' tokens
  * and runner tokens are both accepted: a runner acts for its bundle's owner (what it uploads belongs to the
- * owner) and reads what the owner may read plus its dependencies' output manifests and their blobs.
+ * owner) and reads what the owner may read plus its dependencies' output manifests and their blobs, and the
+ * image tree its bundle was pinned to.
  *
  * Every write is verified before it is stored: the body is inflated with a size guard (the digest's size),
  * hashed and written to a partial file under `<dataDir>/cas-partial/<user>/`, which an interrupted upload
@@ -27,7 +28,7 @@ import {
   parseDigest,
   sameDigest,
 } from "../../lib/cas/digest.ts";
-import { manifestStats, parseManifest } from "../../lib/cas/manifest.ts";
+import { type Manifest, manifestStats, parseManifest } from "../../lib/cas/manifest.ts";
 import { eachLimited } from "../../lib/cas/tree.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { allowSlowUpload } from "../../lib/http-timeouts.ts";
@@ -264,6 +265,8 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
         db,
         bundle.dependencies.map((d) => d.bundle),
       );
+      // The image tree it was pinned to at submit time, even if its owner removed the image since.
+      if (bundle.imageStore != null) manifests.push(bundle.imageStore.manifest.split("/")[0]!);
       callers.set(request, { reader: { userUuid: bundle.ownerUuid, manifests }, owner: bundle.ownerUuid });
     } else {
       const { user, token: t } = await authenticateUser(db, request, ctx.nowMs(), ctx.tokenCache);
@@ -635,10 +638,21 @@ export async function readManifestStats(
   reader: CasReader,
   d: Digest,
 ): Promise<{ files: number; bytes: number } | null> {
+  const m = await readManifest(db, backend, reader, d);
+  if (m === null) return null;
+  const { files, bytes } = manifestStats(m);
+  return { files, bytes };
+}
+
+/** A stored manifest, or null when it is not one the reader may read. */
+export async function readManifest(
+  db: Db,
+  backend: BlobBackend,
+  reader: CasReader,
+  d: Digest,
+): Promise<Manifest | null> {
   if (!(await canRead(db, reader, d, { manifest: true }))) return null;
   const s = await backend.read(d);
   if (s === null) return null;
-  const m = parseManifest(await readAll(s));
-  const { files, bytes } = manifestStats(m);
-  return { files, bytes };
+  return parseManifest(await readAll(s));
 }
