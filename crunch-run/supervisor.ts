@@ -220,6 +220,8 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
     let stdout: LogStream | null = null;
     let stderr: LogStream | null = null;
     const heartbeat = { timer: null as NodeJS.Timeout | null, stopped: false };
+    /** What the bundle waits for before its container runs (an image pull), for its status; null = nothing. */
+    let statusText: string | null = null;
     const usage: ResourceUsage = { cpuSeconds: 0, memoryBytes: 0, maxMemoryBytes: 0, diskBytes: 0 };
 
     const markLost = (err: unknown) => {
@@ -364,16 +366,23 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
      */
     const requeueForRuntime = async (err: DispatchCloudError): Promise<number> => {
       heartbeat.stopped = true;
+      // The image's registry being unavailable is neither the bundle's fault nor this instance's: not counted
+      // against the instance, and the server does not count it as an attempt either (up to a limit).
+      const imageUnavailable = err.code === "crunchrun.image_unavailable";
       let failures = 0;
-      try {
-        failures = recordRuntimeFailure(paths, doc.uuid, err.message);
-      } catch (e) {
-        log.error({ err: (e as Error).message }, "cannot record the runtime failure");
+      if (!imageUnavailable) {
+        try {
+          failures = recordRuntimeFailure(paths, doc.uuid, err.message);
+        } catch (e) {
+          log.error({ err: (e as Error).message }, "cannot record the runtime failure");
+        }
       }
       if (failures >= RUNTIME_FAILURES_BEFORE_BROKEN) {
         markBroken(`${failures} container starts in a row failed in the runtime; the last: ${err.message}`);
       }
-      const reason = `${err.message} (this instance's fault, not the bundle's)`;
+      const reason = imageUnavailable
+        ? err.message
+        : `${err.message} (this instance's fault, not the bundle's)`;
       say(`${reason}: the bundle is requeued`);
       let flushTimer: NodeJS.Timeout | undefined;
       await Promise.race([
@@ -384,7 +393,10 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       ]);
       clearTimeout(flushTimer);
       try {
-        const res = await client.requeue(reason, { budgetMs: REQUEUE_REPORT_MS });
+        const res = await client.requeue(reason, {
+          budgetMs: REQUEUE_REPORT_MS,
+          ...(imageUnavailable ? { code: "crunchrun.image_unavailable" as const } : {}),
+        });
         log.info(
           { state: res.state, attempt: res.attempt, failures },
           `requeue reported: the bundle is ${res.state}`,
@@ -437,7 +449,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         if (heartbeat.stopped) return;
         try {
           if (container !== null) await sampleUsage(container, outDir, usage);
-          await client.heartbeat({ ...usage });
+          await client.heartbeat({ ...usage }, statusText);
         } catch (err) {
           if (isNotOurs(err)) markLost(err);
           else if (!heartbeat.stopped) log.warn({ err: (err as Error).message }, "heartbeat failed");
@@ -523,7 +535,15 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         stderr.write(`[crunch-run] WARNING: ${w}\n`);
       }
       try {
-        await runtime.prepare(spec);
+        await runtime.prepare(spec, {
+          say,
+          status: (text) => {
+            statusText = text;
+          },
+          registryAuth: doc.registryAuth,
+          signal: abort.signal,
+          pullRetryMs: doc.imagePullRetryMs,
+        });
         if (stopping()) return 1;
         container = await runtime.start({
           uuid: doc.uuid,
@@ -537,13 +557,19 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         });
         clearRuntimeFailures(paths);
       } catch (err) {
+        if (stopping()) return 1;
         if (
           err instanceof DispatchCloudError &&
-          (err.code === "crunchrun.image_missing" || err.code === "crunchrun.command_unusable")
+          (err.code === "crunchrun.image_missing" ||
+            err.code === "crunchrun.image_denied" ||
+            err.code === "crunchrun.command_unusable")
         ) {
           say(err.message);
           await finish(null, err.message, true);
           return 0;
+        }
+        if (err instanceof DispatchCloudError && err.code === "crunchrun.image_unavailable") {
+          return await requeueForRuntime(err);
         }
         if (err instanceof DockerApiError && err.status < 500) {
           const reason = `docker refused the container: ${err.daemonMessage}`;
@@ -784,5 +810,5 @@ async function chooseRuntime(
     );
     return processRuntime();
   }
-  return createDockerRuntime(docker);
+  return createDockerRuntime(docker, { pullLockDir: path.join(paths.lockDir, "crunch-run-pulls") });
 }

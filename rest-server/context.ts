@@ -41,4 +41,6 @@ export interface RouteContext {
   storedOutputs: StoredOutputs;
   /** The store's metrics (runners report their staging figures at finish); null without a registry. */
   casMetrics: CasMetrics | null;
+  /** Requeues for an unavailable registry that do not use up an attempt (containers.unavailableImageRequeues). */
+  unavailableImageRequeues: number;
 }

@@ -85,6 +85,8 @@ export interface RestServerOptions {
   quotas?: SubmitLimits & { maxTokensPerUser: number };
   /** The content-addressed store (config `cas`); defaults: the filesystem under `<dataDir>/cas`, cas's defaults. */
   cas?: CasServerOptions;
+  /** containers.unavailableImageRequeues (default its default). */
+  unavailableImageRequeues?: number;
 }
 
 export interface CasServerOptions {
@@ -148,6 +150,8 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     casBackend: null,
     storedOutputs: createStoredOutputs(() => ctx.casBackend),
     casMetrics: null,
+    unavailableImageRequeues:
+      opts.unavailableImageRequeues ?? defaultConfig().containers.unavailableImageRequeues,
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,

@@ -212,6 +212,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       minUploadRate: config.restServer.minUploadRate,
       bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
       quotas: config.quotas,
+      unavailableImageRequeues: config.containers.unavailableImageRequeues,
       cas: {
         backend: casBackend,
         retention: config.cas.retention,
