@@ -275,9 +275,9 @@ async function pullHere(
         `image ${image} could not be pulled: registry ${ref.registry} is unavailable (${why}); gave up after ${Math.round((Date.now() - t0) / 1000)} s`,
       );
     }
-    opts.say(
-      `pulling ${image}: registry ${ref.registry} is unavailable (${why}); retrying in ${delay / 1000} s`,
-    );
+    const line = `pulling ${image}: registry ${ref.registry} is unavailable (${why}); retrying in ${delay / 1000} s`;
+    opts.say(line);
+    opts.status?.(line);
     await sleep(delay, opts.signal);
     delay = Math.min(delay * 2, MAX_RETRY_MS);
   }
