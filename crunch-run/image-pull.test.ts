@@ -29,6 +29,13 @@ describe("classifyPullFailure", () => {
     expect(
       classifyPullFailure("no matching manifest for linux/amd64 in the manifest list entries", 500),
     ).toBe("missing");
+    // The registry's name does not exist (NXDOMAIN); a resolver that does not answer is another matter (below).
+    expect(
+      classifyPullFailure(
+        'Get "https://registry-1.docker.io/v2/": dial tcp: lookup registry-1.docker.io on 10.0.0.53:53: no such host',
+        500,
+      ),
+    ).toBe("missing");
   });
 
   it("reads refused credentials as denied", () => {
@@ -45,7 +52,8 @@ describe("classifyPullFailure", () => {
       "received unexpected HTTP status: 503 Service Unavailable",
       "toomanyrequests: You have reached your pull rate limit",
       "net/http: TLS handshake timeout",
-      "dial tcp: lookup registry.example.org: no such host",
+      "dial tcp: lookup registry.example.org on 10.0.0.53:53: server misbehaving",
+      "dial tcp: lookup registry.example.org on 10.0.0.53:53: read udp: i/o timeout",
     ]) {
       expect(classifyPullFailure(m, 500), m).toBe("unavailable");
     }

@@ -6,12 +6,13 @@
  *   stderr and the supervisor's log) when the size is first known, then at most every PROGRESS_INTERVAL_MS, and
  *   once at the end; the same text goes to `status` (the supervisor's heartbeat carries it to the bundle's
  *   status) until the pull ends.
- * - Failures by reaction (classifyPullFailure): the image or tag is not there (or the reference is not one) ->
- *   crunchrun.image_missing; the registry refuses the credentials -> crunchrun.image_denied; both at once, naming
- *   the image. Anything else (refused connection, timeout, DNS, 5xx, 429, a pull that ends without the image) is
- *   retried with backoff (1 s doubling to 30 s) for `retryBudgetMs`, each retry said, then
- *   crunchrun.image_unavailable (the supervisor requeues the bundle). "no space left on device" is the instance's:
- *   crunchrun.docker_error (the supervisor marks the instance broken).
+ * - Failures by reaction (classifyPullFailure): the image or tag is not there, the registry's host name does not
+ *   exist (DNS: no such host), or the reference is not one -> crunchrun.image_missing; the registry refuses the
+ *   credentials -> crunchrun.image_denied; both at once, naming the image. Anything else (refused connection,
+ *   timeout, a DNS resolver that does not answer, 5xx, 429, a pull that ends without the image) is retried with
+ *   backoff (1 s doubling to 30 s) for `retryBudgetMs`, each retry said, then crunchrun.image_unavailable (the
+ *   supervisor requeues the bundle). "no space left on device" is the instance's: crunchrun.docker_error (the
+ *   supervisor marks the instance broken).
  * - One pull per image per instance: the puller holds `<lockDir>/<sha256 of the reference>.lock` (lock.ts's
  *   link-based create, with the holder's pid and start time, so a dead holder's lock is removed) and writes its
  *   progress into it; the other supervisors on the instance (separate processes: detached ones and warm spares)
@@ -54,7 +55,7 @@ export function classifyPullFailure(message: string, status?: number): PullFailu
   if (
     status === 404 ||
     status === 400 ||
-    /manifest unknown|name unknown|not found|repository does not exist|invalid reference format|no matching manifest|repository name must/.test(
+    /manifest unknown|name unknown|not found|repository does not exist|invalid reference format|no matching manifest|repository name must|no such host/.test(
       m,
     )
   ) {
@@ -258,10 +259,7 @@ async function pullHere(
       throw new DispatchCloudError("crunchrun.docker_error", `docker could not pull ${image}: ${why}`);
     }
     if (kind === "missing") {
-      throw failure(
-        "image_missing",
-        `image ${image} could not be pulled: it is not in the registry (${why})`,
-      );
+      throw failure("image_missing", `image ${image} could not be pulled: no such image (${why})`);
     }
     if (kind === "denied") {
       throw failure(
