@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import { defaultConfig } from "../../config/load.ts";
-import { registryAuthFor } from "./remote-runner.ts";
+import { pullRetryMs, registryAuthFor } from "./remote-runner.ts";
 
 describe("registryAuthFor (the start document's registryAuth)", () => {
   const base = defaultConfig();
@@ -34,5 +34,14 @@ describe("registryAuthFor (the start document's registryAuth)", () => {
     expect(registryAuthFor("127.0.0.1:5000/a/b:1", config, (m) => warnings.push(m), {})).toEqual([]);
     expect(warnings).toEqual([expect.stringContaining("containers.registries.127.0.0.1:5000.password")]);
     expect(warnings[0]).toContain("DC_TEST_REG_PW");
+  });
+});
+
+describe("pullRetryMs (the start document's imagePullRetryMs)", () => {
+  it("is containers.pullRetryTimeout within the bounds crunch-run accepts", () => {
+    const c = (ms: number) => ({ containers: { ...defaultConfig().containers, pullRetryTimeout: ms } });
+    expect(pullRetryMs(c(3000))).toBe(3000);
+    expect(pullRetryMs(c(1))).toBe(100);
+    expect(pullRetryMs(c(30 * 86_400_000))).toBe(86_400_000);
   });
 });

@@ -15,6 +15,7 @@ import {
   clampSpotCheckIntervalMs,
   DEFAULT_IMAGE_PULL_RETRY_MS,
   formatHandOff,
+  IMAGE_PULL_RETRY_RANGE_MS,
   parsePidAnswer,
   type RegistryAuth,
   type StartDocumentSent,
@@ -42,6 +43,12 @@ export interface RunnerHost {
   readonly losing: Set<string>;
   executor(): Executor;
   settleBusy(): void;
+}
+
+/** containers.pullRetryTimeout for the start document, within crunch-run's bounds. */
+export function pullRetryMs(config: Pick<Config, "containers">): number {
+  const { min, max } = IMAGE_PULL_RETRY_RANGE_MS;
+  return Math.min(max, Math.max(min, Math.round(config.containers.pullRetryTimeout)));
 }
 
 const registryAuthDoc = (auth: RegistryAuth[]) => (auth.length === 0 ? {} : { registryAuth: auth });
@@ -180,9 +187,9 @@ export class RemoteRunner implements RunnerView {
         : {}),
       // Only the bundle's own image's registry (the document is never logged: it holds the token, and this).
       ...registryAuthDoc(registryAuthFor(started.image, ctx.config, (msg) => log.warn(msg))),
-      ...(ctx.config.containers.pullRetryTimeout === DEFAULT_IMAGE_PULL_RETRY_MS
+      ...(pullRetryMs(ctx.config) === DEFAULT_IMAGE_PULL_RETRY_MS
         ? {}
-        : { imagePullRetryMs: ctx.config.containers.pullRetryTimeout }),
+        : { imagePullRetryMs: pullRetryMs(ctx.config) }),
     };
     let failure: string | null = null;
     let via: "spare" | "detach" = "spare";
