@@ -56,6 +56,21 @@ function removeImage(ref: string): void {
   execFileSync("docker", ["rmi", "-f", ref], { stdio: "ignore" });
 }
 
+/**
+ * Removes every image on the daemon named .../dctest/pull (from any registry), so that the next pull of it has
+ * its layers to download (an image still tagged from the other registry would keep them).
+ */
+function removePullImages(): void {
+  const ids = execFileSync("docker", ["images", "--no-trunc", "--format", "{{.Repository}} {{.ID}}"], {
+    encoding: "utf8",
+  })
+    .split("\n")
+    .filter((l) => /\/dctest\/pull /.test(l))
+    .map((l) => l.split(" ")[1] ?? "");
+  for (const id of new Set(ids))
+    if (id !== "") execFileSync("docker", ["rmi", "-f", id], { stdio: "ignore" });
+}
+
 function onDaemon(ref: string): boolean {
   try {
     execFileSync("docker", ["image", "inspect", ref], { stdio: "ignore" });
@@ -126,6 +141,7 @@ describe("end to end: registry pulls", () => {
       extraRegistry.kill("SIGTERM");
     }
     await sys?.stop();
+    removePullImages();
   }, 120_000);
 
   const stderrOf = async (uuid: string) => (await sys.text(`/bundles/${uuid}/logs?stream=stderr`)).body;
@@ -134,7 +150,7 @@ describe("end to end: registry pulls", () => {
 
   it("pulls an image the daemon lacks, saying how far it got", async () => {
     const image = `${REG.open}/dctest/pull:1`;
-    removeImage(image);
+    removePullImages();
     expect(onDaemon(image)).toBe(false);
     const uuid = await run(image);
     const b = await sys.waitState(uuid);
@@ -154,7 +170,7 @@ describe("end to end: registry pulls", () => {
 
   it("pulls from the registry with basic auth with the configured credentials, which appear nowhere", async () => {
     const image = `${REG.auth}/dctest/pull:1`;
-    removeImage(image);
+    removePullImages();
     const uuid = await run(image);
     const b = await sys.waitState(uuid);
     const stderr = await stderrOf(uuid);
@@ -185,7 +201,7 @@ describe("end to end: registry pulls", () => {
 
   it("pulls an image once for two bundles that need it on one instance", async () => {
     const image = `${REG.open}/dctest/pull:1`;
-    removeImage(image);
+    removePullImages();
     const [a, c] = await Promise.all([run(image), run(image)]);
     const [ab, cb] = await Promise.all([sys.waitState(a), sys.waitState(c)]);
     expect([ab.state, cb.state]).toEqual(["ready", "ready"]);
