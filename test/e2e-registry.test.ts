@@ -7,7 +7,7 @@
  * that is down requeues the bundle without using up its attempts, and it runs once the registry is back.
  */
 import { type ChildProcess, execFileSync, spawn } from "node:child_process";
-import { readdirSync, readFileSync, statSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync, statSync } from "node:fs";
 import { writeFile } from "node:fs/promises";
 import net from "node:net";
 import { join } from "node:path";
@@ -230,6 +230,15 @@ describe("end to end: registry pulls", () => {
       ),
     );
 
+    // None counted against the instance (a container that starts clears the record: look now).
+    const vms = join(sys.dir, "vms");
+    const lockDirs = readdirSync(vms).filter((vm) => existsSync(join(vms, vm, "root", "var", "lock")));
+    expect(lockDirs.length).toBeGreaterThan(0);
+    for (const vm of lockDirs) {
+      for (const file of ["crunch-run-runtime-failures", "crunch-run-broken"]) {
+        expect(existsSync(join(vms, vm, "root", "var", "lock", file)), `${vm}: ${file}`).toBe(false);
+      }
+    }
     // The registry comes up, serving the open registry's storage.
     const config = join(sys.dir, "registry.yml");
     await writeFile(
