@@ -42,6 +42,9 @@ export const PROGRESS_INTERVAL_MS = 5000;
 const FIRST_RETRY_MS = 1000;
 const MAX_RETRY_MS = 30_000;
 const WAIT_POLL_MS = 500;
+/** A pull whose answer stream is silent this long (the daemon sends progress while it downloads or extracts) is
+ * given up and retried like an unavailable registry. */
+export const PULL_STALL_MS = 10 * 60_000;
 
 export type PullFailure = "missing" | "denied" | "unavailable" | "broken";
 
@@ -308,12 +311,18 @@ function pullOnce(
         ...(auth === undefined ? {} : { "x-registry-auth": registryAuthHeader(auth) }),
       },
     });
+    let stalled = false;
+    req.setTimeout(PULL_STALL_MS, () => {
+      stalled = true;
+      req.destroy(new Error(`no progress from the daemon for ${PULL_STALL_MS / 60_000} minutes`));
+    });
     const onAbort = () => req.destroy(signal.reason instanceof Error ? signal.reason : new Error("aborted"));
     signal.addEventListener("abort", onAbort, { once: true });
     const done = () => signal.removeEventListener("abort", onAbort);
     req.on("error", (err) => {
       done();
       if (signal.aborted) reject(signal.reason);
+      else if (stalled) resolve({ error: err.message, status: 0 });
       else
         reject(
           new DispatchCloudError(
@@ -365,10 +374,17 @@ function pullOnce(
           resolve({ error, status });
         }
       });
-      res.on("error", (err) => {
+      // A stream destroyed mid-way (stalled, stopped, the daemon gone) may end with an error or only a close.
+      const brokeOff = (why: string) => {
         done();
         if (signal.aborted) reject(signal.reason);
-        else resolve({ error: `the daemon's answer broke off: ${err.message}`, status: 0 });
+        else resolve({ error: `the daemon's answer broke off: ${why}`, status: 0 });
+      };
+      res.on("error", (err) =>
+        brokeOff(stalled ? `no progress for ${PULL_STALL_MS / 60_000} minutes` : err.message),
+      );
+      res.on("close", () => {
+        if (!res.complete) brokeOff(stalled ? `no progress for ${PULL_STALL_MS / 60_000} minutes` : "closed");
       });
     });
     req.end();

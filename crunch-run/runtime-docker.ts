@@ -106,12 +106,12 @@ export function containerCreateBody(config: ContainerConfig, user: { uid: number
   };
 }
 
-export function createDockerRuntime(
-  docker: DockerClient,
-  opts: {
-    /** Where the per-image pull locks live (shared by the instance's supervisors). */ pullLockDir: string;
-  },
-): ContainerRuntime {
+export interface DockerRuntimeOptions {
+  /** Where the per-image pull locks live (shared by the instance's supervisors, image-pull.ts). */
+  pullLockDir: string;
+}
+
+export function createDockerRuntime(docker: DockerClient, opts: DockerRuntimeOptions): ContainerRuntime {
   return {
     name: "docker",
     warnings: [],
