@@ -86,7 +86,12 @@ function emitObject(
     if (prop[Kind] === "Object" && v !== undefined) {
       lines.push(`${indent}${key}:`);
       emitObject(prop, v as Record<string, unknown>, `${indent}  `, lines, false);
-    } else if (prop[Kind] === "Record" && prop["patternProperties"] !== undefined && isObjectRecord(prop)) {
+    } else if (
+      prop[Kind] === "Record" &&
+      prop["patternProperties"] !== undefined &&
+      isObjectRecord(prop) &&
+      Object.keys(v ?? {}).length > 0
+    ) {
       lines.push(`${indent}${key}:`);
       const entrySchema = Object.values(prop["patternProperties"] as Record<string, AnnotatedSchema>)[0]!;
       for (const [name, entry] of Object.entries(v as Record<string, Record<string, unknown>>)) {

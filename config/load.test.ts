@@ -235,6 +235,30 @@ describe("parseConfig", () => {
     expect(parseConfig("management:\n  token: env:DC_TOKEN\n").warnings).toEqual([]);
   });
 
+  it("reads containers.registries by host, warning about a literal password by its key path only", () => {
+    const { config, warnings } = parseConfig(
+      'containers:\n  registries:\n    "127.0.0.1:5000":\n      username: u\n      password: s3cret\n    docker.io:\n      username: v\n      password: env:DC_HUB\n',
+    );
+    expect(config?.containers.registries).toEqual({
+      "127.0.0.1:5000": { username: "u", password: "s3cret" },
+      "docker.io": { username: "v", password: "env:DC_HUB" },
+    });
+    expect(warnings).toEqual([
+      {
+        path: "containers.registries.127.0.0.1:5000.password",
+        message: expect.stringContaining("file:///"),
+        line: 5,
+      },
+    ]);
+    expect(JSON.stringify(warnings)).not.toContain("s3cret");
+    expect(config?.containers.pullRetryTimeout).toBe(120_000);
+    const bad = onlyProblem("containers:\n  registries:\n    reg.example.org:\n      user: u\n");
+    expect(bad.path).toBe("containers.registries.reg.example.org.user");
+    expect(onlyProblem('containers:\n  registries:\n    "no such host/x": {}\n').path).toMatch(
+      /^containers\.registries/,
+    );
+  });
+
   it("reports invalid YAML with its line", () => {
     const p = onlyProblem("cloud:\n  maxInstances: 3\n  driver: [local\nlogging: {}\n");
     expect(p.code).toBe("config.invalid_yaml");

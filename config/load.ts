@@ -284,18 +284,35 @@ function show(value: unknown): string {
 
 // ---- Warnings ---------------------------------------------------------------------------------------------
 
+/** Paths of the secret keys; "*" stands for any key of a record (containers.registries.*.password). */
 function secretPaths(schema: AnnotatedSchema, prefix: string[] = []): string[][] {
   if (schema["secret"] === true) return [prefix];
+  if (schema[Kind] === "Record") {
+    const entry = Object.values((schema["patternProperties"] ?? {}) as Record<string, AnnotatedSchema>)[0];
+    return entry === undefined ? [] : secretPaths(entry, [...prefix, "*"]);
+  }
   if (schema[Kind] !== "Object") return [];
   const props = schema["properties"] as Record<string, AnnotatedSchema>;
   return Object.entries(props).flatMap(([k, s]) => secretPaths(s, [...prefix, k]));
 }
 
-const SECRET_PATHS = secretPaths(ConfigSchema as unknown as AnnotatedSchema);
+const SECRET_PATTERNS = secretPaths(ConfigSchema as unknown as AnnotatedSchema);
+
+/** The secret keys present in `config`, their "*" segments expanded to the record's keys. */
+function secretPathsIn(config: unknown): string[][] {
+  const expand = (value: unknown, pattern: string[], done: string[]): string[][] => {
+    if (pattern.length === 0) return [done];
+    const [head, ...rest] = pattern as [string, ...string[]];
+    if (head !== "*") return expand(isPlainObject(value) ? value[head] : undefined, rest, [...done, head]);
+    if (!isPlainObject(value)) return [];
+    return Object.keys(value).flatMap((k) => expand(value[k], rest, [...done, k]));
+  };
+  return SECRET_PATTERNS.flatMap((p) => expand(config, p, []));
+}
 
 function secretWarnings(config: unknown, lineOf: LineOf): ConfigWarning[] {
   const warnings: ConfigWarning[] = [];
-  for (const segments of SECRET_PATHS) {
+  for (const segments of secretPathsIn(config)) {
     const ref = getIn(config, segments);
     if (typeof ref === "string" && secretKind(ref) === "literal") {
       const message = "is a literal secret; put it in a file (file:///path) or a variable (env:NAME) instead";
@@ -307,7 +324,7 @@ function secretWarnings(config: unknown, lineOf: LineOf): ConfigWarning[] {
 
 /** The secret config keys (e.g. "management.token"), with their references in `config`. */
 export function secretRefs(config: Config): { path: string; ref: string }[] {
-  return SECRET_PATHS.map((segments) => ({
+  return secretPathsIn(config).map((segments) => ({
     path: segments.join("."),
     ref: String(getIn(config, segments) ?? ""),
   }));

@@ -470,6 +470,38 @@ const Cloud = Section("Cloud instances: driver, limits and timeouts.", {
   ),
 });
 
+/** A registry host as image references name it: `host`, or `host:port` (`docker.io` for Docker Hub). */
+export const REGISTRY_HOST = "^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?$";
+
+const RegistryCredentials = Type.Object(
+  {
+    username: Str("", "User name to log in to the registry with."),
+    password: Secret("The password or access token for username."),
+  },
+  { additionalProperties: false, default: {} },
+);
+
+const Containers = Section("Container images (docs/images.md).", {
+  registries: Type.Record(Type.String({ pattern: REGISTRY_HOST }), RegistryCredentials, {
+    additionalProperties: false,
+    default: {},
+    description:
+      "Credentials for private registries, by registry host as image references name it (127.0.0.1:5000, docker.io, 123.dkr.ecr.us-east-1.amazonaws.com). The dispatcher puts only the entry of a bundle's own image's registry into that bundle's start document, for its pull; images of registries not listed are pulled anonymously.",
+    keyExpected: "a registry host, e.g. registry.example.org or 127.0.0.1:5000",
+  }),
+  pullRetryTimeout: Duration(
+    "2m",
+    "How long crunch-run retries a pull whose registry cannot be reached or answers 5xx (or 429), with backoff, before it gives the bundle back to the queue (crunchrun.image_unavailable).",
+    { positive: true },
+  ),
+  unavailableImageRequeues: Int(
+    30,
+    "How many times a bundle may be given back because its image's registry was unavailable without that using up one of its attempts (its maxAttempts grows by one each time); past this they count like any other requeue.",
+    0,
+    1000,
+  ),
+});
+
 const Gpu = Type.Object(
   {
     stack: OneOf(["cuda", "rocm"] as const, "GPU software stack."),
@@ -532,6 +564,7 @@ export const ConfigSchema = Type.Object(
     logging: Logging,
     dispatcher: Dispatcher,
     cloud: Cloud,
+    containers: Containers,
     instanceTypes: Type.Record(Type.String({ pattern: INSTANCE_TYPE_NAME }), InstanceType, {
       additionalProperties: false,
       minProperties: 1,

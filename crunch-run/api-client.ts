@@ -118,7 +118,8 @@ export interface FinishBody {
 export interface RunnerClient {
   start(opts?: Partial<RetryOptions>): Promise<{ uuid: string; state: string; attempt: number }>;
   spec(opts?: Partial<RetryOptions>): Promise<RunnerSpec>;
-  heartbeat(usage: ResourceUsage): Promise<{ state: string }>;
+  /** Resource usage, and what the bundle waits for before its container runs (`status`; null = nothing). */
+  heartbeat(usage: ResourceUsage, status?: string | null): Promise<{ state: string }>;
   /** Sends one chunk of a log stream at its byte offset; answers the server's stored total. */
   /** Sends a log chunk; `truncated`: the stream reached the server's limit, later chunks are dropped. */
   logs(
@@ -143,7 +144,10 @@ export interface RunnerClient {
   /** The instance, not the bundle, failed it: back to staged (attempts permitting), else failed. */
   requeue(
     reason: string,
-    opts?: Partial<RetryOptions>,
+    opts?: Partial<RetryOptions> & {
+      /** crunchrun.image_unavailable: the image's registry was unavailable (not counted as an attempt). */
+      code?: "crunchrun.image_unavailable";
+    },
   ): Promise<{ uuid: string; state: string; attempt: number }>;
 }
 
@@ -252,8 +256,14 @@ export function createRunnerClient(opts: {
   return {
     start: (r) => json("POST", "/api/v1/runner/start", "start", jsonBody({}), SHORT_RETRY_MS, r),
     spec: (r) => json("GET", "/api/v1/runner/spec", "spec", undefined, SHORT_RETRY_MS, r),
-    heartbeat: (usage) =>
-      json("POST", "/api/v1/runner/heartbeat", "heartbeat", jsonBody({ resourceUsage: usage }), 0),
+    heartbeat: (usage, status) =>
+      json(
+        "POST",
+        "/api/v1/runner/heartbeat",
+        "heartbeat",
+        jsonBody({ resourceUsage: usage, ...(status === undefined ? {} : { status }) }),
+        0,
+      ),
     async logs(stream, offset, chunk, r) {
       const res = await json<{ stored: number; truncated?: boolean }>(
         "POST",
@@ -278,8 +288,17 @@ export function createRunnerClient(opts: {
     finish: (body, r) => json("POST", "/api/v1/runner/finish", "finish", jsonBody(body), LONG_RETRY_MS, r),
     preempted: (notice, r) =>
       json("POST", "/api/v1/runner/preempted", "preempted", jsonBody(notice), SHORT_RETRY_MS, r),
-    requeue: (reason, r) =>
-      json("POST", "/api/v1/runner/requeue", "requeue", jsonBody({ reason }), SHORT_RETRY_MS, r),
+    requeue: (reason, r = {}) => {
+      const { code, ...retry } = r;
+      return json(
+        "POST",
+        "/api/v1/runner/requeue",
+        "requeue",
+        jsonBody({ reason, ...(code === undefined ? {} : { code }) }),
+        SHORT_RETRY_MS,
+        retry,
+      );
+    },
   };
 }
 

@@ -20,12 +20,15 @@ import {
   LABEL_BUNDLE,
   LABEL_VM_ROOT,
 } from "./docker-api.ts";
+import { pullImage } from "./image-pull.ts";
 import {
   type ContainerConfig,
   type ContainerExit,
   type ContainerRuntime,
   classifyStartFailure,
   containerEnv,
+  type ImageSpec,
+  imageToRun,
   type PrepareContext,
   type RunningContainer,
   runtimeFailed,
@@ -37,16 +40,6 @@ const brokenDaemon = (what: string, err: unknown) =>
     : new DispatchCloudError("crunchrun.docker_error", `docker ${what} failed: ${(err as Error).message}`, {
         cause: err,
       });
-
-/** Splits an image reference into repository and tag (or digest) for the pull API. */
-export function splitImageRef(image: string): { fromImage: string; tag: string } {
-  const at = image.indexOf("@");
-  if (at >= 0) return { fromImage: image.slice(0, at), tag: image.slice(at + 1) };
-  const slash = image.lastIndexOf("/");
-  const colon = image.lastIndexOf(":");
-  if (colon > slash) return { fromImage: image.slice(0, colon), tag: image.slice(colon + 1) };
-  return { fromImage: image, tag: "latest" };
-}
 
 /** Docker's smallest memory limit (it refuses less); 0 would mean no limit at all. */
 export const DOCKER_MIN_MEMORY = 6 * 2 ** 20;
@@ -96,8 +89,7 @@ export function containerCreateBody(config: ContainerConfig, user: { uid: number
     }
   }
   return {
-    // An image from our store runs by the id it was pinned to; anything else by the name the bundle gave.
-    Image: spec.imageStore?.imageId ?? spec.image,
+    Image: imageToRun(spec),
     Cmd: spec.command,
     Env: Object.entries(env).map(([k, v]) => `${k}=${v}`),
     User: `${user.uid}:${user.gid}`,
@@ -114,54 +106,38 @@ export function containerCreateBody(config: ContainerConfig, user: { uid: number
   };
 }
 
-export function createDockerRuntime(docker: DockerClient): ContainerRuntime {
+export interface DockerRuntimeOptions {
+  /** Where the per-image pull locks live (shared by the instance's supervisors, image-pull.ts). */
+  pullLockDir: string;
+}
+
+export function createDockerRuntime(docker: DockerClient, opts: DockerRuntimeOptions): ContainerRuntime {
   return {
     name: "docker",
     warnings: [],
     async prepare(spec: RunnerSpec, ctx: PrepareContext) {
-      const image = spec.image;
-      const inspect = async (ref = image) => {
-        const res = await docker.call("GET", `/images/${encodeURIComponent(ref)}/json`);
-        if (res.status >= 500) throw brokenDaemon("image inspect", new Error(res.body.toString("utf8")));
-        return res.status === 200;
-      };
-      // An image in our store (docs/images.md "Resolution order"): on the daemon by its id, else loaded from the
-      // store; the container runs it by id (containerCreateBody), so a tag moved meanwhile changes nothing.
-      const store = spec.imageStore ?? null;
-      if (store !== null) {
-        if (await inspect(store.imageId)) return;
-        if (ctx.loadFromStore !== undefined) {
-          await ctx.loadFromStore(store);
-          if (await inspect(store.imageId)) return;
-        }
+      // Resolution order (docs/images.md): on the daemon (the pinned reference, else the image as named), our
+      // store, the registry.
+      const image = imageToRun(spec);
+      const res = await docker.call("GET", `/images/${encodeURIComponent(image)}/json`);
+      if (res.status >= 500) throw brokenDaemon("image inspect", new Error(res.body.toString("utf8")));
+      if (res.status === 200) return;
+      const store = (spec as ImageSpec).imageStore;
+      if (store !== undefined && store !== null && ctx.loadFromStore !== undefined) {
+        await ctx.loadFromStore(store);
+        return;
       }
-      if (await inspect()) return;
-      const { fromImage, tag } = splitImageRef(image);
-      const res = await docker.call(
-        "POST",
-        `/images/create?fromImage=${encodeURIComponent(fromImage)}&tag=${encodeURIComponent(tag)}`,
-        undefined,
-        { timeoutMs: 30 * 60_000 },
-      );
-      let why = "";
-      if (res.status !== 200) {
-        why = messageOf(res.body.toString("utf8"));
-      } else {
-        // Progress is a stream of JSON lines; a failure mid-way is a line with "error".
-        for (const line of res.body.toString("utf8").split("\n")) {
-          try {
-            const rec = JSON.parse(line) as { error?: string };
-            if (rec.error) why = rec.error;
-          } catch {
-            // partial or empty line
-          }
-        }
-      }
-      if (why === "" && (await inspect())) return;
-      throw new DispatchCloudError(
-        "crunchrun.image_missing",
-        `image ${image} is not on this instance and could not be pulled${why === "" ? "" : `: ${why}`}`,
-      );
+      await pullImage({
+        docker,
+        image,
+        auth: ctx.registryAuth,
+        say: ctx.say,
+        ...(ctx.status === undefined ? {} : { status: ctx.status }),
+        signal: ctx.signal,
+        retryBudgetMs: ctx.pullRetryMs,
+        lockDir: opts.pullLockDir,
+        uuid: spec.uuid,
+      });
     },
 
     async start(config: ContainerConfig): Promise<RunningContainer> {

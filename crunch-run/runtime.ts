@@ -10,6 +10,7 @@
  */
 import type { Readable } from "node:stream";
 import { DispatchCloudError } from "../lib/errors.ts";
+import type { RegistryAuth } from "../lib/runner-protocol.ts";
 import type { ResourceUsage, RunnerSpec } from "./api-client.ts";
 import type { ContainerRef } from "./lock.ts";
 
@@ -51,21 +52,38 @@ export interface RunningContainer {
   remove(): Promise<void>;
 }
 
-/** A registry's credentials for one pull (the start document's registryAuth; never logged). */
-export interface RegistryAuth {
-  server: string;
-  username: string;
-  password: string;
+/** An image kept in our content-addressed store (the spec's imageStore; docs/images.md). */
+export interface ImageStoreRef {
+  /** The CAS manifest digest (`<sha256>/<size>`) of the unpacked `docker save` tree. */
+  manifest: string;
+  /** The image's config digest, `sha256:<hex>`. */
+  imageId: string;
+  bytes: number;
 }
 
-/** What prepare may use besides the spec. */
+/** The image fields of a spec from a server that pins images (optional: older servers send neither). */
+export type ImageSpec = Pick<RunnerSpec, "image"> & {
+  /** The immutable reference to run (`repo@sha256:...`, or `sha256:<imageId>` for a store image); null = image. */
+  imagePinned?: string | null;
+  imageStore?: ImageStoreRef | null;
+};
+
+/** The reference the container runs: the pinned one when the server pinned the image. */
+export const imageToRun = (spec: RunnerSpec): string => (spec as ImageSpec).imagePinned ?? spec.image;
+
+/** What prepare needs from the supervisor. */
 export interface PrepareContext {
-  /** A line for the bundle's log (and the supervisor's). */
+  /** A line for the user (the bundle's stderr and the supervisor's log). */
   say(line: string): void;
-  registryAuth: RegistryAuth[];
+  /** The bundle's status while prepare waits (heartbeats carry it); null clears it. */
+  status?(text: string | null): void;
+  /** The start document's credentials (only those of the image's registry). Never logged. */
+  registryAuth: readonly RegistryAuth[];
   signal: AbortSignal;
-  /** Loads the spec's imageStore image from the content-addressed store into the daemon (image-store.ts). */
-  loadFromStore?: (store: NonNullable<RunnerSpec["imageStore"]>) => Promise<void>;
+  /** How long an unavailable registry is retried before crunchrun.image_unavailable (the start document's). */
+  pullRetryMs: number;
+  /** Loads an image in our store onto the daemon (crunch-run/image-store.ts); absent = none. */
+  loadFromStore?: (store: ImageStoreRef) => Promise<void>;
 }
 
 export interface ContainerRuntime {
@@ -73,8 +91,8 @@ export interface ContainerRuntime {
   /** Sentences for the bundle's stderr before the run (the process runtime's NO ISOLATION warning). */
   readonly warnings: string[];
   /**
-   * Makes sure the image is there (docker: on the daemon, else loaded from our store, else pulled; docs/images.md
-   * "Resolution order"); throws crunchrun.image_missing.
+   * Makes sure the image is there (docker: on the daemon, else from our store, else pulled from its registry);
+   * throws crunchrun.image_missing, crunchrun.image_denied or crunchrun.image_unavailable (image-pull.ts).
    */
   prepare(spec: RunnerSpec, ctx: PrepareContext): Promise<void>;
   start(config: ContainerConfig): Promise<RunningContainer>;

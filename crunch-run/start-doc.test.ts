@@ -41,7 +41,36 @@ describe("parseStartDocument", () => {
       processUidFirst: 1_900_000_000,
       processUidCount: 65_536,
       warmSupervisors: 2,
+      registryAuth: [],
+      imagePullRetryMs: 120_000,
     });
+  });
+
+  it("takes registryAuth and imagePullRetryMs", () => {
+    const auth = [{ server: "127.0.0.1:5000", username: "u", password: "pw" }];
+    expect(
+      parseStartDocument(JSON.stringify({ ...good, registryAuth: auth, imagePullRetryMs: 5000 }), UUID),
+    ).toMatchObject({ registryAuth: auth, imagePullRetryMs: 5000 });
+  });
+
+  it.each([
+    ["not an array", { password: "hunter2-secret" }, "registryAuth"],
+    ["a bad server", [{ server: "x/hunter2-secret", username: "u", password: "p" }], "registryAuth.0.server"],
+    [
+      "a password that is not a string",
+      [{ server: "r.io", username: "u", password: 7 }],
+      "registryAuth.0.password",
+    ],
+    [
+      "a misplaced field",
+      [{ server: "r.io", username: "u", password: "p", token: "hunter2-secret" }],
+      "registryAuth.0",
+    ],
+    ["no username", [{ server: "r.io", password: "hunter2-secret" }], "registryAuth.0.username"],
+  ])("rejects registryAuth with %s, naming the field and never a value", (_name, registryAuth, path) => {
+    const err = errorOf({ ...good, registryAuth });
+    expect(err.path).toBe(path);
+    expect(err.message).not.toContain("hunter2");
   });
 
   it("takes warmSupervisors (0 = none)", () => {
@@ -99,6 +128,7 @@ describe("parseStartDocument", () => {
     ["a uid as a string", { ...good, processUidFirst: "1000" }, "processUidFirst"],
     ["negative warm supervisors", { ...good, warmSupervisors: -1 }, "warmSupervisors"],
     ["too many warm supervisors", { ...good, warmSupervisors: 65 }, "warmSupervisors"],
+    ["a tiny pull retry time", { ...good, imagePullRetryMs: 5 }, "imagePullRetryMs"],
   ])("rejects %s with the field's path", (_name, doc, path) => {
     const err = errorOf(doc);
     expect(err.code).toBe("crunchrun.invalid_start_document");

@@ -6,11 +6,15 @@
 import { DispatchCloudError } from "../lib/errors.ts";
 import {
   DEFAULT_HEARTBEAT_INTERVAL_MS,
+  DEFAULT_IMAGE_PULL_RETRY_MS,
   DEFAULT_PROCESS_UIDS,
   DEFAULT_SPOT_CHECK_INTERVAL_MS,
   DEFAULT_WARM_SUPERVISORS,
+  IMAGE_PULL_RETRY_RANGE_MS,
+  MAX_REGISTRY_AUTH,
   MAX_UID,
   MAX_WARM_SUPERVISORS,
+  type RegistryAuth,
   RUNTIME_ENGINES,
   type RuntimeEngine,
   SPOT_CHECK_INTERVAL_RANGE_MS,
@@ -117,6 +121,17 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
   if (typeof warm !== "number" || !Number.isSafeInteger(warm) || warm < 0 || warm > MAX_WARM_SUPERVISORS) {
     throw bad("warmSupervisors", `must be a whole number from 0 to ${MAX_WARM_SUPERVISORS}`);
   }
+  const registryAuth = parseRegistryAuth(doc["registryAuth"] ?? []);
+  const pullRetry = doc["imagePullRetryMs"] ?? DEFAULT_IMAGE_PULL_RETRY_MS;
+  const pr = IMAGE_PULL_RETRY_RANGE_MS;
+  if (
+    typeof pullRetry !== "number" ||
+    !Number.isSafeInteger(pullRetry) ||
+    pullRetry < pr.min ||
+    pullRetry > pr.max
+  ) {
+    throw bad("imagePullRetryMs", `must be a whole number of milliseconds from ${pr.min} to ${pr.max}`);
+  }
   return {
     uuid,
     attempt,
@@ -131,5 +146,45 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
     processUidFirst: uidFirst,
     processUidCount: uidCount,
     warmSupervisors: warm,
+    registryAuth,
+    imagePullRetryMs: pullRetry,
   };
+}
+
+const REGISTRY_HOST = /^[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?$/;
+
+/**
+ * registryAuth: at most MAX_REGISTRY_AUTH {server, username, password} entries. Messages name the entry and the
+ * field, never a value (the password is a secret, and a misplaced one may sit in any field).
+ */
+function parseRegistryAuth(raw: unknown): RegistryAuth[] {
+  if (!Array.isArray(raw) || raw.length > MAX_REGISTRY_AUTH) {
+    throw bad(
+      "registryAuth",
+      `must be an array of at most ${MAX_REGISTRY_AUTH} {server, username, password}`,
+    );
+  }
+  return raw.map((entry: unknown, i) => {
+    const at = `registryAuth.${i}`;
+    if (typeof entry !== "object" || entry === null || Array.isArray(entry)) {
+      throw bad(at, "must be an object {server, username, password}");
+    }
+    const e = entry as Record<string, unknown>;
+    for (const key of Object.keys(e)) {
+      if (key !== "server" && key !== "username" && key !== "password") {
+        throw bad(at, "has a field other than server, username and password");
+      }
+    }
+    const { server, username, password } = e;
+    if (typeof server !== "string" || !REGISTRY_HOST.test(server) || server.length > 255) {
+      throw bad(`${at}.server`, "must be a registry host (host or host:port)");
+    }
+    if (typeof username !== "string" || username.length > 1024) {
+      throw bad(`${at}.username`, "must be a string of at most 1024 characters");
+    }
+    if (typeof password !== "string" || password.length > 16384) {
+      throw bad(`${at}.password`, "must be a string of at most 16384 characters");
+    }
+    return { server, username, password };
+  });
 }

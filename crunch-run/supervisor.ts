@@ -230,6 +230,8 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
     let stdout: LogStream | null = null;
     let stderr: LogStream | null = null;
     const heartbeat = { timer: null as NodeJS.Timeout | null, stopped: false };
+    /** What the bundle waits for before its container runs (an image pull), for its status; null = nothing. */
+    let statusText: string | null = null;
     const usage: ResourceUsage = { cpuSeconds: 0, memoryBytes: 0, maxMemoryBytes: 0, diskBytes: 0 };
 
     const markLost = (err: unknown) => {
@@ -370,16 +372,23 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
      */
     const requeueForRuntime = async (err: DispatchCloudError): Promise<number> => {
       heartbeat.stopped = true;
+      // The image's registry being unavailable is neither the bundle's fault nor this instance's: not counted
+      // against the instance, and the server does not count it as an attempt either (up to a limit).
+      const imageUnavailable = err.code === "crunchrun.image_unavailable";
       let failures = 0;
-      try {
-        failures = recordRuntimeFailure(paths, doc.uuid, err.message);
-      } catch (e) {
-        log.error({ err: (e as Error).message }, "cannot record the runtime failure");
+      if (!imageUnavailable) {
+        try {
+          failures = recordRuntimeFailure(paths, doc.uuid, err.message);
+        } catch (e) {
+          log.error({ err: (e as Error).message }, "cannot record the runtime failure");
+        }
       }
       if (failures >= RUNTIME_FAILURES_BEFORE_BROKEN) {
         markBroken(`${failures} container starts in a row failed in the runtime; the last: ${err.message}`);
       }
-      const reason = `${err.message} (this instance's fault, not the bundle's)`;
+      const reason = imageUnavailable
+        ? err.message
+        : `${err.message} (this instance's fault, not the bundle's)`;
       say(`${reason}: the bundle is requeued`);
       let flushTimer: NodeJS.Timeout | undefined;
       await Promise.race([
@@ -390,7 +399,10 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       ]);
       clearTimeout(flushTimer);
       try {
-        const res = await client.requeue(reason, { budgetMs: REQUEUE_REPORT_MS });
+        const res = await client.requeue(reason, {
+          budgetMs: REQUEUE_REPORT_MS,
+          ...(imageUnavailable ? { code: "crunchrun.image_unavailable" as const } : {}),
+        });
         log.info(
           { state: res.state, attempt: res.attempt, failures },
           `requeue reported: the bundle is ${res.state}`,
@@ -443,7 +455,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         if (heartbeat.stopped) return;
         try {
           if (container !== null) await sampleUsage(container, outDir, usage);
-          await client.heartbeat({ ...usage });
+          await client.heartbeat({ ...usage }, statusText);
         } catch (err) {
           if (isNotOurs(err)) markLost(err);
           else if (!heartbeat.stopped) log.warn({ err: (err as Error).message }, "heartbeat failed");
@@ -516,8 +528,12 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       try {
         await runtime.prepare(spec, {
           say,
-          registryAuth: [],
+          status: (text) => {
+            statusText = text;
+          },
+          registryAuth: doc.registryAuth,
           signal: abort.signal,
+          pullRetryMs: doc.imagePullRetryMs,
           // An image in our store is loaded from the instance's cache (fetched into it first) when Docker lacks it.
           ...(runtime.name === "docker" && spec.imageStore != null
             ? {
@@ -562,11 +578,16 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
         }
         if (
           err instanceof DispatchCloudError &&
-          (err.code === "crunchrun.image_missing" || err.code === "crunchrun.command_unusable")
+          (err.code === "crunchrun.image_missing" ||
+            err.code === "crunchrun.image_denied" ||
+            err.code === "crunchrun.command_unusable")
         ) {
           say(err.message);
           await finish(null, err.message, true);
           return 0;
+        }
+        if (err instanceof DispatchCloudError && err.code === "crunchrun.image_unavailable") {
+          return await requeueForRuntime(err);
         }
         if (err instanceof DockerApiError && err.status < 500) {
           const reason = `docker refused the container: ${err.daemonMessage}`;
@@ -807,5 +828,5 @@ async function chooseRuntime(
     );
     return processRuntime();
   }
-  return createDockerRuntime(docker);
+  return createDockerRuntime(docker, { pullLockDir: path.join(paths.lockDir, "crunch-run-pulls") });
 }

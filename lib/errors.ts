@@ -317,7 +317,18 @@ export const ERROR_CODES = {
   },
   "crunchrun.image_missing": {
     status: 404,
-    description: "The bundle's image is neither on the instance nor pullable.",
+    description:
+      "The bundle's image is neither on the instance nor in its registry (no such repository or tag, or not a valid reference). The bundle fails at once; the reason names the image.",
+  },
+  "crunchrun.image_denied": {
+    status: 403,
+    description:
+      "The image's registry refused the pull: no credentials, or the configured ones (containers.registries) are wrong or lack access. The bundle fails at once; the reason names the image, the registry and the user, never the password.",
+  },
+  "crunchrun.image_unavailable": {
+    status: 503,
+    description:
+      "The image's registry could not be reached or answered 5xx or 429 for containers.pullRetryTimeout of retries. The bundle is requeued; this does not count against the instance, nor as one of the bundle's attempts (up to containers.unavailableImageRequeues times).",
   },
   "crunchrun.command_unusable": {
     status: 400,

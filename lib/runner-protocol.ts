@@ -24,6 +24,17 @@ export const VERSION_LINE = /^crunch-run \(dispatch-cloud\) (\S+)$/;
 // ---- the start document ----
 
 export type RuntimeEngine = "docker" | "process" | "auto";
+
+/**
+ * Credentials for one registry, for the pull of the bundle's image (Docker's X-Registry-Auth). The password is a
+ * secret: crunch-run holds it in memory only, never logs it, never writes it to disk, never puts it in a message.
+ */
+export interface RegistryAuth {
+  /** The registry host as the image reference names it (`127.0.0.1:5000`, `docker.io`). */
+  server: string;
+  username: string;
+  password: string;
+}
 export const RUNTIME_ENGINES: readonly RuntimeEngine[] = ["docker", "process", "auto"];
 
 /**
@@ -52,6 +63,13 @@ export interface StartDocument {
    * that can start at once without a new process's start-up. 0 = none (every start goes through a new process).
    */
   warmSupervisors: number;
+  /**
+   * Credentials for the registry of the bundle's image (containers.registries), only that registry's entry;
+   * empty when it has none configured (an anonymous pull).
+   */
+  registryAuth: RegistryAuth[];
+  /** How long a pull whose registry is unavailable (network, 5xx, 429) is retried before the bundle is requeued. */
+  imagePullRetryMs: number;
 }
 
 /** The fields crunch-run fills in with the defaults below when the document leaves them out. */
@@ -61,7 +79,9 @@ type Defaulted =
   | "spotCheckIntervalMs"
   | "processUidFirst"
   | "processUidCount"
-  | "warmSupervisors";
+  | "warmSupervisors"
+  | "registryAuth"
+  | "imagePullRetryMs";
 /** What the dispatcher sends: the required fields, and the defaulted ones only where they differ. */
 export type StartDocumentSent = Omit<StartDocument, Defaulted> & Partial<Pick<StartDocument, Defaulted>>;
 
@@ -79,6 +99,8 @@ export const START_DOCUMENT_FIELDS: ReadonlySet<string> = new Set<keyof StartDoc
   "processUidFirst",
   "processUidCount",
   "warmSupervisors",
+  "registryAuth",
+  "imagePullRetryMs",
 ]);
 
 export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;
@@ -90,6 +112,11 @@ export const DEFAULT_PROCESS_UIDS = { first: 1_900_000_000, count: 65_536 } as c
 /** Warm spare supervisors when the document names no number; at most MAX_WARM_SUPERVISORS. */
 export const DEFAULT_WARM_SUPERVISORS = 2;
 export const MAX_WARM_SUPERVISORS = 64;
+/** containers.pullRetryTimeout's default, and the bounds of imagePullRetryMs. */
+export const DEFAULT_IMAGE_PULL_RETRY_MS = 120_000;
+export const IMAGE_PULL_RETRY_RANGE_MS = { min: 100, max: 24 * 3_600_000 } as const;
+/** Most registryAuth entries a document may carry (the dispatcher sends at most one). */
+export const MAX_REGISTRY_AUTH = 4;
 /** The largest uid a range may reach (4294967295 is (uid_t)-1). */
 export const MAX_UID = 4_294_967_294;
 

@@ -47,4 +47,6 @@ export interface RouteContext {
    * no registry resolver is configured: the insert statements resolve images in the store on their own.
    */
   imageResolvers: ImageResolver[];
+  /** Requeues for an unavailable registry that do not use up an attempt (containers.unavailableImageRequeues). */
+  unavailableImageRequeues: number;
 }

@@ -14,7 +14,7 @@ import { formatDigest, parseDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { outputManifestsByBundle, setOutputManifest } from "../store/cas-queries.ts";
 import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts";
-import { finishBundle, loseBundle, markRunning } from "../store/transitions.ts";
+import { finishBundle, loseBundle, markRunning, requeueForUnavailableImage } from "../store/transitions.ts";
 import type { Bundle, LogStream, TransitionResult } from "../store/types.ts";
 import { authenticateRunner, runnerBundleOf } from "./auth.ts";
 import { readManifestStats } from "./cas/routes.ts";
@@ -31,7 +31,28 @@ const ResourceUsage = Type.Record(
   { maxProperties: 100 },
 );
 
-const HeartbeatRequest = Type.Object({ resourceUsage: ResourceUsage }, { additionalProperties: false });
+const HeartbeatRequest = Type.Object(
+  {
+    resourceUsage: ResourceUsage,
+    status: Type.Optional(
+      Type.Union(
+        [
+          Type.String({
+            maxLength: 300,
+            pattern: "^[^\\u0000-\\u001f\\u007f]*$",
+            errorMessage: "must be a string of at most 300 characters without control characters, or null",
+          }),
+          Type.Null(),
+        ],
+        {
+          description:
+            "What the runner waits for before the container runs (e.g. `pulling IMAGE: 3.1 of 8.4 MB`), shown as the bundle's schedulingStatus; null clears it.",
+        },
+      ),
+    ),
+  },
+  { additionalProperties: false },
+);
 
 const FinishRequest = Type.Object(
   {
@@ -82,6 +103,13 @@ const RequeueRequest = Type.Object(
       description: "What failed on the instance, for the bundle's state reason.",
       errorMessage: "must be a string of 1 to 1000 characters without control characters",
     }),
+    code: Type.Optional(
+      Type.Literal("crunchrun.image_unavailable", {
+        description:
+          "The image's registry was unavailable: the requeue does not use up an attempt (up to containers.unavailableImageRequeues times).",
+        errorMessage: "must be crunchrun.image_unavailable when given",
+      }),
+    ),
   },
   { additionalProperties: false },
 );
@@ -160,7 +188,7 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
   app.post("/api/v1/runner/heartbeat", { onRequest }, async (request) => {
     const bundle = runnerBundleOf(request);
     const body = validate(HeartbeatRequest, request.body);
-    const state = await recordHeartbeat(db, bundle.uuid, bundle.attempt, body.resourceUsage);
+    const state = await recordHeartbeat(db, bundle.uuid, bundle.attempt, body.resourceUsage, body.status);
     if (state === null) throw notCurrentNow(bundle, await getBundle(db, bundle.uuid));
     return { state };
   });
@@ -244,10 +272,15 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
   app.post("/api/v1/runner/requeue", { onRequest }, async (request) => {
     const bundle = runnerBundleOf(request);
     const body = validate(RequeueRequest, request.body);
-    const result = await loseBundle(db, bundle.uuid, bundle.attempt, {
-      actor: ACTOR,
-      reason: runnerRequeueReason(bundle.instanceId, body.reason),
-    });
+    const reason = runnerRequeueReason(bundle.instanceId, body.reason);
+    const result =
+      body.code === "crunchrun.image_unavailable"
+        ? await requeueForUnavailableImage(db, bundle.uuid, bundle.attempt, {
+            actor: ACTOR,
+            reason,
+            uncounted: ctx.unavailableImageRequeues,
+          })
+        : await loseBundle(db, bundle.uuid, bundle.attempt, { actor: ACTOR, reason });
     if (!result.ok) throw notCurrent(bundle, result);
     request.log.info(
       { bundleUuid: bundle.uuid, attempt: bundle.attempt, state: result.bundle.state },

@@ -92,6 +92,8 @@ export interface RestServerOptions {
    * submitted: a registry resolver pins tags to digests (docs/images.md "Pinning"). Default none.
    */
   imageResolvers?: ImageResolver[];
+  /** containers.unavailableImageRequeues (default its default). */
+  unavailableImageRequeues?: number;
 }
 
 export interface CasServerOptions {
@@ -161,6 +163,8 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
       (opts.imageResolvers ?? []).length === 0
         ? []
         : [storeImageResolver(opts.db), ...(opts.imageResolvers ?? [])],
+    unavailableImageRequeues:
+      opts.unavailableImageRequeues ?? defaultConfig().containers.unavailableImageRequeues,
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,

@@ -839,12 +839,16 @@ export async function recordHeartbeat(
   uuid: string,
   attempt: number,
   resourceUsage: Record<string, number>,
+  /** What the runner waits for before the container runs (an image pull), shown as schedulingStatus; null
+   * clears it; undefined leaves it. */
+  status?: string | null,
 ): Promise<BundleState | null> {
   const { rows } = await db.query<{ state: BundleState }>(
-    `UPDATE bundles SET resource_usage = $3::jsonb, last_heartbeat_at = date_trunc('milliseconds', now())
+    `UPDATE bundles SET resource_usage = $3::jsonb, last_heartbeat_at = date_trunc('milliseconds', now()),
+       scheduling_status = CASE WHEN $4::boolean THEN $5::text ELSE scheduling_status END
      WHERE uuid = $1 AND attempt = $2 AND state IN ('starting', 'running')
      RETURNING state`,
-    [uuid, attempt, JSON.stringify(resourceUsage)],
+    [uuid, attempt, JSON.stringify(resourceUsage), status !== undefined, status ?? null],
   );
   return rows[0]?.state ?? null;
 }

@@ -324,6 +324,39 @@ export function loseBundle(
   });
 }
 
+/**
+ * running -> staged for a runner whose image's registry was unavailable (crunchrun.image_unavailable): like
+ * loseBundle, but while the bundle's image_requeues is below `uncounted` the attempt is not used up (max_attempts
+ * grows by one, image_requeues too). Past that it counts like loseBundle (failed once attempts are exhausted).
+ */
+export function requeueForUnavailableImage(
+  db: Db,
+  uuid: string,
+  attempt: number,
+  args: { actor: string; reason: string; uncounted: number },
+): Promise<TransitionResult> {
+  const free = "b.image_requeues < $7::int";
+  const exhausted = `(NOT ${free} AND b.attempt >= b.max_attempts)`;
+  return transition(db, uuid, {
+    from: ["running"],
+    to: `CASE WHEN ${exhausted} THEN 'failed' ELSE 'staged' END`,
+    attempt,
+    stateReason: `CASE
+      WHEN ${free} THEN $4::text || ' (not counted as an attempt: ' || (b.image_requeues + 1) || ' of ' || $7::int || ' such requeues)'
+      WHEN ${exhausted} THEN $4::text || ' (attempts exhausted: ' || b.attempt || ' of ' || b.max_attempts || ')'
+      ELSE $4::text END`,
+    set: [
+      ...CLEAR_INSTANCE,
+      `finished_at = CASE WHEN ${exhausted} THEN ${NOW} ELSE NULL END`,
+      `max_attempts = CASE WHEN ${free} THEN b.max_attempts + 1 ELSE b.max_attempts END`,
+      "image_requeues = b.image_requeues + 1",
+    ],
+    params: [args.uncounted],
+    reason: args.reason,
+    actor: args.actor,
+  });
+}
+
 /** any non-final -> killed (user or operator). The instance fields stay, so the dispatcher can stop it. */
 export function killBundle(
   db: Db,

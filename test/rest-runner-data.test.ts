@@ -182,6 +182,24 @@ describeEachDb("REST runner data", (getDb) => {
       expect(late).toMatchObject({ status: 401, body: { error: { code: "auth.invalid_token" } } });
     });
 
+    it("shows the runner's status (an image pull) as the bundle's schedulingStatus until it clears it", async () => {
+      const { uuid, token } = await running();
+      const line = "pulling 127.0.0.1:5000/x/y:1: 3.1 of 8.4 MB";
+      const hb = (status: string | null | undefined) =>
+        api("POST", "/api/v1/runner/heartbeat", token, {
+          resourceUsage: {},
+          ...(status === undefined ? {} : { status }),
+        });
+      expect((await hb(line)).status).toBe(200);
+      expect((await api("GET", `/api/v1/bundles/${uuid}`, alice)).body.schedulingStatus).toBe(line);
+      expect((await hb(undefined)).status).toBe(200);
+      expect((await getBundle(getDb(), uuid))?.schedulingStatus).toBe(line);
+      expect((await hb(null)).status).toBe(200);
+      expect((await api("GET", `/api/v1/bundles/${uuid}`, alice)).body.schedulingStatus).toBeNull();
+      const bad = await hb("pulling\nx");
+      expect(bad).toMatchObject({ status: 400, body: { error: { path: "status" } } });
+    });
+
     it("refuses bad bodies with the path of the bad field", async () => {
       const { token } = await running();
       const many = Object.fromEntries(Array.from({ length: 101 }, (_, i) => [`k${i}`, 1]));

@@ -34,6 +34,7 @@ describeEachDb("REST runner requeue", (getDb) => {
       maxRequestBodySize: 64 * 1024,
       defaultMaxAttempts: 3,
       dataDir,
+      unavailableImageRequeues: 2,
     });
     api = injectClient(app);
     owner = (await createTestUser(getDb())).uuid;
@@ -84,6 +85,39 @@ describeEachDb("REST runner requeue", (getDb) => {
     expect((await getBundle(getDb(), uuid))?.stateReason).toBe(
       "requeued by its runner on instance i-rt: x (attempts exhausted: 1 of 1)",
     );
+  });
+
+  it("does not use up an attempt for an unavailable registry, up to unavailableImageRequeues times", async () => {
+    const UNAVAILABLE =
+      "image r.io/x:1 could not be pulled: registry r.io is unavailable (connection refused)";
+    const { uuid, token } = await dispatched({ maxAttempts: 1 });
+    const first = await requeue(token, { reason: UNAVAILABLE, code: "crunchrun.image_unavailable" });
+    expect(first.body).toEqual({ uuid, state: "staged", attempt: 1 });
+    expect(await getBundle(getDb(), uuid)).toMatchObject({
+      state: "staged",
+      maxAttempts: 2,
+      stateReason: `requeued by its runner on instance i-rt: ${UNAVAILABLE} (not counted as an attempt: 1 of 2 such requeues)`,
+    });
+    // Attempt 2 (the one given back), then attempt 3 once the limit is reached: that one counts.
+    const again = async () => {
+      const { token: t } = await startWithRunnerToken(getDb(), uuid, { instanceId: "i-rt" });
+      expect((await api("POST", "/api/v1/runner/start", t, {})).status).toBe(200);
+      return requeue(t, { reason: UNAVAILABLE, code: "crunchrun.image_unavailable" });
+    };
+    expect((await again()).body).toMatchObject({ state: "staged", attempt: 2 });
+    expect(await getBundle(getDb(), uuid)).toMatchObject({ maxAttempts: 3 });
+    expect((await again()).body).toMatchObject({ state: "failed", attempt: 3 });
+    expect((await getBundle(getDb(), uuid))?.stateReason).toBe(
+      `requeued by its runner on instance i-rt: ${UNAVAILABLE} (attempts exhausted: 3 of 3)`,
+    );
+  });
+
+  it("refuses a requeue code other than crunchrun.image_unavailable", async () => {
+    const { uuid, token } = await dispatched();
+    const res = await requeue(token, { reason: "x", code: "crunchrun.runtime_failed" });
+    expect(res.status).toBe(400);
+    expect(res.body.error.path).toBe("code");
+    expect((await getBundle(getDb(), uuid))?.state).toBe("running");
   });
 
   it("answers 409 runner.not_current when the attempt is not running (its runner never called start)", async () => {

@@ -16,6 +16,7 @@ import { createManagementServer } from "../../management-api/server.ts";
 import { createBundleManager } from "../../rest-server/bundle-manager.ts";
 import { createS3Backend } from "../../rest-server/cas/backend-s3.ts";
 import { createCasBackend } from "../../rest-server/cas/factory.ts";
+import { createRegistryResolver } from "../../rest-server/image-registry.ts";
 import { createRestServer } from "../../rest-server/server.ts";
 import type { Db } from "../../store/db.ts";
 import { openDb } from "../../store/db.ts";
@@ -212,6 +213,18 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       minUploadRate: config.restServer.minUploadRate,
       bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
       quotas: config.quotas,
+      unavailableImageRequeues: config.containers.unavailableImageRequeues,
+      // Tags of images in the configured registries are pinned to digests at submit time (docs/images.md).
+      imageResolvers:
+        Object.keys(config.containers.registries).length === 0
+          ? []
+          : [
+              createRegistryResolver({
+                registries: config.containers.registries,
+                configuredOnly: true,
+                log: logger,
+              }),
+            ],
       cas: {
         backend: casBackend,
         retention: config.cas.retention,

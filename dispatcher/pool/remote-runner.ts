@@ -6,12 +6,18 @@
  */
 
 import type { Instance, InstanceType } from "../../cloud-drivers/types.ts";
+import type { Config } from "../../config/schema.ts";
+import { resolveSecret } from "../../config/secrets.ts";
 import type { Executor } from "../../lib/executor.ts";
+import { registryOf } from "../../lib/image-ref.ts";
 import type { Logger } from "../../lib/logger.ts";
 import {
   clampSpotCheckIntervalMs,
+  DEFAULT_IMAGE_PULL_RETRY_MS,
   formatHandOff,
+  IMAGE_PULL_RETRY_RANGE_MS,
   parsePidAnswer,
+  type RegistryAuth,
   type StartDocumentSent,
 } from "../../lib/runner-protocol.ts";
 import type { Bundle } from "../../store/types.ts";
@@ -39,6 +45,14 @@ export interface RunnerHost {
   settleBusy(): void;
 }
 
+/** containers.pullRetryTimeout for the start document, within crunch-run's bounds. */
+export function pullRetryMs(config: Pick<Config, "containers">): number {
+  const { min, max } = IMAGE_PULL_RETRY_RANGE_MS;
+  return Math.min(max, Math.max(min, Math.round(config.containers.pullRetryTimeout)));
+}
+
+const registryAuthDoc = (auth: RegistryAuth[]) => (auth.length === 0 ? {} : { registryAuth: auth });
+
 /** cloud.spotInterruptionCheckInterval for the start document: 0 (never), else within crunch-run's bounds. */
 export const spotCheckIntervalMs = clampSpotCheckIntervalMs;
 
@@ -53,6 +67,31 @@ export function warmSupervisorsFor(
   const perInstance = config.cloud.maxRunningBundlesPerInstance;
   const slots = perInstance > 0 ? perInstance : Math.max(1, Math.floor(type.vcpus));
   return Math.min(config.dispatcher.warmSupervisors, slots);
+}
+
+/**
+ * The start document's registryAuth for a bundle's image: the containers.registries entry of the image's own
+ * registry, its password read now (file: or env:), or nothing. A password that cannot be read is left out (the
+ * pull then goes anonymously and the registry refuses it, which fails the bundle naming the image) and said once
+ * to `warn`, by key path only.
+ */
+export function registryAuthFor(
+  image: string,
+  config: Pick<Config, "containers">,
+  warn: (msg: string) => void,
+  env: Readonly<Record<string, string | undefined>> = process.env,
+): RegistryAuth[] {
+  const server = registryOf(image);
+  if (server === null) return [];
+  const entry = config.containers.registries[server];
+  if (entry === undefined) return [];
+  const key = `containers.registries.${server}.password`;
+  try {
+    return [{ server, username: entry.username, password: resolveSecret(entry.password, key, env) }];
+  } catch (err) {
+    warn(`${(err as Error).message}: the pull of ${image} goes without credentials`);
+    return [];
+  }
 }
 
 export interface KillState {
@@ -146,6 +185,11 @@ export class RemoteRunner implements RunnerView {
       ...(w.instanceType.preemptible
         ? { preemptible: true, spotCheckIntervalMs: spotCheckIntervalMs(cloud.spotInterruptionCheckInterval) }
         : {}),
+      // Only the bundle's own image's registry (the document is never logged: it holds the token, and this).
+      ...registryAuthDoc(registryAuthFor(started.image, ctx.config, (msg) => log.warn(msg))),
+      ...(pullRetryMs(ctx.config) === DEFAULT_IMAGE_PULL_RETRY_MS
+        ? {}
+        : { imagePullRetryMs: pullRetryMs(ctx.config) }),
     };
     let failure: string | null = null;
     let via: "spare" | "detach" = "spare";
