@@ -34,7 +34,7 @@ import {
 import path from "node:path";
 import { batches, type CasClient, MAX_BATCH_BYTES, SMALL_BLOB } from "../lib/cas/client.ts";
 import { type Digest, digestBytes, formatDigest, isEmptyDigest, parseDigest } from "../lib/cas/digest.ts";
-import { type Manifest, manifestStats, parseManifest } from "../lib/cas/manifest.ts";
+import { type Manifest, manifestStats, parseManifest, validateManifest } from "../lib/cas/manifest.ts";
 import { eachInSlices, eachLimited } from "../lib/cas/tree.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { parseLock, procStartTime, readLockText, removeDeadLock } from "./lock.ts";
@@ -305,12 +305,17 @@ export class CasCache {
       throw new Error(`pin id ${JSON.stringify(id.slice(0, 80))}: letters, digits, ".", "_" and "-" only`);
     }
     const pin: Pin = { lock: lockFile, pid: process.pid, hashes: [...new Set(hashes)] };
-    // Under the index lock, so an eviction never runs between reading the pins and deleting blobs.
-    await this.update(async () => {
+    // Under the index lock (the index itself is not read), so an eviction never runs between reading the pins
+    // and deleting blobs.
+    await this.init();
+    await this.lock();
+    try {
       const tmp = this.tmpName();
       await writeFile(tmp, JSON.stringify(pin));
       await rename(tmp, path.join(this.pinDir, `${id}.json`));
-    });
+    } finally {
+      await this.unlock();
+    }
   }
 
   async unpin(id: string): Promise<void> {
@@ -433,11 +438,23 @@ export class CasCache {
     const cap = Math.min(this.limits.maxBytes, Math.floor(this.limits.maxFraction * fs.total));
     let bytes = 0;
     let items = 0;
-    for (const [, [size]] of Object.entries(idx.blobs)) {
+    let oldest = Number.POSITIVE_INFINITY;
+    for (const [hash, [size, lastUsed]] of Object.entries(idx.blobs)) {
       bytes += size;
       items++;
+      if (lastUsed < oldest && !keep.has(hash)) oldest = lastUsed;
     }
     let free = fs.free;
+    const within =
+      bytes <= cap &&
+      items <= this.limits.maxItems &&
+      free >= this.limits.minFreeBytes &&
+      !(now - oldest > this.limits.maxAgeMs);
+    if (within) {
+      // Nothing to evict (the common case): no sort of the whole index, no read of the pins.
+      this.trimManifestRecords(idx);
+      return { evicted: 0, bytesFreed: 0 };
+    }
     const pinned = await this.livePins();
     const order = Object.entries(idx.blobs)
       .filter(([h]) => !pinned.has(h) && !keep.has(h))
@@ -460,9 +477,16 @@ export class CasCache {
       bytesFreed += size;
     }
     if (gone.size > 0) await this.dropManifests(idx, (h) => gone.has(h));
-    const records = Object.entries(idx.manifests).sort((a, b) => b[1] - a[1]);
-    for (const [d] of records.slice(MAX_MANIFEST_RECORDS)) delete idx.manifests[d];
+    this.trimManifestRecords(idx);
     return { evicted: gone.size, bytesFreed };
+  }
+
+  /** Keeps the MAX_MANIFEST_RECORDS most recently used manifest records. */
+  private trimManifestRecords(idx: Index): void {
+    const records = Object.entries(idx.manifests);
+    if (records.length <= MAX_MANIFEST_RECORDS) return;
+    records.sort((a, b) => b[1] - a[1]);
+    for (const [d] of records.slice(MAX_MANIFEST_RECORDS)) delete idx.manifests[d];
   }
 
   /** Forgets held manifests that name a blob for which `lost` is true (or whose own blob is not held). */
@@ -474,7 +498,7 @@ export class CasCache {
         continue;
       }
       try {
-        const m = parseManifest(await readFile(this.blobPath(d)));
+        const m = await this.readCachedManifest(d);
         if (manifestStats(m).blobs.some((b) => !isEmptyDigest(b) && lost(b.hash))) delete idx.manifests[text];
       } catch {
         delete idx.manifests[text];
@@ -499,7 +523,7 @@ export class CasCache {
     let bytesFetched = 0;
     let manifestFetched = false;
     if (await this.has(digest)) {
-      manifest = parseManifest(await readFile(this.blobPath(digest)));
+      manifest = await this.readCachedManifest(digest);
     } else {
       const got = await client.getManifest(digest);
       await this.putBytes(digest, got.bytes);
@@ -553,6 +577,21 @@ export class CasCache {
       blobsFetched: missing.length + (manifestFetched ? 1 : 0),
       bytesFetched,
     };
+  }
+
+  /**
+   * A manifest from the cache: checked as a manifest, but not again for canonical form (a cached blob's bytes
+   * were hashed against its digest on the way in, and the digest is of the canonical bytes).
+   */
+  private async readCachedManifest(d: Digest): Promise<Manifest> {
+    let value: unknown;
+    try {
+      value = JSON.parse(await readFile(this.blobPath(d), "utf8"));
+    } catch (err) {
+      if (err instanceof SyntaxError) return parseManifest(await readFile(this.blobPath(d)));
+      throw err;
+    }
+    return validateManifest(value);
   }
 
   /** The manifests held in full, most recently used first, at most 256 (for the dispatcher's locality). */

@@ -14,6 +14,7 @@ import { pipeline } from "node:stream/promises";
 import { createGunzip, createGzip, gzipSync, constants as zlibConstants } from "node:zlib";
 import { DispatchCloudError, ERROR_CODES, type ErrorCode } from "../errors.ts";
 import { retryWithBackoff } from "../retry.ts";
+import { BATCH_BINARY_TYPE, type BatchEntry, splitBatch } from "./batch.ts";
 import {
   type Digest,
   DigestBuilder,
@@ -364,23 +365,46 @@ export function createCasClient(opts: CasClientOptions): CasClient {
       if (d.size > MAX_BATCH_READ_BLOB)
         throw new Error(`batch-read: ${formatDigest(d)} is too large for a batch`);
     }
-    for (const group of batches(digests, BATCH_READ_MAX, MAX_BATCH_BYTES, (d) => base64Len(d.size))) {
-      const r = await json<{
-        blobs: { digest: string; data?: string; error?: { code?: string; message?: string } }[];
-      }>("POST", "/batch-read", "batch-read", { digests: group.map(formatDigest) });
+    // The binary answer (lib/cas/batch.ts) carries the bytes as they are: batches are counted in raw bytes.
+    for (const group of batches(digests, BATCH_READ_MAX, MAX_BATCH_BYTES, (d) => d.size)) {
+      const body = Buffer.from(JSON.stringify({ digests: group.map(formatDigest) }));
+      const entries = await retrying("batch-read", async () => {
+        const res = await send(
+          "POST",
+          "/batch-read",
+          "batch-read",
+          {
+            accept: `${BATCH_BINARY_TYPE}, application/json`,
+            "content-type": "application/json",
+            "content-length": String(body.length),
+          },
+          body,
+        );
+        const bytes = await readAll(res);
+        if (String(res.headers["content-type"] ?? "").startsWith(BATCH_BINARY_TYPE)) return splitBatch(bytes);
+        // A server without the binary answer: base64 inside JSON.
+        const r = JSON.parse(bytes.toString()) as {
+          blobs: { digest: string; data?: string; error?: { code?: string; message?: string } }[];
+        };
+        return r.blobs.map(
+          (b): BatchEntry =>
+            b.data === undefined
+              ? { digest: b.digest, error: b.error ?? {} }
+              : { digest: b.digest, data: Buffer.from(b.data, "base64") },
+        );
+      });
       for (const [i, d] of group.entries()) {
-        const b = r.blobs[i];
+        const b = entries[i];
         if (b === undefined || b.digest !== formatDigest(d))
           throw new Error("batch-read: answers out of order");
-        if (b.data === undefined) throw apiError(`batch-read of ${b.digest}`, b.error);
-        const data = Buffer.from(b.data, "base64");
-        const got = digestBytes(data);
+        if ("error" in b) throw apiError(`batch-read of ${b.digest}`, b.error);
+        const got = digestBytes(b.data);
         if (got.hash !== d.hash || got.size !== d.size) {
           throw mismatch(
             `batch-read: the bytes received for ${formatDigest(d)} hash to ${formatDigest(got)}`,
           );
         }
-        out.set(d.hash, data);
+        out.set(d.hash, b.data);
       }
     }
     return out;

@@ -18,6 +18,7 @@ import { pipeline, Readable } from "node:stream";
 import { createBrotliDecompress, createGunzip, createGzip, createInflate, gzipSync } from "node:zlib";
 import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
+import { BATCH_BINARY_TYPE, type BatchEntry, joinBatch } from "../../lib/cas/batch.ts";
 import {
   type Digest,
   DigestBuilder,
@@ -361,7 +362,7 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
     return { results };
   });
 
-  app.post(`${PREFIX}/batch-read`, { onRequest }, async (request) => {
+  app.post(`${PREFIX}/batch-read`, { onRequest }, async (request, reply) => {
     const { reader } = callerOf(request);
     const body = validate(BatchReadRequest, request.body);
     const digests = body.digests.map((t, i) => parseDigest(t, `digests/${i}`));
@@ -407,6 +408,11 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
       reads.push({ at: blobs.length, d });
       blobs.push({ digest, data: "" });
     }
+    // Binary answer (asked for with Accept: BATCH_BINARY_TYPE): one JSON line listing the blobs in order, each
+    // {digest, size} or {digest, error}, then the bytes of those with a size, one after the other. No base64, no
+    // bytes inside a JSON string: several times cheaper for both ends than the JSON answer.
+    const binary = String(request.headers.accept ?? "").includes(BATCH_BINARY_TYPE);
+    const bytes: (Buffer | null)[] = blobs.map(() => null);
     await eachLimited(reads, BATCH_READ_CONCURRENCY, async ({ at, d }) => {
       const s = await backend.read(d);
       if (s === null) {
@@ -416,9 +422,14 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
       }
       const data = await readAll(s);
       cas.metrics?.bytesDownloaded.inc(data.length);
-      blobs[at] = { digest: formatDigest(d), data: data.toString("base64") };
+      if (binary) bytes[at] = data;
+      else blobs[at] = { digest: formatDigest(d), data: data.toString("base64") };
     });
-    return { blobs };
+    if (!binary) return { blobs };
+    const entries: BatchEntry[] = blobs.map((b, i) =>
+      "error" in b ? b : { digest: b.digest, data: bytes[i] ?? Buffer.alloc(0) },
+    );
+    return reply.type(BATCH_BINARY_TYPE).send(joinBatch(entries));
   });
 
   const sendBlob = async (request: FastifyRequest, reply: FastifyReply, manifest: boolean) => {
