@@ -16,7 +16,7 @@
  */
 import { execFileSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { existsSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { link, mkdir } from "node:fs/promises";
 import { loadavg, tmpdir } from "node:os";
 import path from "node:path";
@@ -95,6 +95,11 @@ const server = await forkBenchServer(import.meta.filename, [
   path.join(work, "server"),
 ]);
 const { url, token } = server;
+/** The server process's CPU time so far (utime + stime from /proc, in ms). */
+const serverCpuMs = (): number => {
+  const fields = readFileSync(`/proc/${server.child.pid}/stat`, "utf8").split(") ")[1]?.split(" ") ?? [];
+  return ((Number(fields[11]) + Number(fields[12])) * 1000) / 100;
+};
 const client = createCasClient({ url, token });
 
 try {
@@ -114,14 +119,19 @@ try {
   // 2. Cold staging.
   const cache = new CasCache(path.join(work, "vm-cache"));
   t0 = performance.now();
+  const cpu0 = { bench: process.cpuUsage(), server: serverCpuMs() };
   const cold = await cache.fetchManifest(client, up.digest);
   const coldFetchMs = ms(t0);
   const coldTarget = path.join(work, "cold");
   await stageTree(cache, cold.manifest, coldTarget);
   const coldMs = ms(t0);
+  const coldCpu = {
+    bench: (process.cpuUsage(cpu0.bench).user + process.cpuUsage(cpu0.bench).system) / 1000,
+    server: serverCpuMs() - cpu0.server,
+  };
   line(
     "cold staging (fetch + hard links)",
-    `${coldMs.toFixed(0)} ms = ${(coldMs / tarMs).toFixed(2)}x tar (target <= 2x) (fetch ${coldFetchMs.toFixed(0)} ms, links ${(coldMs - coldFetchMs).toFixed(0)} ms); ${cold.blobsFetched} blobs, ${formatSize(cold.bytesFetched)} fetched`,
+    `${coldMs.toFixed(0)} ms = ${(coldMs / tarMs).toFixed(2)}x tar (target <= 2x) (fetch ${coldFetchMs.toFixed(0)} ms, links ${(coldMs - coldFetchMs).toFixed(0)} ms; CPU: this process ${coldCpu.bench.toFixed(0)} ms, the server ${coldCpu.server.toFixed(0)} ms); ${cold.blobsFetched} blobs, ${formatSize(cold.bytesFetched)} fetched`,
   );
 
   // 3. Warm staging, and a bare hard-link loop over the same tree.
