@@ -304,7 +304,7 @@ export function usersApiDocument(): Json {
           responses: {
             "200": json(
               { type: "object", properties: { blobs: { type: "array", items: { type: "object" } } } },
-              "One entry per digest, in order: its data (base64) or an error with its code.",
+              "One entry per digest, in order: its data (base64) or an error with its code. With Accept: application/vnd.dispatch-cloud.cas-batch the answer is binary instead: a JSON line {blobs: [{digest, size} | {digest, error}]}, then the bytes of the entries with a size, in order.",
             ),
             ...errors([...casCommon, "request.invalid_json", "request.invalid_body"]),
           },
