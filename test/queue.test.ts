@@ -267,6 +267,8 @@ describeEachDb("bundle queue", (getDb) => {
     q.apply(r.bundle); // stale again: stays out once a read has settled
     await q.refresh();
     expect(q.get(a.uuid)).toBeUndefined();
+    // The read brought the final row apply() had already had (its NOTIFY): nobody is told twice.
+    expect(notified).toBe(2);
   });
 
   it("tells its listeners what changed: {uuid, from, to} with the row, final rows included", async () => {

@@ -81,6 +81,11 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   const tombstones = new Map<string, number>();
   /** Bundles seen leaving the queue as ready or failed. */
   const ended = new Set<string>();
+  /**
+   * change_seq of the row with which a uuid left the queue (or of a final row of one it never held), so a read
+   * that brings the same row again (its NOTIFY, after apply() had it) changes nothing and tells nobody twice.
+   */
+  const left = new Map<string, number>();
   const listeners = new Set<(changes: readonly QueueChange[]) => void>();
   /** Changes applied since listeners were last told. */
   let pending: QueueChange[] = [];
@@ -130,7 +135,7 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
    */
   function applyRow(b: Bundle): boolean {
     const cur = bundles.get(b.uuid);
-    const known = cur?.changeSeq ?? tombstones.get(b.uuid) ?? -1;
+    const known = cur?.changeSeq ?? tombstones.get(b.uuid) ?? left.get(b.uuid) ?? -1;
     if (b.changeSeq <= known) return false;
     const from = cur?.state ?? null;
     if (ACTIVE.has(b.state)) {
@@ -150,6 +155,10 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
       return true;
     }
     if (reading) tombstones.set(b.uuid, b.changeSeq);
+    left.delete(b.uuid);
+    left.set(b.uuid, b.changeSeq);
+    // Bounded: the oldest go first (a Map iterates in insertion order).
+    if (left.size > MAX_ENDED) left.delete(left.keys().next().value as string);
     const final = FINAL.has(b.state);
     if (b.state === "ready" || b.state === "failed") {
       ended.add(b.uuid);
