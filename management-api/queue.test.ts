@@ -185,7 +185,8 @@ describe("management API: the queue in scheduler order, each bundle explained", 
       await h.drive(async () => d.parts!.pool.worker(holder!)?.cachedManifests?.length === 1);
 
       const a = await withInput(["sleep", "600"]);
-      await h.drive(async () => (await h.states([a])).get(a) === "running");
+      // The dispatcher's view (what the management API shows) follows the row by its NOTIFY: wait for it there.
+      await h.drive(async () => (await queueOf(app)).find((x) => x.uuid === a)?.state === "running");
       const why = "placed for its cache: 3.0 GiB of 3.0 GiB of inputs held there";
       expect((await queueOf(app)).find((b) => b.uuid === a)).toMatchObject({
         state: "running",
@@ -196,7 +197,7 @@ describe("management API: the queue in scheduler order, each bundle explained", 
       // The holder is full now: the next bundle with the same input starts on the other instance at once.
       const b = await withInput(["sleep", "600"]);
       await d.runOnce();
-      await h.drive(async () => (await h.states([b])).get(b) === "running");
+      await h.drive(async () => (await queueOf(app)).find((x) => x.uuid === b)?.state === "running");
       const item = (await queueOf(app)).find((x) => x.uuid === b);
       expect(item).toMatchObject({ state: "running", instanceId: first });
       expect(item?.placement).toBeUndefined();

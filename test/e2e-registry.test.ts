@@ -175,7 +175,11 @@ describe("end to end: registry pulls", () => {
     const b = await sys.waitState(uuid);
     const stderr = await stderrOf(uuid);
     expect(b, stderr).toMatchObject({ state: "ready", attempt: 1 });
-    expect(stderr).toContain(`pulling ${image} from ${REG.auth} as ${REG.user}`);
+    // The auth registry is configured, so serve pinned the tag to its digest at submit time: that is pulled.
+    const pinned = `${REG.auth}/dctest/pull@sha256:`;
+    expect(String(b["imagePinned"] ?? "")).toMatch(/^127\.0\.0\.1:\d+\/dctest\/pull@sha256:[0-9a-f]{64}$/);
+    expect(String(b["imagePinned"])).toContain(pinned);
+    expect(stderr).toContain(`pulling ${String(b["imagePinned"])} from ${REG.auth} as ${REG.user}`);
     expect(stderr).not.toContain(REG.password);
     expect(sys.output()).not.toContain(REG.password);
     expect(filesContaining(sys.dir, REG.password)).toEqual([]);
