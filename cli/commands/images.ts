@@ -8,7 +8,6 @@ import { spawn } from "node:child_process";
 import { mkdtemp, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { createCasClient, type UploadProgress } from "../../lib/cas/client.ts";
 import { formatDigest } from "../../lib/cas/digest.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { normalizeImageName } from "../../lib/image-names.ts";
@@ -18,6 +17,7 @@ import { CLIENT_OPTIONS, parse } from "../args.ts";
 import { DEFAULT_API_URL, findToken } from "../client.ts";
 import { type CliIo, EXIT_OK, usageError } from "../io.ts";
 import { connect, table } from "./client-common.ts";
+import { uploadTreeShowingProgress } from "./upload.ts";
 
 const USAGE = `usage: dispatch-cloud images push IMAGE [--name NAME] [--json]
        dispatch-cloud images list [--json]
@@ -130,32 +130,7 @@ async function push(io: CliIo): Promise<number> {
     } catch (err) {
       throw saveFailed(image, (err as Error).message);
     }
-    const cas = createCasClient({
-      url: apiUrl,
-      token,
-      ...(io.signal === undefined ? {} : { signal: io.signal }),
-    });
-    const started = Date.now();
-    let lastShown = 0;
-    const show = (p: UploadProgress) => {
-      const now = Date.now();
-      if (p.phase === "uploaded" && now - lastShown < 500 && p.blobsDone < p.blobsTotal) return;
-      lastShown = now;
-      const width = 30;
-      const filled = p.blobsTotal === 0 ? width : Math.round((p.blobsDone / p.blobsTotal) * width);
-      const what =
-        p.phase === "hashed" ? "hashed" : p.phase === "checked" ? "checked with the store" : "uploading";
-      io.progress(
-        `[${"#".repeat(filled)}${".".repeat(width - filled)}] ${p.blobsDone}/${p.blobsTotal} blobs, ` +
-          `${formatSize(p.bytesSent)} sent (${what}, ${((now - started) / 1000).toFixed(1)}s)`,
-      );
-    };
-    let up: Awaited<ReturnType<typeof cas.uploadTree>>;
-    try {
-      up = await cas.uploadTree(dir, { shownAs: image, absoluteRoot: dir, onProgress: show });
-    } finally {
-      cas.close();
-    }
+    const up = await uploadTreeShowingProgress(io, { apiUrl, token, dir, shownAs: image });
     io.progress(
       `uploaded ${image}: ${up.files} files, ${formatSize(up.bytes)}; sent ${formatSize(up.bytesSent)}, ` +
         `${up.blobsSkipped} of ${up.blobsSkipped + up.blobsUploaded} blobs already stored`,

@@ -5,7 +5,7 @@
  * stderr; stdout is the new bundle's uuid alone, so scripts can take it.
  */
 import { resolve } from "node:path";
-import { createCasClient, type UploadProgress } from "../../lib/cas/client.ts";
+import { createCasClient, type UploadProgress, type UploadTreeResult } from "../../lib/cas/client.ts";
 import { formatDigest } from "../../lib/cas/digest.ts";
 import { formatSize } from "../../lib/units.ts";
 import { CLIENT_OPTIONS, parse } from "../args.ts";
@@ -30,9 +30,32 @@ export async function uploadCommand(io: CliIo): Promise<number> {
     ...(values["token-file"] === undefined ? {} : { tokenFile: values["token-file"] }),
     ...(values["data-dir"] === undefined ? {} : { dataDir: values["data-dir"] }),
   });
+  const up = await uploadTreeShowingProgress(io, { apiUrl, token, dir, shownAs: positionals[0]! });
+  io.progress(
+    `uploaded ${up.files} files, ${formatSize(up.bytes)}: sent ${formatSize(up.bytesSent)}, ` +
+      `${up.blobsSkipped} of ${up.blobsSkipped + up.blobsUploaded} blobs already stored; manifest ${formatDigest(up.digest)}`,
+  );
+  const api = await connect(io, values);
+  const b = await api.request<ApiBundle>("POST", "api/v1/bundles/uploads", {
+    manifest: formatDigest(up.digest),
+    ...(values.name === undefined ? {} : { name: values.name }),
+  });
+  if (values.json === true) io.out(JSON.stringify(b, null, 2));
+  else io.out(b.uuid);
+  return EXIT_OK;
+}
+
+/**
+ * Uploads the tree at `dir` to the store (only what it lacks), with a progress bar on stderr (redrawn at most
+ * twice a second while blobs go up); `shownAs` names the tree in messages. Used by `upload` and `images push`.
+ */
+export async function uploadTreeShowingProgress(
+  io: CliIo,
+  opts: { apiUrl: string; token: string; dir: string; shownAs: string },
+): Promise<UploadTreeResult> {
   const cas = createCasClient({
-    url: apiUrl,
-    token,
+    url: opts.apiUrl,
+    token: opts.token,
     ...(io.signal === undefined ? {} : { signal: io.signal }),
   });
   const started = Date.now();
@@ -50,22 +73,13 @@ export async function uploadCommand(io: CliIo): Promise<number> {
         `${formatSize(p.bytesSent)} sent (${what}, ${((now - started) / 1000).toFixed(1)}s)`,
     );
   };
-  let up: Awaited<ReturnType<typeof cas.uploadTree>>;
   try {
-    up = await cas.uploadTree(dir, { shownAs: positionals[0]!, absoluteRoot: dir, onProgress: show });
+    return await cas.uploadTree(opts.dir, {
+      shownAs: opts.shownAs,
+      absoluteRoot: opts.dir,
+      onProgress: show,
+    });
   } finally {
     cas.close();
   }
-  io.progress(
-    `uploaded ${up.files} files, ${formatSize(up.bytes)}: sent ${formatSize(up.bytesSent)}, ` +
-      `${up.blobsSkipped} of ${up.blobsSkipped + up.blobsUploaded} blobs already stored; manifest ${formatDigest(up.digest)}`,
-  );
-  const api = await connect(io, values);
-  const b = await api.request<ApiBundle>("POST", "api/v1/bundles/uploads", {
-    manifest: formatDigest(up.digest),
-    ...(values.name === undefined ? {} : { name: values.name }),
-  });
-  if (values.json === true) io.out(JSON.stringify(b, null, 2));
-  else io.out(b.uuid);
-  return EXIT_OK;
 }
