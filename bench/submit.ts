@@ -9,7 +9,7 @@
  * Usage: npm run bench:submit [-- --single N] [--batched N] [--db pg,pglite]
  * PostgreSQL: DISPATCH_CLOUD_TEST_PG_URL (scripts/test-services.sh starts one and prints it).
  */
-import { type ChildProcess, fork } from "node:child_process";
+import type { ChildProcess } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import http from "node:http";
 import { tmpdir } from "node:os";
@@ -20,7 +20,7 @@ import { createBundleQueue } from "../dispatcher/queue/queue.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createBundleManager } from "../rest-server/bundle-manager.ts";
 import type { openTestDb } from "../test/db.ts";
-import { startBenchServer } from "./rest-server.ts";
+import { forkBenchServer, startBenchServer } from "./rest-server.ts";
 
 const { values } = parseArgs({
   options: {
@@ -183,24 +183,10 @@ async function queueCaughtUp(child: ChildProcess, want: number, since: number): 
   }
 }
 
-const cpuProf = process.env["BENCH_SERVER_CPU_PROF"];
-
 async function bench(kind: "pg" | "pglite"): Promise<void> {
-  const child = fork(import.meta.filename, ["--serve", kind], {
-    // BENCH_SERVER_CPU_PROF=DIR: a CPU profile of the server process, written to DIR.
-    execArgv: [
-      "--import",
-      "tsx",
-      ...(cpuProf === undefined ? [] : ["--cpu-prof", `--cpu-prof-dir=${cpuProf}`]),
-    ],
-    stdio: ["ignore", "inherit", "inherit", "ipc"],
-  });
-  const { url, token } = await new Promise<{ url: string; token: string }>((resolve, reject) => {
-    child.once("exit", (code) => reject(new Error(`server process exited (${code})`)));
-    child.on("message", (m: ToParent) => {
-      if ("ready" in m) resolve(m.ready);
-    });
-  });
+  // BENCH_SERVER_CPU_PROF=DIR: a CPU profile of the server process, written to DIR.
+  const server = await forkBenchServer(import.meta.filename, ["--serve", kind]);
+  const { child, url, token } = server;
   try {
     let inQueue = 0;
     const phases: [string, number, number, number][] = [
@@ -227,8 +213,7 @@ async function bench(kind: "pg" | "pglite"): Promise<void> {
       );
     }
   } finally {
-    child.send("stop");
-    await new Promise((r) => child.once("exit", r));
+    await server.stop();
   }
 }
 
