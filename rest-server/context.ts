@@ -7,6 +7,7 @@ import type { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { BlobBackend } from "./cas/backend.ts";
 import type { CasMetrics } from "./cas/metrics.ts";
+import type { ReadableCache } from "./cas/readable-cache.ts";
 import type { StoredOutputs } from "./cas/stored-outputs.ts";
 import type { ImageResolver } from "./image-resolve.ts";
 import type { LogNotifier } from "./logs.ts";
@@ -40,6 +41,8 @@ export interface RouteContext {
   casBackend: BlobBackend | null;
   /** Outputs kept as manifests in the store (bundles whose runner finished with an outputManifest). */
   storedOutputs: StoredOutputs;
+  /** What each user was recently found to be able to read in the store (cas/readable-cache.ts). */
+  casReadable: ReadableCache;
   /** The store's metrics (runners report their staging figures at finish); null without a registry. */
   casMetrics: CasMetrics | null;
   /**

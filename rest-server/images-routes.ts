@@ -145,6 +145,8 @@ export function registerImageRoutes(app: FastifyInstance, ctx: RouteContext): vo
     const ref = refParam(request);
     const removed = await deleteImage(db, callerOf(request).uuid, ref);
     if (removed.length === 0) throw notFound(ref);
+    // The owner's right to the image tree's blobs may end here (cas/readable-cache.ts).
+    ctx.casReadable.forgetUser(callerOf(request).uuid);
     request.log.info({ owner: callerOf(request).uuid, ref, count: removed.length }, "image removed");
     return { removed: removed.map(imageView) };
   });

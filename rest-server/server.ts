@@ -36,6 +36,7 @@ import type { BlobBackend } from "./cas/backend.ts";
 import { createFsBackend } from "./cas/backend-fs.ts";
 import { type CasGc, createCasGc } from "./cas/gc.ts";
 import { createCasMetrics } from "./cas/metrics.ts";
+import { cacheTtlFor, ReadableCache } from "./cas/readable-cache.ts";
 import { registerCasRoutes } from "./cas/routes.ts";
 import { createStoredOutputs } from "./cas/stored-outputs.ts";
 import type { RouteContext } from "./context.ts";
@@ -157,6 +158,10 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     casBackend: null,
     storedOutputs: createStoredOutputs(() => ctx.casBackend),
     casMetrics: null,
+    casReadable: new ReadableCache({
+      ttlMs: cacheTtlFor(opts.cas?.retention ?? defaultConfig().cas.retention),
+      nowMs: clock === undefined ? () => Date.now() : () => clock.now(),
+    }),
     // The insert statements themselves pin an image of the owner's in the store (no extra query per submission);
     // with other resolvers, the store is asked first here too, so a registry is never asked about a store image.
     imageResolvers:
@@ -248,6 +253,8 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     retentionMs: opts.cas?.retention ?? casDefaults.retention,
     partialDir,
     logger,
+    // Blobs were removed: what this server remembers of who may read them goes too (readable-cache.ts).
+    onCollected: () => ctx.casReadable.clear(),
   });
   app.decorate("casGc", casGc);
   const gcInterval = opts.cas?.gcInterval ?? 0;

@@ -235,6 +235,43 @@ for (const backendKind of BACKENDS) {
       expect((await api("GET", url("blobs", d), bob)).raw.equals(data)).toBe(true);
     });
 
+    it("find-missing remembers per user what it found readable, and forgets it when garbage collection removes blobs", async () => {
+      const carol = await newUser("carol");
+      const dave = await newUser("dave");
+      const kept = randomBytes(500);
+      const asked = randomBytes(600);
+      const runnerUpload = randomBytes(700);
+      expect((await put(carol.token, kept)).status).toBe(201);
+      // Another user's upload of `asked`; carol uploads it too, and asks about both.
+      expect((await put(dave.token, asked)).status).toBe(201);
+      expect((await put(carol.token, asked)).status).toBe(201);
+      expect(await missing(carol.token, [digestOf(kept), digestOf(asked)])).toEqual([]);
+      // With carol's rights gone from the database, the answer comes from what this server remembers...
+      await getDb().query("DELETE FROM cas_access WHERE user_uuid = $1", [carol.uuid]);
+      expect(await missing(carol.token, [digestOf(kept), digestOf(asked)])).toEqual([]);
+      // ... for carol only: dave never uploaded `kept`.
+      expect(await missing(dave.token, [digestOf(kept), digestOf(asked)])).toEqual([
+        formatDigest(digestOf(kept)),
+      ]);
+      // A runner's upload is remembered for its bundle's owner.
+      const r = await running(carol.token);
+      expect((await put(r.token, runnerUpload)).status).toBe(201);
+      await getDb().query("DELETE FROM cas_access WHERE user_uuid = $1", [carol.uuid]);
+      expect(await missing(carol.token, [digestOf(runnerUpload)])).toEqual([]);
+      // A collection that removes a blob drops everything remembered: the database answers again.
+      const old = randomBytes(50);
+      expect((await put(bob, old)).status).toBe(201);
+      await getDb().query("UPDATE cas_blobs SET touched_at = $1 WHERE hash = $2", [
+        new Date(nowMs - 30 * DAY),
+        digestOf(old).hash,
+      ]);
+      const collected = await app.casGc.gcOnce();
+      expect(collected.blobs).toBeGreaterThanOrEqual(1);
+      expect(await missing(carol.token, [digestOf(kept), digestOf(asked), digestOf(runnerUpload)])).toEqual(
+        [digestOf(kept), digestOf(asked), digestOf(runnerUpload)].map(formatDigest),
+      );
+    });
+
     it("find-missing of 10,000 digests is one query (timing printed, not asserted)", async () => {
       const present = randomBytes(100);
       expect((await put(alice, present)).status).toBe(201);

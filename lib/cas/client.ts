@@ -21,7 +21,7 @@ import {
   digestBytes,
   formatDigest,
   isEmptyDigest,
-  parseDigest,
+  parseDigestList,
 } from "./digest.ts";
 import {
   canonicalManifest,
@@ -289,7 +289,8 @@ export function createCasClient(opts: CasClientOptions): CasClient {
       const r = await json<{ missing: string[] }>("POST", "/find-missing", "find-missing", {
         digests: chunk,
       });
-      for (const [j, d] of r.missing.entries()) out.push(parseDigest(d, `missing[${j}]`));
+      // A malformed answer fails as an invalid digest at its path (missing/0), like a malformed element.
+      out.push(...parseDigestList(Array.isArray(r.missing) ? r.missing : [r.missing], "missing"));
     }
     return out;
   }

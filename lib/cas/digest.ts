@@ -17,8 +17,31 @@ export interface Digest {
 export const MAX_BLOB_SIZE = 2 ** 40;
 
 const HASH = /^[0-9a-f]{64}$/;
-/** A well-formed `<hash>/<size>` (the size still to be checked against MAX_BLOB_SIZE). */
-const DIGEST_TEXT = /^([0-9a-f]{64})\/(0|[1-9][0-9]{0,15})$/;
+
+/** 1 for the character codes of lower-case hex digits. */
+const HEX_CODE = new Uint8Array(128);
+for (const c of "0123456789abcdef") HEX_CODE[c.charCodeAt(0)] = 1;
+
+/**
+ * The digest of a well-formed `<hash>/<size>` (64 lower-case hex, a slash, a size without leading zeros, at most
+ * MAX_BLOB_SIZE), or null. A loop over character codes: find-missing parses 10,000 digests per request, and
+ * this is several times cheaper than a regular expression with captures.
+ */
+function wellFormedDigest(text: string): Digest | null {
+  const n = text.length;
+  if (n < 66 || n > 81 || text.charCodeAt(64) !== 47) return null;
+  for (let i = 0; i < 64; i++) {
+    const c = text.charCodeAt(i);
+    if (c > 127 || HEX_CODE[c] === 0) return null;
+  }
+  if (n > 66 && text.charCodeAt(65) === 48) return null;
+  for (let i = 65; i < n; i++) {
+    const c = text.charCodeAt(i);
+    if (c < 48 || c > 57) return null;
+  }
+  const size = Number(text.slice(65));
+  return size <= MAX_BLOB_SIZE ? { hash: text.slice(0, 64), size } : null;
+}
 
 export const EMPTY_DIGEST: Digest = {
   hash: "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
@@ -52,12 +75,9 @@ export function parseDigest(text: unknown, field = "digest"): Digest {
       path: field,
     });
   }
-  // The common case in one test (find-missing parses 10,000 of them per request); a mismatch is explained below.
-  const m = DIGEST_TEXT.exec(text);
-  if (m !== null) {
-    const size = Number(m[2]);
-    if (size <= MAX_BLOB_SIZE) return { hash: m[1]!, size };
-  }
+  // The common case in one pass; a mismatch is explained below.
+  const d = wellFormedDigest(text);
+  if (d !== null) return d;
   const slash = text.indexOf("/");
   if (slash < 0 || text.length > 64 + 1 + 16) {
     throw new DispatchCloudError("cas.invalid_digest", `${field}: must be "<sha256 hex>/<size>"`, {
@@ -65,6 +85,19 @@ export function parseDigest(text: unknown, field = "digest"): Digest {
     });
   }
   return digestOf(text.slice(0, slash), text.slice(slash + 1), field);
+}
+
+/**
+ * Parses a list of `<hash>/<size>` texts; an error names the bad one's index under `field` (`digests/3`). The
+ * path of each element is only built for the error (lists of 10,000 are common).
+ */
+export function parseDigestList(texts: readonly unknown[], field: string): Digest[] {
+  const out: Digest[] = new Array(texts.length);
+  for (let i = 0; i < texts.length; i++) {
+    const t = texts[i];
+    out[i] = (typeof t === "string" ? wellFormedDigest(t) : null) ?? parseDigest(t, `${field}/${i}`);
+  }
+  return out;
 }
 
 /** The digest of bytes held in memory. */

@@ -27,6 +27,8 @@ export interface CasGcOptions {
   /** `<dataDir>/cas-partial`: `<user uuid>/<hash>-<size>` files of interrupted uploads. */
   partialDir: string;
   logger?: Logger;
+  /** Called after a collection that removed blobs. */
+  onCollected?: () => void;
 }
 
 export interface GcResult {
@@ -104,6 +106,7 @@ export function createCasGc(opts: CasGcOptions): CasGc {
       await removeBlobs(dead, result);
     }
     result.partials = await sweepPartials();
+    if (result.blobs > 0) opts.onCollected?.();
     if (result.blobs > 0 || result.partials > 0) {
       opts.logger?.info({ ...result, backend: backend.kind }, "content-addressed store collected");
     }

@@ -27,6 +27,7 @@ import {
   formatDigest,
   isEmptyDigest,
   parseDigest,
+  parseDigestList,
   sameDigest,
 } from "../../lib/cas/digest.ts";
 import { type Manifest, manifestStats, parseManifest } from "../../lib/cas/manifest.ts";
@@ -257,6 +258,26 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
   /** Uploads in progress, by partial file: a second upload of the same blob by the same user uses a file of its own. */
   const activePartials = new Set<string>();
 
+  const readable = ctx.casReadable;
+  /**
+   * find-missing through the readable cache: only digests the cache does not know are asked of the database.
+   * The present ones a touching question found are remembered for the user, but only for a reader without
+   * extra manifests (a runner may read its dependencies' trees, which its owner's other readers may not).
+   */
+  const missingFor = async (reader: CasReader, digests: Digest[], touch: boolean): Promise<Digest[]> => {
+    const unknown = readable.unknown(reader.userUuid, digests);
+    if (unknown.length === 0) return [];
+    const missing = await findMissing(db, reader, unknown, now(), { touch });
+    if (touch && reader.manifests.length === 0) {
+      const gone = new Set(missing.map((d) => d.hash));
+      readable.add(
+        reader.userUuid,
+        unknown.filter((d) => !gone.has(d.hash)),
+      );
+    }
+    return missing;
+  };
+
   const onRequest = async (request: FastifyRequest) => {
     const token = bearerToken(request);
     if (token.startsWith(RUNNER_TOKEN_PREFIX)) {
@@ -282,9 +303,9 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
   app.post(`${PREFIX}/find-missing`, { onRequest, bodyLimit: 2 * 2 ** 20 }, async (request) => {
     const { reader } = callerOf(request);
     const body = validate(FindMissingRequest, request.body);
-    const digests = body.digests.map((t, i) => parseDigest(t, `digests/${i}`));
+    const digests = parseDigestList(body.digests, "digests");
     const asked = digests.filter((d) => !isEmptyDigest(d));
-    const missing = await findMissing(db, reader, asked, now());
+    const missing = await missingFor(reader, asked, true);
     if (cas.metrics !== null) {
       let skipped = 0;
       for (const d of asked) skipped += d.size;
@@ -355,25 +376,28 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
       owner,
       now(),
     );
+    const stored: Digest[] = [];
     for (const i of toStore) {
       if (refused.has(items[i]!.digest.hash)) fail(i, busy(items[i]!.digest));
-      else if (states.get(i) === "absent") cas.metrics?.bytesUploaded.inc(items[i]!.data.length);
+      else {
+        stored.push(items[i]!.digest);
+        if (states.get(i) === "absent") cas.metrics?.bytesUploaded.inc(items[i]!.data.length);
+      }
     }
+    readable.add(owner, stored);
     return { results };
   });
 
   app.post(`${PREFIX}/batch-read`, { onRequest }, async (request, reply) => {
     const { reader } = callerOf(request);
     const body = validate(BatchReadRequest, request.body);
-    const digests = body.digests.map((t, i) => parseDigest(t, `digests/${i}`));
+    const digests = parseDigestList(body.digests, "digests");
     const missing = new Set(
       (
-        await findMissing(
-          db,
+        await missingFor(
           reader,
           digests.filter((d) => !isEmptyDigest(d)),
-          now(),
-          { touch: false },
+          false,
         )
       ).map((d) => d.hash),
     );
@@ -580,6 +604,7 @@ export function registerCasRoutes(app: FastifyInstance, ctx: RouteContext, cas: 
         // insurance against a row whose bytes went missing.
         if (state !== "present" || !(await backend.has(d))) await backend.adoptFile(d, file);
         if (!(await recordUpload(db, d, owner, now()))) throw busy(d);
+        readable.add(owner, [d]);
         return reply.code(201).send({ digest: formatDigest(d) });
       } catch (err) {
         if (err instanceof Interrupted) {
