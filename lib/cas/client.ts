@@ -440,14 +440,21 @@ export function createCasClient(opts: CasClientOptions): CasClient {
         const sink = new Writable({
           highWaterMark: 1024 * 1024,
           writev(chunks, done) {
-            const buf = chunks.length === 1 ? chunks[0]!.chunk : Buffer.concat(chunks.map((c) => c.chunk));
-            if (b.size + buf.length > digest.size) {
+            // One system call for all of them, without copying them into one buffer first.
+            const bufs: Buffer[] = chunks.map((c) => c.chunk as Buffer);
+            let n = 0;
+            for (const c of bufs) n += c.length;
+            if (b.size + n > digest.size) {
               done(mismatch(`${what}: more bytes than the digest's size`));
               return;
             }
-            fh.write(buf, 0, buf.length, b.size).then(
-              () => {
-                b.update(buf);
+            fh.writev(bufs, b.size).then(
+              ({ bytesWritten }) => {
+                if (bytesWritten !== n) {
+                  done(new Error(`${what}: a short write (${bytesWritten} of ${n} bytes)`));
+                  return;
+                }
+                for (const c of bufs) b.update(c);
                 done();
               },
               (err: Error) => done(err),
