@@ -222,14 +222,6 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
         throw notCurrentNow(bundle, await getBundle(db, bundle.uuid));
       }
     }
-    // What staging by manifest cost (crunch-run's figures in the usage), for the store's metrics.
-    const u = body.resourceUsage;
-    if (ctx.casMetrics !== null && u !== undefined && u["stagingSeconds"] !== undefined) {
-      ctx.casMetrics.vmCacheHits.inc(u["casBlobsHit"] ?? 0);
-      ctx.casMetrics.vmCacheMisses.inc(u["casBlobsFetched"] ?? 0);
-      ctx.casMetrics.vmBytesFetched.inc(u["casBytesFetched"] ?? 0);
-      ctx.casMetrics.stagingSeconds.observe(u["stagingSeconds"]);
-    }
     const result = await finishBundle(db, bundle.uuid, bundle.attempt, {
       exitCode: body.exitCode,
       ...(body.failed === undefined ? {} : { failed: body.failed }),
@@ -239,6 +231,15 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       actor: ACTOR,
     });
     if (!result.ok) throw notCurrent(bundle, result);
+    // What staging by manifest cost (crunch-run's figures in the usage), for the store's metrics: counted once,
+    // by the finish that moved the bundle (a retried finish is refused above and counts nothing).
+    const u = body.resourceUsage;
+    if (ctx.casMetrics !== null && u !== undefined && u["stagingSeconds"] !== undefined) {
+      ctx.casMetrics.vmCacheHits.inc(u["casBlobsHit"] ?? 0);
+      ctx.casMetrics.vmCacheMisses.inc(u["casBlobsFetched"] ?? 0);
+      ctx.casMetrics.vmBytesFetched.inc(u["casBytesFetched"] ?? 0);
+      ctx.casMetrics.stagingSeconds.observe(u["stagingSeconds"]);
+    }
     request.log.info(
       {
         bundleUuid: bundle.uuid,

@@ -272,6 +272,34 @@ for (const backendKind of BACKENDS) {
       );
     });
 
+    it("a finish's VM cache figures are counted once, by the finish that ended the attempt", async () => {
+      const hits = await metric("dispatchcloud_cas_vm_cache_hits_total");
+      const r = await running(alice);
+      const usage = { stagingSeconds: 1.5, casBlobsHit: 7, casBlobsFetched: 2, casBytesFetched: 100 };
+      const first = await api("POST", "/api/v1/runner/finish", r.token, {
+        exitCode: 0,
+        resourceUsage: usage,
+      });
+      expect(first.status, JSON.stringify(first.body)).toBe(200);
+      expect(await metric("dispatchcloud_cas_vm_cache_hits_total")).toBe(hits + 7);
+      const again = await api("POST", "/api/v1/runner/finish", r.token, {
+        exitCode: 0,
+        resourceUsage: usage,
+      });
+      expect(again.status).toBeGreaterThanOrEqual(400);
+      expect(await metric("dispatchcloud_cas_vm_cache_hits_total")).toBe(hits + 7);
+      // A finish the store refuses (this attempt never started) counts nothing either.
+      const res = await api("POST", "/api/v1/bundles", alice, { command: ["true"], image: "busybox" });
+      await manager.runOnce();
+      const starting = await startWithRunnerToken(getDb(), res.body.uuid);
+      expectApiError(
+        await api("POST", "/api/v1/runner/finish", starting.token, { exitCode: 0, resourceUsage: usage }),
+        409,
+        "runner.not_current",
+      );
+      expect(await metric("dispatchcloud_cas_vm_cache_hits_total")).toBe(hits + 7);
+    });
+
     it("find-missing of 10,000 digests is one query (timing printed, not asserted)", async () => {
       const present = randomBytes(100);
       expect((await put(alice, present)).status).toBe(201);
