@@ -85,6 +85,42 @@ describe("fetchManifest", () => {
     expect(readdirSync(join(cache.dir, "tmp"))).toEqual([]);
   });
 
+  it("with a subpath fetches only that part's blobs, and does not count the tree as held", async () => {
+    const inside = randomBytes(900);
+    const outside = randomBytes(300_000);
+    const file = (p: string, data: Buffer) => ({
+      path: p,
+      type: "file" as const,
+      digest: storeBlob(data),
+      executable: false,
+    });
+    const m: Manifest = {
+      version: 1,
+      entries: [
+        { path: "keep", type: "dir" },
+        file("keep/x", inside),
+        { path: "skip", type: "dir" },
+        file("skip/y", outside),
+      ],
+    };
+    storeBlob(canonicalManifest(m));
+    const d = manifestDigest(m);
+    const cache = cacheWith();
+    const r = await cache.fetchManifest(reader, d, { subpath: "keep" });
+    expect(r).toMatchObject({ blobsHit: 0, blobsFetched: 2 });
+    expect(r.part?.entries.map((e) => e.path)).toEqual(["x"]);
+    expect(existsSync(cache.blobPath(digestBytes(inside)))).toBe(true);
+    expect(existsSync(cache.blobPath(digestBytes(outside)))).toBe(false);
+    expect(await cache.heldManifests()).toEqual([]);
+    const none = await cache.fetchManifest(reader, d, { subpath: "nowhere" });
+    expect(none.part).toBeNull();
+    expect(none.blobsFetched).toBe(0);
+    // The whole tree afterwards: only what is left is fetched, and the tree is held.
+    const whole = await cache.fetchManifest(reader, d);
+    expect(whole).toMatchObject({ blobsHit: 1, blobsFetched: 1 });
+    expect(await cache.heldManifests()).toEqual([d]);
+  });
+
   it("refuses corrupt bytes: nothing is cached", async () => {
     const data = randomBytes(500);
     const d = storeTree({ x: data });

@@ -34,7 +34,13 @@ import {
 import path from "node:path";
 import { batches, type CasClient, MAX_BATCH_BYTES, SMALL_BLOB } from "../lib/cas/client.ts";
 import { type Digest, digestBytes, formatDigest, isEmptyDigest, parseDigest } from "../lib/cas/digest.ts";
-import { type Manifest, manifestStats, parseManifest, validateManifest } from "../lib/cas/manifest.ts";
+import {
+  type Manifest,
+  manifestStats,
+  parseManifest,
+  subManifest,
+  validateManifest,
+} from "../lib/cas/manifest.ts";
 import { eachInSlices, eachLimited } from "../lib/cas/tree.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { parseLock, procStartTime, readLockText, removeDeadLock } from "./lock.ts";
@@ -104,6 +110,8 @@ interface Pin {
 
 export interface FetchResult {
   manifest: Manifest;
+  /** The part of the tree fetched (`subpath`; the whole manifest without one), null when it has no such path. */
+  part: Manifest | null;
   blobsHit: number;
   blobsFetched: number;
   bytesFetched: number;
@@ -511,12 +519,14 @@ export class CasCache {
   /**
    * Makes the manifest `digest` and every blob it names present: the manifest from the cache or the store,
    * small missing blobs by batch-read, large ones by streaming downloads (a few at once), all verified. With
-   * `pin`, the blobs are pinned for that attempt before anything is looked up (see `pin`).
+   * `pin`, the blobs are pinned for that attempt before anything is looked up (see `pin`). With `subpath`, only
+   * the blobs of that part of the tree are fetched and pinned (`part` is that part, null when the tree has no
+   * such path); the manifest is then not counted as held whole (the `--list` cache line).
    */
   async fetchManifest(
     client: CasReader,
     digest: Digest,
-    opts: { pin?: { id: string; lockFile: string } } = {},
+    opts: { pin?: { id: string; lockFile: string }; subpath?: string } = {},
   ): Promise<FetchResult> {
     await this.init();
     let manifest: Manifest;
@@ -531,7 +541,9 @@ export class CasCache {
       bytesFetched += got.bytes.length;
       manifestFetched = true;
     }
-    const blobs = manifestStats(manifest).blobs.filter((b) => !isEmptyDigest(b));
+    const whole = opts.subpath === undefined || opts.subpath === "";
+    const part = whole ? manifest : subManifest(manifest, opts.subpath!);
+    const blobs = part === null ? [] : manifestStats(part).blobs.filter((b) => !isEmptyDigest(b));
     if (opts.pin !== undefined) {
       await this.pin(opts.pin.id, opts.pin.lockFile, [digest.hash, ...blobs.map((b) => b.hash)]);
     }
@@ -576,9 +588,10 @@ export class CasCache {
     const [smallResult, largeResult] = await Promise.allSettled([smallDone, largeDone]);
     if (smallResult.status === "rejected") throw smallResult.reason;
     if (largeResult.status === "rejected") throw largeResult.reason;
-    await this.record([digest, ...blobs], digest);
+    await this.record([digest, ...blobs], whole ? digest : undefined);
     return {
       manifest,
+      part,
       blobsHit: blobs.length - missing.length,
       blobsFetched: missing.length + (manifestFetched ? 1 : 0),
       bytesFetched,

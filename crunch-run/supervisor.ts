@@ -34,7 +34,6 @@ import { lstat, readdir, rm } from "node:fs/promises";
 import path from "node:path";
 import { createCasClient } from "../lib/cas/client.ts";
 import { type Digest, formatDigest, parseDigest } from "../lib/cas/digest.ts";
-import { subManifest } from "../lib/cas/manifest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { createLogger, type Logger } from "../lib/logger.ts";
 import { extractTar, type PackOptions, packEntries, scanTree } from "../lib/tar.ts";
@@ -267,8 +266,12 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
     }> => {
       const t0 = performance.now();
       const c = await openCache();
-      const fetched = await c.fetchManifest(cas, digest, { pin: { id: pinId, lockFile: lock } });
-      const part = subManifest(fetched.manifest, dep.subpath);
+      // Only the blobs of the subpath are fetched (and pinned).
+      const fetched = await c.fetchManifest(cas, digest, {
+        pin: { id: pinId, lockFile: lock },
+        subpath: dep.subpath,
+      });
+      const part = fetched.part;
       if (part === null) throw new Error(`the dependency's outputs have no ${JSON.stringify(dep.subpath)}`);
       await removeStagedTree(target);
       const r = await stageTree(c, part, target);
