@@ -183,8 +183,7 @@ export function parseFetch(args: string[]): FetchRequest {
       dst: nonEmpty(rest[2 * k + 1], `destination of file spec ${k + 1}`),
     });
   }
-  if (!isAbsolute(dir) && specs.some((s) => !isAbsolute(s.dst)))
-    throw bad(`the directory ${JSON.stringify(dir)} must be an absolute path`);
+  if (!isAbsolute(dir)) throw bad(`the directory ${JSON.stringify(dir)} must be an absolute path`);
   return { job, dir, stderr, all: mode === "ALL", specs };
 }
 
