@@ -61,7 +61,9 @@ export async function gahpCommand(io: CliIo, streams?: GahpStreams): Promise<num
     selectProject: (url, token) => {
       api.close();
       api = new GahpApi(url, token, limiter, controller.signal);
-      log(`project ${url}`);
+      // Never a secret in the log: no user or password a URL might carry.
+      const shown = new URL(url);
+      log(`project ${shown.origin}${shown.pathname}`);
     },
     log,
   });
@@ -74,7 +76,10 @@ export async function gahpCommand(io: CliIo, streams?: GahpStreams): Promise<num
     log,
   });
   engine.signal.addEventListener("abort", () => controller.abort(engine.signal.reason));
-  log(`started (config ${file}, REST server ${config.apiUrl}, ${Object.keys(config.apps).length} apps)`);
+  const shownUrl = new URL(config.apiUrl);
+  log(
+    `started (config ${file}, REST server ${shownUrl.origin}${shownUrl.pathname}, ${Object.keys(config.apps).length} apps)`,
+  );
   engine.start();
   await new Promise<void>((done) => {
     const stop = () => {
