@@ -136,6 +136,10 @@ describe("dispatch-cloud gahp: the wire protocol", () => {
       // Still serving, and still in step: the next answer is this one's.
       expect(await g.send("RESULTS"), what).toEqual(["S", "0"]);
     }
+    // A project URL that is not one: a malformed argument of a synchronous command.
+    const f = await g.send("BOINC_SELECT_PROJECT not\\ a\\ url token");
+    expect(f[0]).toBe("E");
+    expect(f[1]).toBe(`gahp.bad_arguments: not a URL: "not a url"`);
     expect(await g.send("QUIT")).toEqual(["S"]);
     expect(await g.exited).toBe(0);
   }, 120_000);

@@ -1,6 +1,13 @@
 import { describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../../lib/errors.ts";
-import { boincStatus, expandCommand, parseFetch, parseSubmit } from "./boinc.ts";
+import {
+  boincStatus,
+  expandCommand,
+  fitQueryReply,
+  parseFetch,
+  parseSubmit,
+  type QueriedJob,
+} from "./boinc.ts";
 
 const code = (fn: () => unknown) => {
   try {
@@ -102,5 +109,35 @@ describe("BOINC command arguments", () => {
     expect(s("failed", 3)).toBe("DONE");
     expect(s("failed")).toBe("ERROR");
     expect(s("killed")).toBe("ERROR");
+  });
+
+  it("shares out a query answer too long for one line: oldest changes first, then the next query continues", () => {
+    const job = (i: number, mod: number): QueriedJob => ({ job: `b#1.${i}`, status: "DONE", mod });
+    const jobs = [job(0, 100), job(1, 100), job(2, 101), job(3, 102), job(4, 103)];
+    // Each job costs 2 * 5 + 4 + 2 = 16 bytes, the line 64 + 12; room for three.
+    const budget = 76 + 3 * 16;
+    expect(fitQueryReply([jobs], 200, () => undefined, 76 + 5 * 16)).toEqual({
+      batches: [jobs],
+      serverTime: 200,
+    });
+    const first = fitQueryReply([[...jobs].reverse()], 200, () => undefined, budget);
+    expect(first.batches[0]?.map((j) => j.job).sort()).toEqual(["b#1.0", "b#1.1", "b#1.2"]);
+    expect(first.serverTime).toBeCloseTo(102 - 0.000001, 6);
+    // The next query, from that time, gets the rest.
+    const rest = jobs.filter((j) => j.mod >= first.serverTime);
+    expect(fitQueryReply([rest], 200, () => undefined, budget).batches[0]?.map((j) => j.job)).toEqual([
+      "b#1.3",
+      "b#1.4",
+    ]);
+
+    // Five jobs changed at the same moment, room for three: those not yet reported as they are go first.
+    const same = [0, 1, 2, 3, 4].map((i) => job(i, 100));
+    const seen = new Map<string, string>();
+    const a = fitQueryReply([same], 200, (j) => seen.get(j), budget);
+    expect(a.serverTime).toBeLessThan(100);
+    for (const j of a.batches[0] ?? []) seen.set(j.job, j.status);
+    const b = fitQueryReply([same], 200, (j) => seen.get(j), budget);
+    for (const j of b.batches[0] ?? []) seen.set(j.job, j.status);
+    expect([...seen.keys()].sort()).toEqual(same.map((j) => j.job));
   });
 });

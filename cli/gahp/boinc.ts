@@ -215,6 +215,53 @@ export function expandCommand(
 const bundleName = (job: string) => job.replace(CONTROL, "?").slice(0, 200);
 const CONTROL = new RegExp(`[${CONTROL_CHARACTERS}]`, "g");
 
+/** A job's line in a query's answer: its name, status and when its bundle last changed (seconds). */
+export interface QueriedJob {
+  job: string;
+  status: BoincStatus;
+  mod: number;
+}
+
+/** What a job adds to the answer line at most (its name escaped, its status, two spaces). */
+const jobBytes = (j: QueriedJob) => 2 * j.job.length + j.status.length + 2;
+
+/**
+ * The jobs of a BOINC_QUERY_BATCHES answer that fit the 500 KB line, and the server time to answer with. When all
+ * fit, all of them and `serverTime`. Otherwise the oldest changes first, and a server time just before the first
+ * change left out, so the next query (which reports changes at or after it) continues there. Jobs that changed at
+ * the same moment (a batch created by one request) may not all fit: among those, the ones not yet reported with
+ * their current status (`reported`) go first, so repeated queries report every one of them.
+ */
+export function fitQueryReply(
+  batches: QueriedJob[][],
+  serverTime: number,
+  reported: (job: string) => string | undefined,
+  budget = MAX_REPLY_BYTES - 4096,
+): { batches: QueriedJob[][]; serverTime: number } {
+  let bytes = 64 + 12 * batches.length;
+  for (const js of batches) for (const j of js) bytes += jobBytes(j);
+  if (bytes <= budget) return { batches, serverTime };
+  const fresh = (j: QueriedJob) => (reported(j.job) === j.status ? 1 : 0);
+  const all = batches
+    .flatMap((js, b) => js.map((j) => ({ j, b })))
+    .sort((x, y) => x.j.mod - y.j.mod || fresh(x.j) - fresh(y.j));
+  bytes = 64 + 12 * batches.length;
+  const keep = new Set<QueriedJob>();
+  let cutAt = serverTime;
+  for (const { j } of all) {
+    bytes += jobBytes(j);
+    if (bytes > budget) {
+      cutAt = j.mod;
+      break;
+    }
+    keep.add(j);
+  }
+  return {
+    batches: batches.map((js) => js.filter((j) => keep.has(j))),
+    serverTime: Math.min(serverTime, cutAt - 0.000001),
+  };
+}
+
 export interface BoincOptions {
   apps: Record<string, AppTemplate>;
   /** The API for the current project (BOINC_SELECT_PROJECT replaces it). */
@@ -235,6 +282,8 @@ export class BoincService {
   private lastLoad = 0;
   private readonly batchLocks = new Map<string, Promise<unknown>>();
   private readonly now: () => number;
+  /** The status each job was last reported with (to share out a reply too long for one line; see fitQueryReply). */
+  private readonly reportedStatus = new Map<string, string>();
 
   constructor(private readonly opts: BoincOptions) {
     this.now = opts.now ?? Date.now;
@@ -344,6 +393,7 @@ export class BoincService {
     this.batches = new Map();
     this.jobs = new Map();
     this.uploads = new Map();
+    this.reportedStatus.clear();
     this.loaded = null;
     this.lastLoad = 0;
   }
@@ -560,39 +610,13 @@ export class BoincService {
       ),
     );
     // The server's clock at the earliest answer, less 2 s for the Date header's whole seconds and the time a
-    // request takes: a change after this query is newer than this, so it is reported by the next one.
-    let serverTime = Number.isFinite(serverSeconds)
-      ? Math.floor(serverSeconds) - 2
-      : Math.floor(this.now() / 1000) - 2;
+    // request takes: a change after this query is newer than that, so the next query reports it.
+    const now = Number.isFinite(serverSeconds) ? serverSeconds : this.now() / 1000;
     const changed = views.map((jobs) => jobs.filter((j) => minMod <= 0 || j.mod >= minMod));
-    const size = (lists: typeof changed) =>
-      lists.reduce(
-        (n, js) => n + 12 + js.reduce((m, j) => m + 2 * j.job.length + j.status.length + 2, 0),
-        64,
-      );
-    let reported = changed;
-    if (size(changed) > MAX_REPLY_BYTES - 4096) {
-      // Too many changes for one line: the oldest changes first, whole timestamps at a time, and a server time
-      // that makes the next query start where this one stopped.
-      const all = changed.flatMap((js, b) => js.map((j) => ({ ...j, b }))).sort((x, y) => x.mod - y.mod);
-      const keep = new Set<(typeof all)[number]>();
-      let bytes = 64 + 12 * changed.length;
-      let cutAt = Number.NaN;
-      for (let k = 0; k < all.length; k++) {
-        const j = all[k] as (typeof all)[number];
-        bytes += 2 * j.job.length + j.status.length + 2;
-        if (bytes > MAX_REPLY_BYTES - 4096) {
-          // Drop the partial timestamp group.
-          cutAt = j.mod;
-          for (const x of [...keep]) if (x.mod === cutAt) keep.delete(x);
-          break;
-        }
-        keep.add(j);
-      }
-      const kept = [...keep];
-      reported = changed.map((_, b) => kept.filter((j) => j.b === b));
-      serverTime = Math.min(serverTime, Number.isNaN(cutAt) ? serverTime : cutAt - 0.000001);
-    }
+    const fit = fitQueryReply(changed, Math.floor(now) - 2, (job) => this.reportedStatus.get(job));
+    const reported = fit.batches;
+    const serverTime = fit.serverTime;
+    for (const js of reported) for (const j of js) this.reportedStatus.set(j.job, j.status);
     const out = ["NULL", seconds(serverTime)];
     for (const js of reported) {
       out.push(String(js.length));
@@ -710,7 +734,10 @@ export class BoincService {
     await this.killAll(live, `${why} (batch ${batch})`);
     this.retired.add(batch);
     this.batches.delete(batch);
-    for (const job of entry.jobs.keys()) this.jobs.delete(job);
+    for (const job of entry.jobs.keys()) {
+      this.jobs.delete(job);
+      this.reportedStatus.delete(job);
+    }
     this.opts.log(`batch ${batch} ${why}: ${live.length} jobs aborted`);
     return ["NULL"];
   }
