@@ -84,6 +84,31 @@ export class GahpApi {
     return out;
   }
 
+  /**
+   * Every bundle of the caller that is not final yet, page by page, and the server's clock at the first answer
+   * (seconds, from the Date header).
+   */
+  async liveBundles(): Promise<{ bundles: GahpBundle[]; serverSeconds: number }> {
+    const out: GahpBundle[] = [];
+    let serverSeconds = Number.POSITIVE_INFINITY;
+    let cursor: string | null = null;
+    do {
+      const q: string = cursor === null ? "" : `&cursor=${encodeURIComponent(cursor)}`;
+      const page = await this.limiter.run(async () => {
+        const res = await this.client.raw(
+          "GET",
+          `api/v1/bundles?state=created,staged,starting,running&limit=500${q}`,
+        );
+        const date = Date.parse(res.headers.get("date") ?? "");
+        if (!Number.isNaN(date)) serverSeconds = Math.min(serverSeconds, date / 1000);
+        return (await res.json()) as { items: GahpBundle[]; nextCursor: string | null };
+      });
+      out.push(...page.items);
+      cursor = page.nextCursor;
+    } while (cursor !== null);
+    return { bundles: out, serverSeconds };
+  }
+
   /** A bundle and the server's clock when it answered (seconds, from the Date header). */
   async bundle(uuid: string): Promise<{ bundle: GahpBundle; serverSeconds: number }> {
     return this.limiter.run(async () => {

@@ -284,6 +284,8 @@ export class BoincService {
   private readonly now: () => number;
   /** The status each job was last reported with (to share out a reply too long for one line; see fitQueryReply). */
   private readonly reportedStatus = new Map<string, string>();
+  /** Jobs whose bundles were seen final, by bundle uuid: they never change again. */
+  private readonly finalViews = new Map<string, QueriedJob>();
 
   constructor(private readonly opts: BoincOptions) {
     this.now = opts.now ?? Date.now;
@@ -394,6 +396,7 @@ export class BoincService {
     this.jobs = new Map();
     this.uploads = new Map();
     this.reportedStatus.clear();
+    this.finalViews.clear();
     this.loaded = null;
     this.lastLoad = 0;
   }
@@ -597,20 +600,33 @@ export class BoincService {
       batches.push({ name, jobs: [...entry.jobs.entries()] });
     }
     const api = this.opts.api();
-    let serverSeconds = Number.POSITIVE_INFINITY;
+    // One listing of the caller's unfinished bundles, and a request for each job that has left it since the last
+    // query; a job seen final is final for good and never asked about again.
+    const live = await api.liveBundles();
+    let serverSeconds = live.serverSeconds;
+    const liveByUuid = new Map(live.bundles.map((b) => [b.uuid, b]));
+    const view = (job: string, b: Pick<GahpBundle, "state" | "exitCode" | "updatedAt">): QueriedJob => ({
+      job,
+      status: boincStatus(b),
+      mod: Date.parse(b.updatedAt) / 1000,
+    });
     const views = await Promise.all(
       batches.map((b) =>
         Promise.all(
-          b.jobs.map(async ([job, uuid]) => {
+          b.jobs.map(async ([job, uuid]): Promise<QueriedJob> => {
+            const done = this.finalViews.get(uuid);
+            if (done !== undefined) return { ...done, job };
+            const seen = liveByUuid.get(uuid);
+            if (seen !== undefined) return view(job, seen);
             const { bundle, serverSeconds: s } = await api.bundle(uuid);
             serverSeconds = Math.min(serverSeconds, s);
-            return { job, status: boincStatus(bundle), mod: Date.parse(bundle.updatedAt) / 1000 };
+            const v = view(job, bundle);
+            if (FINAL.has(bundle.state)) this.finalViews.set(uuid, v);
+            return v;
           }),
         ),
       ),
     );
-    // The server's clock at the earliest answer, less 2 s for the Date header's whole seconds and the time a
-    // request takes: a change after this query is newer than that, so the next query reports it.
     const now = Number.isFinite(serverSeconds) ? serverSeconds : this.now() / 1000;
     const changed = views.map((jobs) => jobs.filter((j) => minMod <= 0 || j.mod >= minMod));
     const fit = fitQueryReply(changed, Math.floor(now) - 2, (job) => this.reportedStatus.get(job));
@@ -734,9 +750,10 @@ export class BoincService {
     await this.killAll(live, `${why} (batch ${batch})`);
     this.retired.add(batch);
     this.batches.delete(batch);
-    for (const job of entry.jobs.keys()) {
+    for (const [job, uuid] of entry.jobs) {
       this.jobs.delete(job);
       this.reportedStatus.delete(job);
+      this.finalViews.delete(uuid);
     }
     this.opts.log(`batch ${batch} ${why}: ${live.length} jobs aborted`);
     return ["NULL"];
