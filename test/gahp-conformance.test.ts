@@ -234,7 +234,9 @@ describe("dispatch-cloud gahp: HTCondor's gridmanager against real bundles", () 
     // transfer_output_files = result.txt with a remap, and the job's error file: all fetches in flight together.
     const reqids = new Map<number, number>();
     for (let i = 0; i < JOBS; i++) {
-      const args = `${wordcountJobs[i]?.name} ${esc(iwd)} ${esc(join(iwd, `job ${i}.err`))} SOME 1 result.txt ${esc(`result ${i}.txt`)}`;
+      // BuildOutputInfo: the transfer_output_files (remapped), then the error file as (its base name, itself).
+      const err = join(iwd, `job ${i}.err`);
+      const args = `${wordcountJobs[i]?.name} ${esc(iwd)} ${esc(err)} SOME 2 result.txt ${esc(`result ${i}.txt`)} ${esc(`job ${i}.err`)} ${esc(err)}`;
       reqids.set(await gahp.request("BOINC_FETCH_OUTPUT", args), i);
     }
     for (const [reqid, i] of reqids) {

@@ -286,6 +286,8 @@ export class BoincService {
   private readonly reportedStatus = new Map<string, string>();
   /** Jobs whose bundles were seen final, by bundle uuid: they never change again. */
   private readonly finalViews = new Map<string, QueriedJob>();
+  /** The project and authenticator last selected. */
+  private project = "";
 
   constructor(private readonly opts: BoincOptions) {
     this.now = opts.now ?? Date.now;
@@ -313,8 +315,12 @@ export class BoincService {
               "gahp.bad_arguments",
               `the project URL must be http or https (got ${parsed.protocol})`,
             );
-          this.opts.selectProject(url, auth);
-          this.reset();
+          // The gridmanager selects again whenever it switches resources: the same project keeps what is known.
+          if (this.project !== `${url} ${auth}`) {
+            this.opts.selectProject(url, auth);
+            this.reset();
+            this.project = `${url} ${auth}`;
+          }
           return [];
         },
       },
@@ -678,7 +684,10 @@ export class BoincService {
         copies.push({ src: o.path, file: place(renamed.get(o.path) ?? o.path) });
       }
     } else {
+      const stderrFile = req.stderr === "" ? null : place(req.stderr);
       for (const s of req.specs) {
+        // The gridmanager asks for the job's error file as an output too; it is written from the stderr log.
+        if (!have.has(s.src) && place(s.dst) === stderrFile) continue;
         if (!have.has(s.src)) {
           throw new DispatchCloudError(
             "gahp.output_failed",
