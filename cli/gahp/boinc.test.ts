@@ -2,6 +2,7 @@ import { describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import {
   boincStatus,
+  bundleRequest,
   expandCommand,
   fitQueryReply,
   parseFetch,
@@ -139,5 +140,37 @@ describe("BOINC command arguments", () => {
     const b = fitQueryReply([same], 200, (j) => seen.get(j), budget);
     for (const j of b.batches[0] ?? []) seen.set(j.job, j.status);
     expect([...seen.keys()].sort()).toEqual(same.map((j) => j.job));
+  });
+
+  it("turns the BOINC bounds into the bundle's resources and limits, over the template's", () => {
+    const template = {
+      image: "img",
+      command: ["run", "{args}"],
+      resources: { vcpus: 2, ram: "1GiB", scratch: "4GiB" },
+      limits: { time: "2h", network: true },
+    };
+    const job = { name: "b#1.0", args: ["a"], inputs: [] };
+    const req = (memory: number | null, disk: number | null, delay: number | null) => ({
+      batch: "b",
+      app: "app",
+      jobs: [job],
+      bounds: { memory, disk, delay },
+    });
+    expect(bundleRequest(req(null, null, null), template, job, null)).toMatchObject({
+      command: ["run", "a"],
+      resources: { vcpus: 2, ram: "1GiB", scratch: "4GiB" },
+      limits: { time: "2h", network: true },
+      env: { GAHP_BATCH: "b", GAHP_JOB: "b#1.0", GAHP_APP: "app" },
+    });
+    const bounded = bundleRequest(req(5e8, 2 ** 33, 3599.5), template, job, "e2e01-bndl-000000000000001");
+    expect(bounded).toMatchObject({
+      resources: { vcpus: 2, ram: 500_000_000, scratch: 2 ** 33 },
+      limits: { time: "3600s", disk: 2 ** 33, network: true },
+      dependencies: [{ bundle: "e2e01-bndl-000000000000001", name: "inputs" }],
+    });
+    // A disk bound below the template's scratch keeps the scratch.
+    expect(bundleRequest(req(null, 2 ** 20, null), template, job, null)["resources"]).toMatchObject({
+      scratch: 4 * 2 ** 30,
+    });
   });
 });

@@ -262,6 +262,46 @@ export function fitQueryReply(
   };
 }
 
+/** The `POST /bundles` item for one job: the app's template, the job's arguments and the BOINC bounds. */
+export function bundleRequest(
+  req: SubmitRequest,
+  t: AppTemplate,
+  job: SubmitJob,
+  tree: string | null,
+): Record<string, unknown> {
+  const r = t.resources ?? {};
+  const l = t.limits ?? {};
+  const { memory, disk, delay } = req.bounds;
+  const ram = memory !== null && memory > 0 ? Math.ceil(memory) : r.ram;
+  const diskBytes = disk !== null && disk > 0 ? Math.ceil(disk) : l.disk;
+  const scratch =
+    disk !== null && disk > 0
+      ? Math.max(Math.ceil(disk), r.scratch === undefined ? 0 : parseSize(r.scratch))
+      : r.scratch;
+  const time = delay !== null && delay > 0 ? `${Math.ceil(delay)}s` : l.time;
+  const limits = {
+    ...(time === undefined ? {} : { time }),
+    ...(diskBytes === undefined ? {} : { disk: diskBytes }),
+    ...(l.network === undefined ? {} : { network: l.network }),
+  };
+  return {
+    name: bundleName(job.name),
+    image: t.image,
+    command: expandCommand(t.command, { job: job.name, batch: req.batch, app: req.app }, job.args),
+    env: { ...(t.env ?? {}), [ENV_BATCH]: req.batch, [ENV_JOB]: job.name, [ENV_APP]: req.app },
+    resources: {
+      ...(r.vcpus === undefined ? {} : { vcpus: r.vcpus }),
+      ...(ram === undefined ? {} : { ram }),
+      ...(scratch === undefined ? {} : { scratch }),
+    },
+    ...(Object.keys(limits).length === 0 ? {} : { limits }),
+    ...(tree === null ? {} : { dependencies: [{ bundle: tree, name: "inputs" }] }),
+    ...(t.maxAttempts === undefined ? {} : { maxAttempts: t.maxAttempts }),
+    ...(t.preemptible === undefined ? {} : { preemptible: t.preemptible }),
+    ...(t.priority === undefined ? {} : { priority: t.priority }),
+  };
+}
+
 export interface BoincOptions {
   apps: Record<string, AppTemplate>;
   /** The API for the current project (BOINC_SELECT_PROJECT replaces it). */
@@ -553,7 +593,7 @@ export class BoincService {
     };
     const trees = await Promise.all(todo.map(treeOf));
 
-    const items = todo.map((job, k) => this.bundleRequest(req, template, job, trees[k] ?? null));
+    const items = todo.map((job, k) => bundleRequest(req, template, job, trees[k] ?? null));
     for (let start = 0; start < items.length; start += 1000) {
       const created = await api.createBundles(items.slice(start, start + 1000));
       for (const [k, b] of created.entries()) {
@@ -562,40 +602,6 @@ export class BoincService {
       }
     }
     return ["NULL"];
-  }
-
-  private bundleRequest(req: SubmitRequest, t: AppTemplate, job: SubmitJob, tree: string | null): unknown {
-    const r = t.resources ?? {};
-    const l = t.limits ?? {};
-    const { memory, disk, delay } = req.bounds;
-    const ram = memory !== null && memory > 0 ? Math.ceil(memory) : r.ram;
-    const diskBytes = disk !== null && disk > 0 ? Math.ceil(disk) : l.disk;
-    const scratch =
-      disk !== null && disk > 0
-        ? Math.max(Math.ceil(disk), r.scratch === undefined ? 0 : parseSize(r.scratch))
-        : r.scratch;
-    const time = delay !== null && delay > 0 ? `${Math.ceil(delay)}s` : l.time;
-    const limits = {
-      ...(time === undefined ? {} : { time }),
-      ...(diskBytes === undefined ? {} : { disk: diskBytes }),
-      ...(l.network === undefined ? {} : { network: l.network }),
-    };
-    return {
-      name: bundleName(job.name),
-      image: t.image,
-      command: expandCommand(t.command, { job: job.name, batch: req.batch, app: req.app }, job.args),
-      env: { ...(t.env ?? {}), [ENV_BATCH]: req.batch, [ENV_JOB]: job.name, [ENV_APP]: req.app },
-      resources: {
-        ...(r.vcpus === undefined ? {} : { vcpus: r.vcpus }),
-        ...(ram === undefined ? {} : { ram }),
-        ...(scratch === undefined ? {} : { scratch }),
-      },
-      ...(Object.keys(limits).length === 0 ? {} : { limits }),
-      ...(tree === null ? {} : { dependencies: [{ bundle: tree, name: "inputs" }] }),
-      ...(t.maxAttempts === undefined ? {} : { maxAttempts: t.maxAttempts }),
-      ...(t.preemptible === undefined ? {} : { preemptible: t.preemptible }),
-      ...(t.priority === undefined ? {} : { priority: t.priority }),
-    };
   }
 
   private async query(minMod: number, names: string[]): Promise<string[]> {
