@@ -2,6 +2,7 @@ import { runConfigCheck, runConfigDefaults } from "../config/check.ts";
 import { bundlesCommand } from "./commands/bundles.ts";
 import { cloudtestCommand } from "./commands/cloudtest.ts";
 import { dispatcherCommand } from "./commands/dispatcher.ts";
+import { gahpCommand } from "./commands/gahp.ts";
 import { imagesCommand } from "./commands/images.ts";
 import { instanceCommand } from "./commands/instance.ts";
 import { queueCommand } from "./commands/queue.ts";
@@ -33,6 +34,7 @@ users and bundles (clients of the REST server: --api-url URL, token from DISPATC
   bundles list|show|kill|events
   upload DIR [--name N]         a directory into the content-addressed store, as a ready bundle to depend on
   images push|list|rm           container images in the content-addressed store (docker save; no registry)
+  gahp [--config F]             a BOINC GAHP on stdin/stdout, so HTCondor 9.x submits to us (docs/htcondor.md)
 operators (clients of the management API: --management-url URL, default http://127.0.0.1:8901; token from
 DISPATCH_CLOUD_MANAGEMENT_TOKEN, --token-file F, or <data dir>/management-token):
   instance list [--header]      every instance as the dispatcher sees it
@@ -61,6 +63,7 @@ export const COMMANDS: Record<string, Command> = {
   bundles: bundlesCommand,
   upload: uploadCommand,
   images: imagesCommand,
+  gahp: (io) => gahpCommand(io),
   instance: instanceCommand,
   queue: queueCommand,
 };

@@ -357,6 +357,52 @@ export const ERROR_CODES = {
     description:
       "`images push` could not save the image with `docker save` (no docker command, no such image, or not a docker save archive); the message has docker's words.",
   },
+  // `dispatch-cloud gahp` (docs/htcondor.md): E/F replies and result lines carry "<code>: <message>".
+  "gahp.invalid_config": {
+    status: 400,
+    description:
+      "The GAHP's config file is missing, not YAML, or has a bad key or value; the message names the key.",
+  },
+  "gahp.unknown_command": {
+    status: 400,
+    description: "A request line names a command the GAHP does not have (COMMANDS lists them).",
+  },
+  "gahp.bad_arguments": {
+    status: 400,
+    description:
+      "A request has the wrong number of arguments, a count or number that is not one, or a request id already in use.",
+  },
+  "gahp.malformed_line": {
+    status: 400,
+    description:
+      "A request line is not text the protocol allows: not UTF-8, a control character, or a backslash before anything but space, backslash, CR or LF.",
+  },
+  "gahp.line_too_long": {
+    status: 413,
+    description:
+      "A request line is longer than the GAHP's maxRequestBytes; it was read to its end and dropped.",
+  },
+  "gahp.unknown_app": {
+    status: 400,
+    description: "BOINC_SUBMIT names an app that the GAHP's config has no template for.",
+  },
+  "gahp.unknown_batch": {
+    status: 404,
+    description: 'No batch of that name exists for this user (the message ends "no batch named <name>").',
+  },
+  "gahp.unknown_job": { status: 404, description: "No job of that name exists for this user." },
+  "gahp.job_not_done": {
+    status: 409,
+    description: "BOINC_FETCH_OUTPUT for a job that has not finished, or that ended without a result.",
+  },
+  "gahp.input_unreadable": {
+    status: 400,
+    description: "An input file named in BOINC_SUBMIT cannot be read on the submit machine.",
+  },
+  "gahp.output_failed": {
+    status: 500,
+    description: "BOINC_FETCH_OUTPUT could not write an output or the stderr file where it was asked to.",
+  },
 } as const satisfies Record<string, { status: number; description: string }>;
 
 export type ErrorCode = keyof typeof ERROR_CODES;
