@@ -98,7 +98,7 @@ export function parseYamlText(text: string): unknown {
       const where = line === undefined ? "" : `line ${line.line}, column ${line.col}: `;
       throw new DispatchCloudError(
         "pipeline.invalid",
-        `not valid YAML: ${where}${err.message.split("\n")[0]}`,
+        `not valid YAML: ${where}${(err.message.split("\n")[0] ?? "").replace(/ at line \d+, column \d+:?$/, "")}`,
         {
           path: "",
           cause: err,
@@ -746,6 +746,26 @@ function checkClause(
             path,
             `${pName}'s job id has {${f}}, which ${child.def.name}'s job id lacks, this clause does not give, and ${pName} has no autofill_values for: the parents of a ${child.def.name} job cannot be listed`,
           );
+    // A value the parent takes from the child must be one of the parent's: else the child would silently
+    // match nothing (and run without that parent).
+    if (jobIds === undefined)
+      for (const f of parent.def.fieldNames) {
+        const limit = parent.def.autofill[f];
+        if (fields[f] !== undefined || !childFields.includes(f) || limit === undefined) continue;
+        const own = child.def.autofill[f];
+        const allowed = new Set(limit.map(formatValue));
+        const outside = own?.find((v) => !allowed.has(formatValue(v)));
+        if (own === undefined)
+          c.problem(
+            path,
+            `${pName} takes {${f}} from ${child.def.name}'s job id, and ${pName}'s autofill_values.${f} limit it: give ${child.def.name} autofill_values.${f} within them (or give ${f} in this clause)`,
+          );
+        else if (outside !== undefined)
+          c.problem(
+            join(join(child.path, "autofill_values"), f),
+            `${outside} is not among ${pName}'s autofill_values.${f}, and ${pName} takes {${f}} from ${child.def.name}'s job id (${path})`,
+          );
+      }
     for (const f of childFields)
       if (
         fields[f] === undefined &&
