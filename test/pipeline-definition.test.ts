@@ -521,6 +521,15 @@ describe("mistakes are refused with their key path", () => {
     ]);
   });
 
+  it("a wrong template is one problem, not one more for each clause that names its app", () => {
+    expect(checkPipeline(withValue(base(), "apps.extract.job_id", "{dat}_{client}"))).toEqual([
+      {
+        path: "apps.extract.job_id",
+        message: "{dat} is not a declared field (declared: date, client, shard)",
+      },
+    ]);
+  });
+
   it("checkPipeline lists every problem; validatePipeline throws the first with the prefix and a count", () => {
     let raw = withValue(base(), "apps.train.max_attempts", 99);
     raw = withValue(raw, "apps.extract.bundle.command", "echo");

@@ -657,6 +657,14 @@ apps:
       expect.objectContaining({ code: "pipeline.invalid_job_id" }),
     );
   });
+  it("refuses job ids longer than 100 characters or with other characters", () => {
+    expect(() => parseJobId(def, "train", `20240101_${"a".repeat(92)}`)).toThrow(/1-100 characters/);
+    expect(parseJobId(def, "train", `20240101_${"a".repeat(91)}`)).toEqual({
+      date: 20240101,
+      client: "a".repeat(91),
+    });
+    expect(() => parseJobId(def, "train", "20240101_a b")).toThrow(/1-100 characters/);
+  });
   it("formats and parses job ids both ways", () => {
     expect(formatJobId(def, "train", { date: 20240101, client: "a.b-c" })).toBe("20240101_a.b-c");
     expect(parseJobId(def, "train", "20240101_a.b-c")).toEqual({ date: 20240101, client: "a.b-c" });

@@ -455,9 +455,18 @@ function checkApp(
     join(path, "bundle"),
     segments === undefined ? undefined : fieldNames,
   );
-  if (template === undefined || bundle === undefined) return undefined;
+  // A draft even when something is wrong (then it is never returned), so other apps may name this one.
   return {
-    def: { name, jobId: template, fieldNames, bundle, maxAttempts, autofill, dependsOn: null, validIfOr },
+    def: {
+      name,
+      jobId: segments === undefined ? "" : (template as string),
+      fieldNames,
+      bundle: bundle ?? { image: "", command: [] },
+      maxAttempts,
+      autofill,
+      dependsOn: null,
+      validIfOr,
+    },
     path,
     segments,
     dependsOn: raw["depends_on"],
@@ -638,6 +647,9 @@ function checkClause(
         );
       else if (!parents.includes(parent)) parents.push(parent);
     });
+
+  // An app whose job-id template is wrong (already reported) cannot be checked against: say nothing more.
+  if (child.segments === undefined || parents.some((p) => p.segments === undefined)) return undefined;
 
   let jobIds: string[] | undefined;
   if (raw["job_id"] !== undefined) {
