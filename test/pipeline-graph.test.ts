@@ -444,6 +444,22 @@ apps:
     bundle: { image: busybox, command: [build] }
 `);
 
+const readmeManyToOne = parsePipelineYaml(`
+name: readme-many-to-one
+fields: { date: date, client_id: str, target: str }
+apps:
+  preprocess:
+    job_id: "{date}_{client_id}"
+    bundle: { image: busybox, command: [preprocess] }
+  modelBuild:
+    job_id: "{client_id}_{target}"
+    depends_on:
+      app_name: [preprocess]
+      target: [purchaseRevenue, numberOfPageviews]
+      date: [20140601, 20140501, 20140401]
+    bundle: { image: busybox, command: [build] }
+`);
+
 const readmeOr = parsePipelineYaml(`
 name: readme-or-groups
 fields: { date: date, client_id: str, target: str }
@@ -492,6 +508,27 @@ describe("the worked examples of the Stolos README", () => {
       source: `${README}: a target the clause does not list selects no parent`,
       fn: "parents",
       job: "modelBuild 20140101_1234_other",
+      expected: [],
+    },
+    {
+      def: readmeManyToOne,
+      source: `${README}: modelBuild client1_purchaseRevenue waits for preprocess of three dates`,
+      fn: "parents",
+      job: "modelBuild client1_purchaseRevenue",
+      expected: ["preprocess 20140601_client1", "preprocess 20140501_client1", "preprocess 20140401_client1"],
+    },
+    {
+      def: readmeManyToOne,
+      source: `${README}: either modelBuild job of client1 may run first; both wait for the same jobs`,
+      fn: "children",
+      job: "preprocess 20140501_client1",
+      expected: ["modelBuild client1_purchaseRevenue", "modelBuild client1_numberOfPageviews"],
+    },
+    {
+      def: readmeManyToOne,
+      source: `${README}: a date the clause does not list has no children`,
+      fn: "children",
+      job: "preprocess 20140502_client1",
       expected: [],
     },
     {
@@ -664,6 +701,22 @@ apps:
       client: "a".repeat(91),
     });
     expect(() => parseJobId(def, "train", "20240101_a b")).toThrow(/1-100 characters/);
+  });
+  it("a template without fields has one job, which may gather every job of another app", () => {
+    const single = parsePipelineYaml(`
+name: single
+fields: { date: date }
+apps:
+  daily: { job_id: "{date}", autofill_values: { date: "2024-01-01:2024-01-03" }, bundle: { image: i, command: [x] } }
+  total: { job_id: all, depends_on: { app_name: daily, date: all }, bundle: { image: i, command: [x] } }
+`);
+    expect(parentsOf(single, { app: "total", jobId: "all" })).toEqual(
+      refs(["daily 20240101", "daily 20240102", "daily 20240103"]),
+    );
+    expect(childrenOf(single, { app: "daily", jobId: "20240102" })).toEqual(refs(["total all"]));
+    expect(() => parseJobId(single, "total", "alll")).toThrow(
+      expect.objectContaining({ code: "pipeline.invalid_job_id" }),
+    );
   });
   it("formats and parses job ids both ways", () => {
     expect(formatJobId(def, "train", { date: 20240101, client: "a.b-c" })).toBe("20240101_a.b-c");
