@@ -660,7 +660,7 @@ describe("the worked example of docs/pipelines.md", () => {
   });
 });
 
-describe("renderBundle", () => {
+describe("job ids, one-job apps, literal parents and renderBundle", () => {
   const def = parsePipelineYaml(`
 name: render
 fields: { date: date, client: str }
@@ -701,6 +701,20 @@ apps:
       client: "a".repeat(91),
     });
     expect(() => parseJobId(def, "train", "20240101_a b")).toThrow(/1-100 characters/);
+  });
+  it("literal parent job ids are parents of the child jobs that agree with them on shared fields", () => {
+    const literal = parsePipelineYaml(`
+name: literal
+fields: { n: int, s: str }
+apps:
+  p: { job_id: "{n}_{s}", bundle: { image: i, command: [x] } }
+  c: { job_id: "{n}", depends_on: { app_name: p, job_id: [1_x, 2_y, 2_z] }, bundle: { image: i, command: [x] } }
+`);
+    expect(parentsOf(literal, { app: "c", jobId: "1" })).toEqual(refs(["p 1_x"]));
+    expect(parentsOf(literal, { app: "c", jobId: "2" })).toEqual(refs(["p 2_y", "p 2_z"]));
+    expect(parentsOf(literal, { app: "c", jobId: "3" })).toEqual([]);
+    expect(childrenOf(literal, { app: "p", jobId: "2_y" })).toEqual(refs(["c 2"]));
+    expect(childrenOf(literal, { app: "p", jobId: "2_x" })).toEqual([]);
   });
   it("a template without fields has one job, which may gather every job of another app", () => {
     const single = parsePipelineYaml(`
@@ -783,6 +797,11 @@ describe("parentsOf and childrenOf are inverse", () => {
     const clauseArb = (earlier: string[]) =>
       fc.record({
         app_name: subsetOf(earlier),
+        // Sometimes literal parent job ids: indices into the combinations of the first parent's fields.
+        literal: fc.oneof(
+          { arbitrary: fc.constant(undefined), weight: 2 },
+          { arbitrary: fc.array(fc.nat(26), { minLength: 1, maxLength: 3 }), weight: 1 },
+        ),
         a: fc.oneof(
           { arbitrary: fc.constant(undefined), weight: 2 },
           { arbitrary: subsetOf(POOLS.a), weight: 2 },
@@ -820,6 +839,7 @@ describe("parentsOf and childrenOf are inverse", () => {
       .chain((n) => fc.tuple(...Array.from({ length: n }, (_, i) => appArb(i))));
     let valid = 0;
     let edges = 0;
+    let withLiterals = 0;
     fc.assert(
       fc.property(pipelineArb, (apps) => {
         const raw = {
@@ -827,8 +847,26 @@ describe("parentsOf and childrenOf are inverse", () => {
           fields: { a: "int", b: "str", d: "date" },
           apps: Object.fromEntries(
             apps.map((app, i) => {
-              const strip = (o: Record<string, unknown>) =>
-                Object.fromEntries(Object.entries(o).filter(([, v]) => v !== undefined));
+              const strip = ({
+                literal,
+                ...o
+              }: Record<string, unknown> & { literal?: number[] | undefined }) => {
+                const clause = Object.fromEntries(Object.entries(o).filter(([, v]) => v !== undefined));
+                if (literal === undefined) return clause;
+                const first = Number(String((clause["app_name"] as string[])[0]).slice(3));
+                const pFields = apps[first]?.fields ?? [];
+                let combos: string[] = [""];
+                for (const f of pFields)
+                  combos = combos.flatMap((c) => POOLS[f].map((v) => (c === "" ? String(v) : `${c}_${v}`)));
+                const ids = literal.map((n) =>
+                  pFields.length === 0 ? "all" : (combos[n % combos.length] as string),
+                );
+                // With job_id the other keys select children only: keep the child's fields, and no "all".
+                const kept = Object.entries(clause).filter(
+                  ([k, v]) => k === "app_name" || (app.fields.includes(k as "a") && v !== "all"),
+                );
+                return { ...Object.fromEntries(kept), job_id: ids };
+              };
               const autofill = Object.fromEntries(
                 Object.entries(app.autofill).filter(
                   ([k, v]) => v !== undefined && app.fields.includes(k as "a"),
@@ -850,6 +888,7 @@ describe("parentsOf and childrenOf are inverse", () => {
         };
         if (checkPipeline(raw).length > 0) return; // not a valid pipeline: nothing to check
         valid++;
+        if (JSON.stringify(raw).includes('"job_id":[')) withLiterals++;
         const def = parsePipelineYaml(JSON.stringify(raw));
         edges += checkInverse(def, jobsOf(def, POOLS));
       }),
@@ -857,5 +896,6 @@ describe("parentsOf and childrenOf are inverse", () => {
     );
     expect(valid).toBeGreaterThan(30);
     expect(edges).toBeGreaterThan(300);
+    expect(withLiterals).toBeGreaterThan(5);
   });
 });
