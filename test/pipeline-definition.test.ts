@@ -423,6 +423,18 @@ const cases: Case[] = [
       /^20240630 is not among extract's autofill_values\.date, and extract takes \{date\} from train's job id \(apps\.train\.depends_on\)$/,
   },
   {
+    name: "too many children for one parent job",
+    raw: () =>
+      withValue(base(), "apps.fan", {
+        job_id: "{client}_{shard}",
+        autofill_values: { client: Array.from({ length: 200 }, (_, i) => `c${i}`), shard: "1:1000" },
+        depends_on: { app_name: "train" },
+        bundle: { image: "i", command: ["x"] },
+      }),
+    path: "apps.fan.depends_on",
+    message: /^gives each train job 200000 children of fan; at most 100000$/,
+  },
+  {
     name: "a literal job id that is not the parent's",
     raw: () =>
       withValue(base(), "apps.train.depends_on", { app_name: "extract", job_id: ["20240601_umbrella"] }),

@@ -91,7 +91,7 @@ export function parsePipelineYaml(text: string): PipelineDefinition {
 /** The value a YAML text holds, or pipeline.invalid saying where the YAML is wrong. */
 export function parseYamlText(text: string): unknown {
   try {
-    return parseYaml(text, { prettyErrors: true, uniqueKeys: true, maxAliasCount: 1000 });
+    return parseYaml(text, { prettyErrors: true, uniqueKeys: true });
   } catch (err) {
     if (err instanceof YAMLParseError) {
       const line = err.linePos?.[0];
@@ -657,6 +657,7 @@ function checkClause(
     const list = typeof raw["job_id"] === "string" ? [raw["job_id"]] : raw["job_id"];
     if (!Array.isArray(list) || list.length === 0)
       c.problem(p, "must be a job id or a non-empty list of them");
+    else if (list.length > MAX_VALUES) c.problem(p, `at most ${MAX_VALUES} job ids`);
     else {
       jobIds = [];
       list.forEach((j, i) => {
@@ -806,6 +807,24 @@ function checkClause(
           `gives each ${child.def.name} job ${count} parents of ${pName}; at most ${MAX_VALUES}`,
         );
     }
+    // The children of one parent job are listed from the same rules the other way round.
+    let children = 1;
+    for (const f of childFields) {
+      const given = fields[f];
+      let n = 1;
+      if (Array.isArray(given)) n = given.length;
+      else if (given === "all")
+        n = parent.def.fieldNames.includes(f)
+          ? (parent.def.autofill[f]?.length ?? 1)
+          : parents.reduce((sum, a) => sum + (a.def.autofill[f]?.length ?? 0), 0);
+      else if (!parent.def.fieldNames.includes(f)) n = child.def.autofill[f]?.length ?? 1;
+      children *= n;
+    }
+    if (children > MAX_VALUES)
+      c.problem(
+        path,
+        `gives each ${pName} job ${children} children of ${child.def.name}; at most ${MAX_VALUES}`,
+      );
   }
   if (c.problems.length > before) return undefined;
   return { apps: parents.map((p) => p.def.name), ...(jobIds === undefined ? {} : { jobIds }), fields };
