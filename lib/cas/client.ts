@@ -555,7 +555,10 @@ export function createCasClient(opts: CasClientOptions): CasClient {
       progress("uploaded");
     }
     await eachLimited(large, concurrency, async (b) => {
-      bytesSent += (await uploadFile(b.digest, b.path)).bytesSent;
+      // Read after the await: `bytesSent += await ...` would add to the value read before it, losing what
+      // the uploads running meanwhile added.
+      const sent = (await uploadFile(b.digest, b.path)).bytesSent;
+      bytesSent += sent;
       done++;
       progress("uploaded");
     });
