@@ -229,6 +229,16 @@ export const ERROR_CODES = {
     status: 429,
     description: "The user already holds quotas.maxTokensPerUser tokens; revoke one to make another.",
   },
+  "pipeline.invalid": {
+    status: 400,
+    description:
+      "A pipeline definition is wrong: not YAML, an unknown key, app or field, a bad value or range, a template that cannot map parent jobs to child jobs, or a cycle. The path names the key (`apps.train.depends_on.by_client[1].date`); `pipeline check` lists every problem.",
+  },
+  "pipeline.invalid_job_id": {
+    status: 400,
+    description:
+      "A job id is not one of the app's: it does not fit the app's job-id template and field types, or a field's value is not among the app's autofill_values.",
+  },
   "internal.error": { status: 500, description: "An unexpected server error; the log has the details." },
   // Configuration (dispatch-cloud config check, and every process at start-up).
   "config.invalid_yaml": { status: 400, description: "The config file is not valid YAML." },
