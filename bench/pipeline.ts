@@ -10,9 +10,8 @@
  *
  *   npm run bench:pipeline -- [--days 100] [--clients 100] [--db pg|pglite]
  */
-import { tmpdir } from "node:os";
+import { loadavg, tmpdir } from "node:os";
 import { join } from "node:path";
-import { loadavg } from "node:os";
 import { parseYamlText } from "../lib/pipeline/definition.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import { createTestUserWithToken, type DbKind, openTestDb } from "../test/db.ts";

@@ -9,8 +9,8 @@
  *   job of the same id.
  * - summary `{client}`: a fan-in over dates: every ingest job of the client (date: all).
  * - report `{date}`: OR groups. `checked` (matches every date) = the summary of every client AND the audit of
- *   every client of that date; `legacy` matches only date 20140530 (ingest 20140530_acme), so it gives a
- *   20140602 report no parents.
+ *   every client of that date; `legacy` matches only date 20140601 (ingest 20140601_acme), so a 20140601 report
+ *   has the parents of both groups (every matching group gives parents) and a 20140602 report those of `checked`.
  *
  * So `run report 20140602` needs 13 jobs: report, 3 summaries, 6 ingests, 3 audits of which initech's is skipped:
  * 12 bundles.
@@ -65,6 +65,8 @@ apps:
       command: [sh, -c, 'cat "$DISPATCH_INPUT_DIR"/*/rows | sort > "$DISPATCH_OUTPUT_DIR/rows"']
   report:
     job_id: "{date}"
+    autofill_values:
+      date: "20140601:20140602"
     depends_on:
       checked:
         - app_name: summary
@@ -73,7 +75,7 @@ apps:
           client: all
       legacy:
         app_name: ingest
-        date: ["20140530"]
+        date: ["20140601"]
         client: [acme]
     bundle:
       image: ${image}

@@ -7,7 +7,7 @@
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
-import { afterAll, beforeAll, expect, it } from "vitest";
+import { afterAll, beforeAll, beforeEach, expect, it } from "vitest";
 import { parseYamlText } from "../lib/pipeline/definition.ts";
 import { createPipelineManager, type PipelineManager } from "../rest-server/pipelines/manager.ts";
 import { createRestServer } from "../rest-server/server.ts";
@@ -47,6 +47,9 @@ describeEachDb("pipelines over REST", (getDb) => {
     });
     api = injectClient(app);
     manager = newManager();
+  });
+  // A user per test: every bundle of the user is one of the test's pipeline's.
+  beforeEach(async () => {
     alice = await createTestUserWithToken(getDb());
   });
   afterAll(async () => {
@@ -78,10 +81,11 @@ describeEachDb("pipelines over REST", (getDb) => {
     );
     return new Map(rows.map((r) => [`${r.app} ${r.job_id}`, r]));
   };
-  const bundlesOf = async (name: string): Promise<Bundle[]> => {
+  /** Every bundle of the test's user (so of its pipeline), oldest first. */
+  const bundlesOf = async (_name: string): Promise<Bundle[]> => {
     const { rows } = await getDb().query<{ uuid: string }>(
-      "SELECT uuid FROM bundles WHERE owner_uuid = $1 AND name LIKE $2 ORDER BY created_at",
-      [alice.uuid, `${name} %`],
+      "SELECT uuid FROM bundles WHERE owner_uuid = $1 ORDER BY change_seq",
+      [alice.uuid],
     );
     return Promise.all(rows.map(async (r) => (await getBundle(getDb(), r.uuid))!));
   };
@@ -150,7 +154,10 @@ describeEachDb("pipelines over REST", (getDb) => {
 
   it("refuses a job id that does not fit the app's template, and unknown apps and jobs", async () => {
     await apply("p-ids");
-    const bad = await api("POST", "/api/v1/pipelines/p-ids/run", alice.token, { app: "report", jobId: "acme" });
+    const bad = await api("POST", "/api/v1/pipelines/p-ids/run", alice.token, {
+      app: "report",
+      jobId: "acme",
+    });
     expect(bad.status).toBe(400);
     expect(bad.body.error.code).toBe("pipeline.invalid_job_id");
     expectApiError(
@@ -159,7 +166,11 @@ describeEachDb("pipelines over REST", (getDb) => {
       "request.invalid_body",
       "app",
     );
-    expectApiError(await api("GET", "/api/v1/pipelines/p-ids/jobs/report/20140602", alice.token), 404, "pipeline.job_not_found");
+    expectApiError(
+      await api("GET", "/api/v1/pipelines/p-ids/jobs/report/20140602", alice.token),
+      404,
+      "pipeline.job_not_found",
+    );
     expectApiError(
       await api("POST", "/api/v1/pipelines/p-ids/rerun", alice.token, { app: "report", jobId: "20140602" }),
       404,
@@ -202,7 +213,7 @@ describeEachDb("pipelines over REST", (getDb) => {
     await apply("p-down");
     await run("p-down", "report", "20140602");
     let failed = 0;
-    const order = await drive("p-down", (b) => (b.name === `p-down ingest ${FAIL_ONCE}` && failed++ === 0 ? 3 : 0));
+    const order = await drive("p-down", (b) => (b.name === `ingest.${FAIL_ONCE}` && failed++ === 0 ? 3 : 0));
     const all = await jobs("p-down");
     expect([...all.values()].filter((j) => j.state !== "completed" && j.state !== "skipped")).toEqual([]);
     expect(all.get(`ingest ${FAIL_ONCE}`)).toMatchObject({ attempts: 2 });
@@ -214,7 +225,9 @@ describeEachDb("pipelines over REST", (getDb) => {
       for (const d of b.dependencies) {
         const dep = await getBundle(getDb(), d.bundle);
         expect(dep?.state).toBe("ready");
-        expect(order.findIndex((o) => o.uuid === dep?.uuid)).toBeLessThan(order.findIndex((o) => o.uuid === b.uuid));
+        expect(order.findIndex((o) => o.uuid === dep?.uuid)).toBeLessThan(
+          order.findIndex((o) => o.uuid === b.uuid),
+        );
       }
     }
     const report = await getBundle(getDb(), all.get("report 20140602").bundle_uuid);
@@ -240,7 +253,7 @@ describeEachDb("pipelines over REST", (getDb) => {
   it("fails a job after max_attempts, fails its descendants naming it, and rerun brings them back", async () => {
     await apply("p-fail");
     await run("p-fail", "report", "20140602");
-    const bad = "p-fail ingest 20140602_acme";
+    const bad = "ingest.20140602_acme";
     await drive("p-fail", (b) => (b.name === bad ? 7 : 0));
     let all = await jobs("p-fail");
     expect(all.get("ingest 20140602_acme")).toMatchObject({ state: "failed", attempts: 2 });
@@ -271,7 +284,10 @@ describeEachDb("pipelines over REST", (getDb) => {
     expect(rerun.body.job).toMatchObject({ state: "queued", attempts: 1 });
     // Its bundle is queued: a second rerun is refused until it is final.
     expectApiError(
-      await api("POST", "/api/v1/pipelines/p-fail/rerun", alice.token, { app: "ingest", jobId: "20140602_acme" }),
+      await api("POST", "/api/v1/pipelines/p-fail/rerun", alice.token, {
+        app: "ingest",
+        jobId: "20140602_acme",
+      }),
       409,
       "pipeline.job_active",
     );
@@ -291,14 +307,17 @@ describeEachDb("pipelines over REST", (getDb) => {
       descendants: true,
     });
     expect(res.status, JSON.stringify(res.body)).toBe(200);
-    expect(res.body.reset.map((k: Json) => `${k.app} ${k.jobId}`).sort()).toEqual(["report 20140602", "summary acme"]);
+    expect(res.body.reset.map((k: Json) => `${k.app} ${k.jobId}`).sort()).toEqual([
+      "report 20140602",
+      "summary acme",
+    ]);
     const mid = await jobs("p-again");
     expect(mid.get("summary acme")).toMatchObject({ state: "queued" });
     expect(mid.get("summary acme").bundle_uuid).not.toBe(before.get("summary acme").bundle_uuid);
     expect(mid.get("report 20140602")).toMatchObject({ state: "waiting", bundle_uuid: null });
     expect(mid.get("summary globex").bundle_uuid).toBe(before.get("summary globex").bundle_uuid);
     const ran = await drive("p-again");
-    expect(ran.map((b) => b.name)).toEqual(["p-again summary acme", "p-again report 20140602"]);
+    expect(ran.map((b) => b.name)).toEqual(["summary.acme", "report.20140602"]);
   });
 
   it("two managers racing make one bundle per job, and a manager started later catches up", async () => {

@@ -40,6 +40,7 @@ const JOB_OPTIONS = {
   ...CLIENT_OPTIONS,
   pipeline: { type: "string", short: "p" },
   file: { type: "string", short: "f" },
+  descendants: { type: "boolean" },
 } as const;
 
 export async function pipelineCommand(io: CliIo): Promise<number> {
@@ -133,17 +134,14 @@ async function list(io: CliIo, argv: string[]): Promise<number> {
   return EXIT_OK;
 }
 
-/** The pipeline's name and the job from `(-p NAME | -f FILE) APP JOB_ID`; with `applyFile`, -f stores the file. */
-async function jobArgs<O extends typeof JOB_OPTIONS>(
-  io: CliIo,
-  argv: string[],
-  options: O,
-  applyFile: boolean,
-) {
-  const { values, positionals } = parse(argv, options);
+/** The pipeline's name and the job from `(-p NAME | -f FILE) APP JOB_ID`; for run, -f stores the file first. */
+async function jobArgs(io: CliIo, argv: string[], verb: "run" | "rerun" | "status") {
+  const { values, positionals } = parse(argv, JOB_OPTIONS);
   if (positionals.length !== 2) throw usageError(`give APP and JOB_ID\n${USAGE}`);
-  const name = values.pipeline as string | undefined;
-  const file = values.file as string | undefined;
+  if (values.descendants === true && verb !== "rerun")
+    throw usageError(`--descendants is for rerun\n${USAGE}`);
+  const name = values.pipeline;
+  const file = values.file;
   if ((name === undefined) === (file === undefined))
     throw usageError(`give -p NAME or -f FILE (one of them)\n${USAGE}`);
   const api = await connect(io, values);
@@ -151,7 +149,7 @@ async function jobArgs<O extends typeof JOB_OPTIONS>(
   if (file !== undefined) {
     const f = await readDefinition(file);
     pipeline = f.def.name;
-    if (applyFile) await put(api, f);
+    if (verb === "run") await put(api, f);
   }
   return { api, values, pipeline, app: positionals[0]!, jobId: positionals[1]! };
 }
@@ -159,7 +157,7 @@ async function jobArgs<O extends typeof JOB_OPTIONS>(
 const path = (pipeline: string, verb: string) => `api/v1/pipelines/${encodeURIComponent(pipeline)}/${verb}`;
 
 async function run(io: CliIo, argv: string[]): Promise<number> {
-  const { api, values, pipeline, app, jobId } = await jobArgs(io, argv, JOB_OPTIONS, true);
+  const { api, values, pipeline, app, jobId } = await jobArgs(io, argv, "run");
   const r = await api.request<{ job: ApiJob; created: { app: string; jobId: string }[]; started: number }>(
     "POST",
     path(pipeline, "run"),
@@ -178,8 +176,7 @@ async function run(io: CliIo, argv: string[]): Promise<number> {
 }
 
 async function rerun(io: CliIo, argv: string[]): Promise<number> {
-  const options = { ...JOB_OPTIONS, descendants: { type: "boolean" } } as const;
-  const { api, values, pipeline, app, jobId } = await jobArgs(io, argv, options, false);
+  const { api, values, pipeline, app, jobId } = await jobArgs(io, argv, "rerun");
   const r = await api.request<{ job: ApiJob; reset: { app: string; jobId: string }[]; started: number }>(
     "POST",
     path(pipeline, "rerun"),
@@ -214,7 +211,7 @@ export function formatJobTree(root: ApiJobNode): string[] {
 }
 
 async function status(io: CliIo, argv: string[]): Promise<number> {
-  const { api, values, pipeline, app, jobId } = await jobArgs(io, argv, JOB_OPTIONS, false);
+  const { api, values, pipeline, app, jobId } = await jobArgs(io, argv, "status");
   const r = await api.request<{ job: ApiJobNode }>(
     "GET",
     `${path(pipeline, "jobs")}/${encodeURIComponent(app)}/${encodeURIComponent(jobId)}`,
