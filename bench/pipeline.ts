@@ -6,15 +6,20 @@
  * The pipeline: `raw {date}_{client}` (100 days x 100 clients = 10,000 jobs, no parents), `daily {date}` (each
  * the fan-in of its day's 100 raw jobs), `total {run}` (the fan-in of the 100 daily jobs). `run total 1` stores
  * 10,101 jobs and 20,100 parent edges and starts the 10,000 raw jobs (10,000 bundles, one notification); a second
- * run finds every job stored and creates nothing. Timed: each request, end to end.
+ * run finds every job stored and creates nothing. Timed: each request, end to end; then the same run on a second
+ * pipeline by calling bubbleUp (rest-server/pipelines/jobs.ts) directly, which reports its three phases: the walk
+ * up the graph (parentsOf, and which jobs exist), storing the jobs and edges, and starting the ready jobs.
  *
  *   npm run bench:pipeline -- [--days 100] [--clients 100] [--db pg|pglite]
  */
 import { loadavg, tmpdir } from "node:os";
 import { join } from "node:path";
-import { parseYamlText } from "../lib/pipeline/definition.ts";
+import { parseYamlText, validatePipeline } from "../lib/pipeline/definition.ts";
+import { bubbleUp } from "../rest-server/pipelines/jobs.ts";
 import { createRestServer } from "../rest-server/server.ts";
+import { upsertPipeline } from "../store/pipeline-queries.ts";
 import { createTestUserWithToken, type DbKind, openTestDb } from "../test/db.ts";
+import { silentLogger } from "../test/fixtures.ts";
 import { injectClient } from "../test/rest-client.ts";
 
 const arg = (name: string, def: string): string => {
@@ -57,6 +62,8 @@ apps:
       command: [echo, "{job_id}"]
   total:
     job_id: "{run}"
+    autofill_values:
+      run: [1]
     depends_on:
       app_name: daily
       date: all
@@ -91,6 +98,25 @@ async function bench(kind: DbKind): Promise<void> {
           `${res.body.started} started, ${(ms / 1000).toFixed(2)} s (load average ${load})`,
       );
     }
+    const { uuid } = await createTestUserWithToken(db);
+    const raw = { ...(parseYamlText(YAML) as object), name: "phases" };
+    await upsertPipeline(db, { ownerUuid: uuid, name: "phases", definition: raw, digest: "bench" });
+    const env = {
+      db,
+      clusterId: "bench",
+      defaultMaxAttempts: 3,
+      bundleMinimums: { ram: 16 * 2 ** 20, vcpus: 0.01 },
+      imageResolvers: [],
+      logger: silentLogger,
+    };
+    const t0 = performance.now();
+    const r = await bubbleUp(env, uuid, "phases", validatePipeline(raw), { app: "total", jobId: "1" });
+    const s = (ms: number) => `${(ms / 1000).toFixed(2)} s`;
+    console.log(
+      `${kind}: bubbleUp alone: ${r.created.length} jobs, ${r.started} started, ${s(performance.now() - t0)}: ` +
+        `walk ${s(r.timings.walkMs)}, store ${s(r.timings.storeMs)}, start ${s(r.timings.startMs)} ` +
+        `(load average ${loadavg()[0]!.toFixed(2)})`,
+    );
   } finally {
     await app.close();
     await db.close();

@@ -3,6 +3,7 @@
  * the server, run a job (bubble up), rerun one, and show a job with its ancestors as a tree.
  */
 import { readFile } from "node:fs/promises";
+import { resolve } from "node:path";
 import { DispatchCloudError } from "../../lib/errors.ts";
 import { type PipelineDefinition, parseYamlText, validatePipeline } from "../../lib/pipeline/definition.ts";
 import { CLIENT_OPTIONS, parse } from "../args.ts";
@@ -71,10 +72,10 @@ interface DefinitionFile {
   def: PipelineDefinition;
 }
 
-async function readDefinition(file: string): Promise<DefinitionFile> {
+async function readDefinition(io: CliIo, file: string): Promise<DefinitionFile> {
   let text: string;
   try {
-    text = await readFile(file, "utf8");
+    text = await readFile(resolve(io.cwd, file), "utf8");
   } catch (err) {
     throw new DispatchCloudError("cli.usage", `cannot read ${file}: ${(err as Error).message}`);
   }
@@ -100,7 +101,7 @@ async function put(api: ApiClient, f: DefinitionFile): Promise<{ name: string; d
 async function apply(io: CliIo, argv: string[]): Promise<number> {
   const { values, positionals } = parse(argv, CLIENT_OPTIONS);
   if (positionals.length !== 1) throw usageError(`pipeline apply takes one FILE\n${USAGE}`);
-  const f = await readDefinition(positionals[0]!);
+  const f = await readDefinition(io, positionals[0]!);
   const def = f.def;
   const api = await connect(io, values);
   const p = await put(api, f);
@@ -147,7 +148,7 @@ async function jobArgs(io: CliIo, argv: string[], verb: "run" | "rerun" | "statu
   const api = await connect(io, values);
   let pipeline = name ?? "";
   if (file !== undefined) {
-    const f = await readDefinition(file);
+    const f = await readDefinition(io, file);
     pipeline = f.def.name;
     if (verb === "run") await put(api, f);
   }

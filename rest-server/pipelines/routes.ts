@@ -206,9 +206,9 @@ export function registerPipelineRoutes(app: FastifyInstance, ctx: RouteContext, 
     if (def.apps[root.app] === undefined) {
       throw invalidBody("app", `pipeline ${name} has no app ${JSON.stringify(root.app)}`);
     }
-    const { created, started } = await bubbleUp(env, owner, name, def, root);
+    const { created, started, timings } = await bubbleUp(env, owner, name, def, root);
     request.log.info(
-      { owner, pipeline: name, app: root.app, jobId: root.jobId, created: created.length, started },
+      { owner, pipeline: name, app: root.app, jobId: root.jobId, created: created.length, started, timings },
       "pipeline run",
     );
     return { job: jobView(await oneJob(owner, name, root)), created, started };

@@ -34,7 +34,7 @@ CREATE TABLE pipeline_jobs (
 );
 CREATE INDEX pipeline_jobs_bundle ON pipeline_jobs (bundle_uuid);
 -- The manager's passes read only the jobs that can move.
-CREATE INDEX pipeline_jobs_waiting ON pipeline_jobs (owner_uuid, pipeline) WHERE state = 'waiting';
+CREATE INDEX pipeline_jobs_waiting ON pipeline_jobs (owner_uuid, pipeline, app, job_id) WHERE state = 'waiting';
 CREATE INDEX pipeline_jobs_queued ON pipeline_jobs (bundle_uuid) WHERE state = 'queued';
 
 CREATE TABLE pipeline_job_parents (
