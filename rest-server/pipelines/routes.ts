@@ -173,7 +173,7 @@ export function registerPipelineRoutes(app: FastifyInstance, ctx: RouteContext, 
       items: items.map((p) => ({
         name: p.name,
         digest: p.digest,
-        apps: Object.keys((p.definition as { apps?: object }).apps ?? {}),
+        apps: Object.keys((p.definition as { apps?: object }).apps ?? {}).sort(),
         jobs: p.jobs,
         createdAt: p.createdAt.toISOString(),
         updatedAt: p.updatedAt.toISOString(),
