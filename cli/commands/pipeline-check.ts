@@ -5,7 +5,7 @@
 import { readFile } from "node:fs/promises";
 import { resolve } from "node:path";
 import { DispatchCloudError } from "../../lib/errors.ts";
-import { checkPipeline, parseYamlText } from "../../lib/pipeline/definition.ts";
+import { checkPipeline, parseYamlText, validatePipeline } from "../../lib/pipeline/definition.ts";
 import { type CliIo, EXIT_FAILED, EXIT_OK } from "../io.ts";
 
 export async function pipelineCheck(io: CliIo, file: string): Promise<number> {
@@ -32,9 +32,9 @@ export async function pipelineCheck(io: CliIo, file: string): Promise<number> {
     io.err(`${file}: ${problems.length} problem${problems.length === 1 ? "" : "s"}`);
     return EXIT_FAILED;
   }
-  const def = value as { name: string; apps: Record<string, { depends_on?: unknown }> };
-  const apps = Object.keys(def.apps);
-  const withParents = apps.filter((a) => def.apps[a]?.depends_on !== undefined).length;
+  const def = validatePipeline(value);
+  const apps = Object.values(def.apps);
+  const withParents = apps.filter((a) => a.dependsOn !== null).length;
   io.out(
     `${file}: pipeline ${def.name} is valid: ${apps.length} app${apps.length === 1 ? "" : "s"}, ${withParents} with dependencies`,
   );

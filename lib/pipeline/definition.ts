@@ -91,14 +91,14 @@ export function parsePipelineYaml(text: string): PipelineDefinition {
 /** The value a YAML text holds, or pipeline.invalid saying where the YAML is wrong. */
 export function parseYamlText(text: string): unknown {
   try {
-    return parseYaml(text, { prettyErrors: true, uniqueKeys: true, maxAliasCount: 1000 });
+    return parseYaml(text, { prettyErrors: true, uniqueKeys: true });
   } catch (err) {
     if (err instanceof YAMLParseError) {
       const line = err.linePos?.[0];
       const where = line === undefined ? "" : `line ${line.line}, column ${line.col}: `;
       throw new DispatchCloudError(
         "pipeline.invalid",
-        `not valid YAML: ${where}${err.message.split("\n")[0]}`,
+        `not valid YAML: ${where}${(err.message.split("\n")[0] ?? "").replace(/ at line \d+, column \d+:?$/, "")}`,
         {
           path: "",
           cause: err,
@@ -455,9 +455,18 @@ function checkApp(
     join(path, "bundle"),
     segments === undefined ? undefined : fieldNames,
   );
-  if (template === undefined || bundle === undefined) return undefined;
+  // A draft even when something is wrong (then it is never returned), so other apps may name this one.
   return {
-    def: { name, jobId: template, fieldNames, bundle, maxAttempts, autofill, dependsOn: null, validIfOr },
+    def: {
+      name,
+      jobId: segments === undefined ? "" : (template as string),
+      fieldNames,
+      bundle: bundle ?? { image: "", command: [] },
+      maxAttempts,
+      autofill,
+      dependsOn: null,
+      validIfOr,
+    },
     path,
     segments,
     dependsOn: raw["depends_on"],
@@ -639,12 +648,16 @@ function checkClause(
       else if (!parents.includes(parent)) parents.push(parent);
     });
 
+  // An app whose job-id template is wrong (already reported) cannot be checked against: say nothing more.
+  if (child.segments === undefined || parents.some((p) => p.segments === undefined)) return undefined;
+
   let jobIds: string[] | undefined;
   if (raw["job_id"] !== undefined) {
     const p = join(path, "job_id");
     const list = typeof raw["job_id"] === "string" ? [raw["job_id"]] : raw["job_id"];
     if (!Array.isArray(list) || list.length === 0)
       c.problem(p, "must be a job id or a non-empty list of them");
+    else if (list.length > MAX_VALUES) c.problem(p, `at most ${MAX_VALUES} job ids`);
     else {
       jobIds = [];
       list.forEach((j, i) => {
@@ -746,6 +759,26 @@ function checkClause(
             path,
             `${pName}'s job id has {${f}}, which ${child.def.name}'s job id lacks, this clause does not give, and ${pName} has no autofill_values for: the parents of a ${child.def.name} job cannot be listed`,
           );
+    // A value the parent takes from the child must be one of the parent's: else the child would silently
+    // match nothing (and run without that parent).
+    if (jobIds === undefined)
+      for (const f of parent.def.fieldNames) {
+        const limit = parent.def.autofill[f];
+        if (fields[f] !== undefined || !childFields.includes(f) || limit === undefined) continue;
+        const own = child.def.autofill[f];
+        const allowed = new Set(limit.map(formatValue));
+        const outside = own?.find((v) => !allowed.has(formatValue(v)));
+        if (own === undefined)
+          c.problem(
+            path,
+            `${pName} takes {${f}} from ${child.def.name}'s job id, and ${pName}'s autofill_values.${f} limit it: give ${child.def.name} autofill_values.${f} within them (or give ${f} in this clause)`,
+          );
+        else if (outside !== undefined)
+          c.problem(
+            join(join(child.path, "autofill_values"), f),
+            `${outside} is not among ${pName}'s autofill_values.${f}, and ${pName} takes {${f}} from ${child.def.name}'s job id (${path})`,
+          );
+      }
     for (const f of childFields)
       if (
         fields[f] === undefined &&
@@ -774,6 +807,24 @@ function checkClause(
           `gives each ${child.def.name} job ${count} parents of ${pName}; at most ${MAX_VALUES}`,
         );
     }
+    // The children of one parent job are listed from the same rules the other way round.
+    let children = 1;
+    for (const f of childFields) {
+      const given = fields[f];
+      let n = 1;
+      if (Array.isArray(given)) n = given.length;
+      else if (given === "all")
+        n = parent.def.fieldNames.includes(f)
+          ? (parent.def.autofill[f]?.length ?? 1)
+          : parents.reduce((sum, a) => sum + (a.def.autofill[f]?.length ?? 0), 0);
+      else if (!parent.def.fieldNames.includes(f)) n = child.def.autofill[f]?.length ?? 1;
+      children *= n;
+    }
+    if (children > MAX_VALUES)
+      c.problem(
+        path,
+        `gives each ${pName} job ${children} children of ${child.def.name}; at most ${MAX_VALUES}`,
+      );
   }
   if (c.problems.length > before) return undefined;
   return { apps: parents.map((p) => p.def.name), ...(jobIds === undefined ? {} : { jobIds }), fields };

@@ -20,6 +20,7 @@ import {
   type FieldType,
   type FieldValue,
   formatValue,
+  JOB_ID_RE,
   joinJobId,
   parseJobIdTemplate,
   parseTextTemplate,
@@ -101,6 +102,7 @@ function appOf(c: Compiled, app: string): CompiledApp {
 
 /** The fields of a job id, or undefined when it is not a job of the app (template or autofill_values). */
 function tryParse(c: Compiled, app: CompiledApp, jobId: string): Values | undefined {
+  if (!JOB_ID_RE.test(jobId)) return undefined;
   const v = splitJobId(app.segments, c.types, jobId);
   if (v === undefined) return undefined;
   for (const [f, allowed] of app.autofill)
@@ -116,6 +118,12 @@ export function parseJobId(
 ): Record<string, string | number> {
   const c = compile(def);
   const a = appOf(c, app);
+  if (!JOB_ID_RE.test(jobId))
+    throw new DispatchCloudError(
+      "pipeline.invalid_job_id",
+      `${JSON.stringify(jobId.slice(0, 120))} is not a job id: 1-100 characters from A-Z a-z 0-9 . _ -`,
+      { path: "jobId" },
+    );
   const v = splitJobId(a.segments, c.types, jobId);
   if (v === undefined)
     throw new DispatchCloudError(
