@@ -43,6 +43,7 @@ apps:
   audit:
     job_id: "{date}_{client}"
     autofill_values:
+      date: "20140601:20140602"
       client: [acme, globex, initech]
     valid_if_or:
       client: [acme, globex]
