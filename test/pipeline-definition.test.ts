@@ -5,6 +5,7 @@
 import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import fc from "fast-check";
 import { describe, expect, it } from "vitest";
 import { parse as parseYamlValue } from "yaml";
 import { pipelineCheck } from "../cli/commands/pipeline-check.ts";
@@ -572,6 +573,54 @@ describe("mistakes are refused with their key path", () => {
     );
     expect(() => parsePipelineYaml("name: x\nname: y\n")).toThrow(
       expect.objectContaining({ code: "pipeline.invalid", message: expect.stringMatching(/line 2/) }),
+    );
+  });
+});
+
+describe("whatever a caller sends", () => {
+  it("checkPipeline answers a list and validatePipeline throws only pipeline.invalid", () => {
+    const keys = [
+      "name",
+      "fields",
+      "apps",
+      "job_id",
+      "bundle",
+      "depends_on",
+      "app_name",
+      "autofill_values",
+      "all",
+    ];
+    const anyValue = fc.anything({ key: fc.oneof(fc.constantFrom(...keys), fc.string()), maxDepth: 4 });
+    // Random values, and the example with one key replaced by a random value.
+    const paths = [
+      "name",
+      "fields",
+      "fields.date",
+      "apps",
+      "apps.train",
+      "apps.train.depends_on",
+      "apps.train.depends_on.client",
+      "apps.extract.job_id",
+      "apps.extract.autofill_values",
+      "apps.extract.bundle",
+      "apps.extract.bundle.command",
+      "apps.train.valid_if_or",
+    ];
+    const input = fc.oneof(
+      anyValue,
+      fc.tuple(fc.constantFrom(...paths), anyValue).map(([path, v]) => withValue(base(), path, v)),
+    );
+    fc.assert(
+      fc.property(input, (value) => {
+        expect(Array.isArray(checkPipeline(value))).toBe(true);
+        try {
+          validatePipeline(value);
+        } catch (err) {
+          expect(err).toBeInstanceOf(DispatchCloudError);
+          expect((err as DispatchCloudError).code).toBe("pipeline.invalid");
+        }
+      }),
+      { numRuns: 1000, seed: 18 },
     );
   });
 });

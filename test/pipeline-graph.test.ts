@@ -777,6 +777,32 @@ function checkInverse(def: PipelineDefinition, jobs: JobRef[]): number {
   return edges;
 }
 
+describe("whatever job id a caller sends", () => {
+  it("the graph functions answer, or throw pipeline.invalid_job_id", () => {
+    const apps = Object.keys(stolos.apps);
+    const jobId = fc.oneof(
+      fc.string({ maxLength: 120 }),
+      fc.stringMatching(/^[0-9]{8}_[0-9a-zA-Z_.-]{0,20}$/),
+      fc.stringMatching(/^-?[0-9]{1,20}$/),
+    );
+    fc.assert(
+      fc.property(fc.oneof(fc.constantFrom(...apps), fc.string()), jobId, (app, id) => {
+        for (const fn of [parentsOf, childrenOf, isSkipped, renderBundle, parseJobId] as const) {
+          try {
+            fn === parseJobId
+              ? parseJobId(stolos, app, id)
+              : (fn as typeof parentsOf)(stolos, { app, jobId: id });
+          } catch (err) {
+            expect(err).toBeInstanceOf(DispatchCloudError);
+            expect((err as DispatchCloudError).code).toBe("pipeline.invalid_job_id");
+          }
+        }
+      }),
+      { numRuns: 2000, seed: 18 },
+    );
+  });
+});
+
 describe("parentsOf and childrenOf are inverse", () => {
   it("on Stolos's examples, for jobs over every value they mention", () => {
     const jobs = jobsOf(stolos, {
