@@ -5,6 +5,7 @@ import { dispatcherCommand } from "./commands/dispatcher.ts";
 import { gahpCommand } from "./commands/gahp.ts";
 import { imagesCommand } from "./commands/images.ts";
 import { instanceCommand } from "./commands/instance.ts";
+import { pipelineCommand } from "./commands/pipeline.ts";
 import { queueCommand } from "./commands/queue.ts";
 import { migrateCommand, serveCommand } from "./commands/serve.ts";
 import { submitCommand } from "./commands/submit.ts";
@@ -35,6 +36,8 @@ users and bundles (clients of the REST server: --api-url URL, token from DISPATC
   upload DIR [--name N]         a directory into the content-addressed store, as a ready bundle to depend on
   images push|list|rm           container images in the content-addressed store (docker save; no registry)
   gahp [--config F]             a BOINC GAHP on stdin/stdout, so HTCondor 9.x submits to us (docs/htcondor.md)
+  pipeline check|apply|list|run|rerun|status  pipelines of apps and job ids (docs/pipelines.md): run APP JOB_ID
+                                creates the job and every parent job not yet done, each as a bundle
 operators (clients of the management API: --management-url URL, default http://127.0.0.1:8901; token from
 DISPATCH_CLOUD_MANAGEMENT_TOKEN, --token-file F, or <data dir>/management-token):
   instance list [--header]      every instance as the dispatcher sees it
@@ -64,6 +67,7 @@ export const COMMANDS: Record<string, Command> = {
   upload: uploadCommand,
   images: imagesCommand,
   gahp: (io) => gahpCommand(io),
+  pipeline: pipelineCommand,
   instance: instanceCommand,
   queue: queueCommand,
 };

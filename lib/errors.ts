@@ -192,6 +192,18 @@ export const ERROR_CODES = {
     status: 404,
     description: "The caller has no image of that name or id in the store.",
   },
+  "pipeline.not_found": {
+    status: 404,
+    description: "The caller has no pipeline of that name (`PUT /api/v1/pipelines/:name` stores one).",
+  },
+  "pipeline.job_not_found": {
+    status: 404,
+    description: "The pipeline has no such job yet (`pipeline run` creates it).",
+  },
+  "pipeline.job_active": {
+    status: 409,
+    description: "The job's bundle is not final yet: it cannot be rerun until it finishes or is killed.",
+  },
   "output.not_found": {
     status: 404,
     description: "The bundle's outputs have no file or directory at that path.",

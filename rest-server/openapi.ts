@@ -7,6 +7,7 @@ import { VERSION } from "../lib/version.ts";
 import { BundleRequest, MAX_BATCH_ITEMS } from "./bundle-request.ts";
 import { BatchReadRequest, BatchUploadRequest, FindMissingRequest } from "./cas/routes.ts";
 import { ImageRequest } from "./images-routes.ts";
+import { PipelineRequest, RerunRequest, RunRequest } from "./pipelines/routes.ts";
 import { TokenRequest } from "./routes-tokens.ts";
 import { KillRequest, UploadRequest, UserRequest } from "./routes-users.ts";
 
@@ -51,6 +52,37 @@ const IMAGE_VIEW: Json = {
   required: ["name", "imageId", "manifest", "bytes", "createdAt"],
 };
 
+/** A pipeline job as the users' API shows it (rest-server/pipelines/routes.ts). */
+const PIPELINE_JOB_VIEW: Json = {
+  type: "object",
+  properties: {
+    app: { type: "string" },
+    jobId: { type: "string" },
+    state: { type: "string", enum: ["waiting", "queued", "completed", "failed", "skipped"] },
+    bundleUuid: nullable("string", { description: "The bundle of its latest attempt." }),
+    attempts: { type: "integer" },
+    reason: nullable("string"),
+    failedParent: {
+      type: ["object", "null"],
+      description: "The ancestor whose failure this job inherited (it never ran).",
+      properties: { app: { type: "string" }, jobId: { type: "string" } },
+    },
+    createdAt: { type: "string", format: "date-time" },
+    updatedAt: { type: "string", format: "date-time" },
+  },
+  required: [
+    "app",
+    "jobId",
+    "state",
+    "bundleUuid",
+    "attempts",
+    "reason",
+    "failedParent",
+    "createdAt",
+    "updatedAt",
+  ],
+};
+
 /** The users' API (rest-server/routes-users.ts); request bodies are the schemas the routes validate with. */
 export function usersApiDocument(): Json {
   const uuid: Json = { name: "uuid", in: "path", required: true, schema: { type: "string" } };
@@ -61,6 +93,8 @@ export function usersApiDocument(): Json {
   });
   const common = ["auth.missing_token", "auth.invalid_token"] as const;
   const ownBundle = [...common, "request.invalid_param", "bundle.not_found"] as const;
+  const pipelineCommon = [...common, "request.invalid_param"] as const;
+  const pipelineName: Json = { name: "name", in: "path", required: true, schema: { type: "string" } };
   const casCommon = [...common, "cas.invalid_digest"] as const;
   const imageRef: Json = {
     name: "ref",
@@ -225,6 +259,127 @@ export function usersApiDocument(): Json {
               },
             },
             ...errors(ownBundle),
+          },
+        },
+      },
+      "/api/v1/pipelines": {
+        get: {
+          operationId: "listPipelines",
+          responses: {
+            "200": json(
+              { type: "object", properties: { items: { type: "array", items: { type: "object" } } } },
+              "The caller's pipelines by name: {name, digest, apps, jobs (a count per state), createdAt, updatedAt}.",
+            ),
+            ...errors(common),
+          },
+        },
+      },
+      "/api/v1/pipelines/{name}": {
+        put: {
+          operationId: "putPipeline",
+          description:
+            "Stores (201) or replaces (200) a pipeline; the definition is checked as docs/pipelines.md says.",
+          parameters: [pipelineName],
+          requestBody: body("PipelineRequest"),
+          responses: {
+            "200": json({ type: "object" }, "Replaced: {name, digest, definition, createdAt, updatedAt}."),
+            "201": json({ type: "object" }, "Stored: {name, digest, definition, createdAt, updatedAt}."),
+            ...errors([
+              ...pipelineCommon,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "pipeline.invalid",
+            ]),
+          },
+        },
+        get: {
+          operationId: "getPipeline",
+          parameters: [pipelineName],
+          responses: {
+            "200": json(
+              { type: "object" },
+              "{name, digest, definition, jobs (a count per state), createdAt, updatedAt}.",
+            ),
+            ...errors([...pipelineCommon, "pipeline.not_found"]),
+          },
+        },
+      },
+      "/api/v1/pipelines/{name}/run": {
+        post: {
+          operationId: "runPipelineJob",
+          description:
+            "Bubble up: stores the job and every ancestor not yet stored; those whose parents are satisfied get their bundles at once. Running it again creates nothing.",
+          parameters: [pipelineName],
+          requestBody: body("PipelineRunRequest"),
+          responses: {
+            "200": json(
+              {
+                type: "object",
+                properties: {
+                  job: ref("PipelineJob"),
+                  created: { type: "array", items: { type: "object" } },
+                  started: { type: "integer" },
+                },
+              },
+              "The job, the jobs this run stored ({app, jobId}) and how many of them started now.",
+            ),
+            ...errors([
+              ...pipelineCommon,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "pipeline.not_found",
+              "pipeline.invalid_job_id",
+            ]),
+          },
+        },
+      },
+      "/api/v1/pipelines/{name}/rerun": {
+        post: {
+          operationId: "rerunPipelineJob",
+          description:
+            "The job back to waiting (and with descendants: true, every completed or failed descendant); descendants failed because of it go back to waiting in any case.",
+          parameters: [pipelineName],
+          requestBody: body("PipelineRerunRequest"),
+          responses: {
+            "200": json(
+              {
+                type: "object",
+                properties: {
+                  job: ref("PipelineJob"),
+                  reset: { type: "array", items: { type: "object" } },
+                  started: { type: "integer" },
+                },
+              },
+              "The job, the jobs made pending again ({app, jobId}) and how many started now.",
+            ),
+            ...errors([
+              ...pipelineCommon,
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "pipeline.not_found",
+              "pipeline.job_not_found",
+              "pipeline.job_active",
+            ]),
+          },
+        },
+      },
+      "/api/v1/pipelines/{name}/jobs/{app}/{jobId}": {
+        get: {
+          operationId: "getPipelineJob",
+          parameters: [
+            pipelineName,
+            { name: "app", in: "path", required: true, schema: { type: "string" } },
+            { name: "jobId", in: "path", required: true, schema: { type: "string" } },
+          ],
+          responses: {
+            "200": json(
+              { type: "object", properties: { job: ref("PipelineJobNode") } },
+              "The job and its ancestors as a tree, each with its state and bundle.",
+            ),
+            ...errors([...pipelineCommon, "pipeline.not_found", "pipeline.job_not_found"]),
           },
         },
       },
@@ -504,6 +659,28 @@ export function usersApiDocument(): Json {
         CasBatchUploadRequest: plain(BatchUploadRequest),
         CasBatchReadRequest: plain(BatchReadRequest),
         ImageRequest: plain(ImageRequest),
+        PipelineRequest: plain(PipelineRequest),
+        PipelineRunRequest: plain(RunRequest),
+        PipelineRerunRequest: plain(RerunRequest),
+        PipelineJob: PIPELINE_JOB_VIEW,
+        PipelineJobNode: {
+          allOf: [
+            ref("PipelineJob"),
+            {
+              type: "object",
+              properties: {
+                bundleState: nullable("string"),
+                repeated: {
+                  type: "boolean",
+                  description:
+                    "A shared ancestor shown already elsewhere in the tree; its parents are listed there.",
+                },
+                parents: { type: "array", items: ref("PipelineJobNode") },
+              },
+              required: ["bundleState", "parents"],
+            },
+          ],
+        },
         Image: IMAGE_VIEW,
         Token: TOKEN_VIEW,
         TokenWithSecret: {

@@ -45,6 +45,7 @@ import { registerImageRoutes } from "./images-routes.ts";
 import { createLogNotifier } from "./logs.ts";
 import { usersApiDocument } from "./openapi.ts";
 import { createOutputStore } from "./outputs.ts";
+import { registerPipelineRoutes } from "./pipelines/routes.ts";
 import { NO_SUBMIT_LIMITS, type SubmitLimits } from "./quotas.ts";
 import { registerRunnerRoutes } from "./routes-runner.ts";
 import { registerTokenRoutes } from "./routes-tokens.ts";
@@ -270,6 +271,14 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   registerUserRoutes(app, ctx);
   registerTokenRoutes(app, ctx);
   registerImageRoutes(app, ctx);
+  registerPipelineRoutes(app, ctx, {
+    db: ctx.db,
+    clusterId: ctx.clusterId,
+    defaultMaxAttempts: ctx.defaultMaxAttempts,
+    bundleMinimums: ctx.bundleMinimums,
+    imageResolvers: ctx.imageResolvers,
+    logger: logger as Logger,
+  });
   registerRunnerRoutes(app, ctx);
   ctx.casMetrics =
     opts.cas?.metricsRegistry === undefined ? null : createCasMetrics(opts.cas.metricsRegistry, opts.db);

@@ -17,6 +17,8 @@ import { createBundleManager } from "../../rest-server/bundle-manager.ts";
 import { createS3Backend } from "../../rest-server/cas/backend-s3.ts";
 import { createCasBackend } from "../../rest-server/cas/factory.ts";
 import { createRegistryResolver } from "../../rest-server/image-registry.ts";
+import { storeImageResolver } from "../../rest-server/image-resolve.ts";
+import { createPipelineManager } from "../../rest-server/pipelines/manager.ts";
 import { createRestServer } from "../../rest-server/server.ts";
 import type { Db } from "../../store/db.ts";
 import { openDb } from "../../store/db.ts";
@@ -196,6 +198,17 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
           ...(c.endpoint === "" ? {} : { endpoint: c.endpoint }),
         }),
     });
+    // Tags of images in the configured registries are pinned to digests at submit time (docs/images.md).
+    const registryResolvers =
+      Object.keys(config.containers.registries).length === 0
+        ? []
+        : [
+            createRegistryResolver({
+              registries: config.containers.registries,
+              configuredOnly: true,
+              log: logger,
+            }),
+          ];
     const app = await createRestServer({
       db,
       logger,
@@ -214,17 +227,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
       quotas: config.quotas,
       unavailableImageRequeues: config.containers.unavailableImageRequeues,
-      // Tags of images in the configured registries are pinned to digests at submit time (docs/images.md).
-      imageResolvers:
-        Object.keys(config.containers.registries).length === 0
-          ? []
-          : [
-              createRegistryResolver({
-                registries: config.containers.registries,
-                configuredOnly: true,
-                log: logger,
-              }),
-            ],
+      imageResolvers: registryResolvers,
       cas: {
         backend: casBackend,
         retention: config.cas.retention,
@@ -241,6 +244,19 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     });
     await manager.start();
     opened.push({ what: "the bundle manager", close: () => manager.stop() });
+    // Pipelines' bubble down (docs/pipelines.md "Running"), in every process that serves the REST API.
+    const pipelines = createPipelineManager({
+      db,
+      logger,
+      clusterId: config.clusterId,
+      defaultMaxAttempts: config.dispatcher.defaultMaxAttempts,
+      bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
+      // As the REST server resolves: our store first, then the configured registries.
+      imageResolvers: registryResolvers.length === 0 ? [] : [storeImageResolver(db), ...registryResolvers],
+      pollInterval: config.dispatcher.pollInterval,
+    });
+    await pipelines.start();
+    opened.push({ what: "the pipeline manager", close: () => pipelines.stop() });
     const address = await listenOn(app, config.restServer.listen, "restServer.listen");
     // `serve` runs the dispatcher in-process; it deploys this program as crunch-run.
     let management: { app: FastifyInstance; address: string } | null = null;

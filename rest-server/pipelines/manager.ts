@@ -1,0 +1,226 @@
+/**
+ * The pipeline manager (docs/pipelines.md "Running"): bubble down. Beside the bundle manager, in every process
+ * that serves the REST API, it moves pipeline jobs on as their bundles finish:
+ *
+ * - a queued job whose bundle is `ready` -> completed;
+ * - `failed` -> a new bundle (the same request again) while attempts < the app's maxAttempts, else failed;
+ *   `killed` -> failed (a kill is a decision, not retried);
+ * - waiting jobs with a failed parent -> failed, naming the ancestor that ran and failed (repeated down the graph);
+ * - waiting jobs whose parents are all completed or skipped -> queued with a new bundle depending on the parents'.
+ *
+ * It wakes on the bundle NOTIFY channel when a bundle becomes final, polls as a fallback, and its first pass
+ * catches up with whatever happened while no manager ran: all it needs is in the tables. Every change is a guarded
+ * statement, so several managers (two REST servers) never move a job twice. One pass is `runOnce()`.
+ */
+import { DispatchCloudError } from "../../lib/errors.ts";
+import type { PipelineDefinition } from "../../lib/pipeline/definition.ts";
+import { newBundleUuid } from "../../lib/tokens.ts";
+import {
+  type FinishedJob,
+  finishedQueuedJobs,
+  finishQueuedJob,
+  propagateFailures,
+  type ReadyJob,
+  readyWaitingJobs,
+} from "../../store/pipeline-queries.ts";
+import { getBundle, insertBundles } from "../../store/queries.ts";
+import {
+  BUNDLE_CHANNEL,
+  type Bundle,
+  type BundleState,
+  isFinalState,
+  type NewBundle,
+} from "../../store/types.ts";
+import { DefinitionCache, type PipelineEnv, startJobs } from "./jobs.ts";
+
+export interface PipelineManagerOptions extends PipelineEnv {
+  /** Fallback pass interval in ms when no notification arrives (default 10 s). */
+  pollInterval?: number;
+  /** Jobs read per query (default 1000). */
+  batchSize?: number;
+}
+
+export interface PipelineManager {
+  /** One pass; resolves to the number of jobs moved. */
+  runOnce(): Promise<number>;
+  start(): Promise<void>;
+  stop(): Promise<void>;
+}
+
+/** The request a stored bundle was made from (its pinned image kept), for a retry. */
+function requestOf(b: Bundle): NewBundle {
+  return {
+    ownerUuid: b.ownerUuid,
+    name: b.name,
+    command: b.command,
+    image: b.image,
+    env: b.env,
+    resources: b.resources,
+    preemptible: b.preemptible,
+    priority: b.priority,
+    limits: b.limits,
+    dependencies: b.dependencies,
+    allowFailedDependencies: b.allowFailedDependencies,
+    maxAttempts: b.maxAttempts,
+    imagePinned: b.imagePinned ?? null,
+    imageStore: b.imageStore ?? null,
+  };
+}
+
+const MAX_REST_MS = 100;
+
+export function createPipelineManager(opts: PipelineManagerOptions): PipelineManager {
+  const { db } = opts;
+  const log = opts.logger.child({ component: "pipeline-manager" });
+  const env: PipelineEnv = { ...opts, logger: log };
+  const pollInterval = opts.pollInterval ?? 10_000;
+  const batchSize = opts.batchSize ?? 1000;
+  const definitions = new DefinitionCache();
+
+  async function definitionOf(ownerUuid: string, pipeline: string): Promise<PipelineDefinition | null> {
+    try {
+      return await definitions.get(db, ownerUuid, pipeline);
+    } catch (err) {
+      log.error({ err, owner: ownerUuid, pipeline }, "a stored pipeline definition is no longer valid");
+      return null;
+    }
+  }
+
+  /** One finished bundle's job: completed, retried or failed. True when this manager moved it. */
+  async function finish(job: FinishedJob): Promise<boolean> {
+    const where = { pipeline: job.pipeline, app: job.app, jobId: job.jobId, bundleUuid: job.bundleUuid };
+    if (job.bundleState === "ready") {
+      const ok = await finishQueuedJob(db, job, job.bundleUuid, { state: "completed" });
+      if (ok) log.info(where, "pipeline job completed");
+      return ok;
+    }
+    const def = await definitionOf(job.ownerUuid, job.pipeline);
+    const maxAttempts = def?.apps[job.app]?.maxAttempts ?? 1;
+    const detail = job.bundleReason === null ? "" : `: ${job.bundleReason}`;
+    if (job.bundleState === "failed" && job.attempts < maxAttempts) {
+      const old = await getBundle(db, job.bundleUuid);
+      if (old === null) throw new Error(`bundle ${job.bundleUuid} of a queued job does not exist`);
+      const uuid = newBundleUuid(opts.clusterId);
+      const ok = await db.transaction(async (tx) => {
+        if (!(await finishQueuedJob(tx, job, job.bundleUuid, { state: "queued", retryBundle: uuid })))
+          return false;
+        await insertBundles(tx, job.ownerUuid, [{ uuid, bundle: requestOf(old) }]);
+        return true;
+      });
+      if (ok) {
+        log.info(
+          { ...where, retryBundleUuid: uuid, attempt: job.attempts + 1, maxAttempts },
+          "pipeline job retried",
+        );
+      }
+      return ok;
+    }
+    const reason =
+      job.bundleState === "killed"
+        ? `bundle ${job.bundleUuid} was killed${detail}`
+        : `bundle ${job.bundleUuid} failed${detail} (attempt ${job.attempts} of ${maxAttempts})`;
+    const ok = await finishQueuedJob(db, job, job.bundleUuid, { state: "failed", reason });
+    if (ok) log.warn({ ...where, reason }, "pipeline job failed");
+    return ok;
+  }
+
+  async function runOnce(): Promise<number> {
+    let moved = 0;
+    // Finished bundles, page by page (a moved job leaves the query; a page without progress ends it).
+    for (;;) {
+      const finished = await finishedQueuedJobs(db, batchSize);
+      let progress = 0;
+      for (const job of finished) {
+        try {
+          if (await finish(job)) progress++;
+        } catch (err) {
+          log.error(
+            { err, pipeline: job.pipeline, app: job.app, jobId: job.jobId },
+            "could not move a pipeline job",
+          );
+        }
+      }
+      moved += progress;
+      if (finished.length < batchSize || progress === 0) break;
+    }
+    // Failures down the graph, a level per statement.
+    for (let n = await propagateFailures(db); n > 0; n = await propagateFailures(db)) moved += n;
+    // Waiting jobs whose parents are satisfied, grouped by pipeline.
+    for (;;) {
+      const ready = await readyWaitingJobs(db, { limit: batchSize });
+      const groups = new Map<string, ReadyJob[]>();
+      for (const j of ready) {
+        const k = `${j.ownerUuid}\u0000${j.pipeline}`;
+        groups.set(k, [...(groups.get(k) ?? []), j]);
+      }
+      let progress = 0;
+      for (const jobs of groups.values()) {
+        const { ownerUuid, pipeline } = jobs[0]!;
+        try {
+          const def = await definitionOf(ownerUuid, pipeline);
+          if (def === null) continue;
+          progress += await startJobs(env, def, jobs);
+        } catch (err) {
+          const e = err instanceof DispatchCloudError ? { code: err.code, message: err.message } : { err };
+          log.error({ ...e, owner: ownerUuid, pipeline }, "could not start pipeline jobs");
+        }
+      }
+      moved += progress;
+      if (ready.length < batchSize || progress === 0) break;
+    }
+    return moved;
+  }
+
+  let timer: NodeJS.Timeout | undefined;
+  let unlisten: (() => unknown) | undefined;
+  let running: Promise<void> | undefined;
+  let again = false;
+  let stopped = true;
+
+  function trigger(): void {
+    if (stopped) return;
+    if (running !== undefined) {
+      again = true;
+      return;
+    }
+    running = (async () => {
+      for (;;) {
+        again = false;
+        const t0 = performance.now();
+        try {
+          await runOnce();
+        } catch (err) {
+          log.error({ err }, "pipeline manager pass failed");
+        }
+        if (!again || stopped) break;
+        await new Promise((r) => setTimeout(r, Math.min(MAX_REST_MS, performance.now() - t0)));
+      }
+    })().finally(() => {
+      running = undefined;
+    });
+  }
+
+  return {
+    runOnce,
+    async start() {
+      if (!stopped) return;
+      stopped = false;
+      unlisten = await db.listen(BUNDLE_CHANNEL, (payload: string) => {
+        // Payload `<uuid> <state> <changeSeq>`: only a final state can move a job.
+        const state = payload.split(" ")[1];
+        if (state !== undefined && isFinalState(state as BundleState)) trigger();
+      });
+      timer = setInterval(trigger, pollInterval);
+      timer.unref();
+      trigger();
+    },
+    async stop() {
+      stopped = true;
+      if (timer !== undefined) clearInterval(timer);
+      timer = undefined;
+      await unlisten?.();
+      unlisten = undefined;
+      await running;
+    },
+  };
+}
