@@ -54,6 +54,8 @@ export async function forkBenchServer(
   const cpuProf = process.env["BENCH_SERVER_CPU_PROF"];
   const child = fork(file, serveArgs, {
     execArgv: [
+      // As bin/dispatch-cloud starts the REST server (docs/operations.md, "The REST server's heap").
+      "--initial-old-space-size=128",
       "--import",
       "tsx",
       ...(cpuProf === undefined ? [] : ["--cpu-prof", `--cpu-prof-dir=${cpuProf}`]),

@@ -105,6 +105,20 @@ export function describeBlobBackend(name: string, factory: () => Promise<Backend
       expect(await be.has(b.digest)).toBe(true);
     });
 
+    it("readSmallSync, where the backend has it, reads what read reads, and null for what it does not have", async () => {
+      const a = blob(3000);
+      const absent = blob(40);
+      await be.writeBytes(a.digest, a.data);
+      if (be.readSmallSync === undefined) {
+        expect(be.kind).not.toBe("filesystem"); // the filesystem backend must have it
+        return;
+      }
+      expect(be.readSmallSync(a.digest)?.equals(a.data)).toBe(true);
+      expect(be.readSmallSync(absent.digest)).toBeNull();
+      // Stored under another size: not this blob.
+      expect(be.readSmallSync({ hash: a.digest.hash, size: a.digest.size + 1 })).toBeNull();
+    });
+
     it("reads ranges [start, end) and [start, size)", async () => {
       const a = blob(10_000);
       await be.writeBytes(a.digest, a.data);

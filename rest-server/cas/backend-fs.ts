@@ -5,7 +5,7 @@
  * a read checks the file's size against the digest's.
  */
 import { randomBytes } from "node:crypto";
-import { constants, createReadStream } from "node:fs";
+import { constants, createReadStream, readFileSync } from "node:fs";
 import { chmod, copyFile, mkdir, open, readdir, rename, rm, stat, unlink } from "node:fs/promises";
 import { join } from "node:path";
 import { Readable } from "node:stream";
@@ -124,6 +124,17 @@ export function createFsBackend(dir: string): BlobBackend {
       }
       // Large reads: fewer, bigger chunks to the socket (the default 64 KiB costs a round of calls each).
       return createReadStream(file, { start, end: end - 1, highWaterMark: 1024 * 1024 });
+    },
+
+    readSmallSync(d) {
+      let data: Buffer;
+      try {
+        data = readFileSync(pathOf(d));
+      } catch (err) {
+        if ((err as NodeJS.ErrnoException).code === "ENOENT") return null;
+        throw err;
+      }
+      return data.length === d.size ? data : null;
     },
 
     async has(d) {

@@ -21,6 +21,12 @@ export interface BlobBackend {
   writeBytes(digest: Digest, data: Uint8Array): Promise<void>;
   /** The bytes [start, end) of the blob (default all of it), or null when the backend does not have it. */
   read(digest: Digest, range?: { start: number; end?: number }): Promise<Readable | null>;
+  /**
+   * A small blob's bytes read at once by a synchronous call (null when absent), for backends where that is
+   * cheap (local files: a batch read of 1,000 small blobs costs no 4,000 trips through the thread pool).
+   * Backends without it are read by `read`.
+   */
+  readSmallSync?(digest: Digest): Buffer | null;
   /** Whether the blob is stored (the database is the index; this is for checks and repairs). */
   has(digest: Digest): Promise<boolean>;
   /** Removes the blob; removing one that is absent is not an error. */
