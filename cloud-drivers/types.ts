@@ -35,6 +35,8 @@ export interface InstanceType {
   price: number;
   preemptible: boolean;
   gpu: GpuSpec | null;
+  /** Its tags (config instanceTypes.*.tags): a bundle naming a tag runs only where it is. Absent: none. */
+  tags?: readonly string[];
 }
 
 export interface PricePoint {

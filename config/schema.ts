@@ -23,6 +23,7 @@ import {
   parseSize,
   SIZE_FORMAT,
 } from "../lib/units.ts";
+import { MAX_TAGS, TAG_PATTERN } from "../lib/worker-protocol.ts";
 import { SECRET_FORMAT, secretRefProblem } from "./secrets.ts";
 
 export { resolveSecret, secretKind, secretRefProblem } from "./secrets.ts";
@@ -481,6 +482,24 @@ const RegistryCredentials = Type.Object(
   { additionalProperties: false, default: {} },
 );
 
+const Workers = Section("Users' own machines as workers (docs/workers.md).", {
+  longPoll: Duration(
+    "2s",
+    "How long a worker's check-in waits for a message (a bundle to run, one to kill) before it answers with none; the worker checks in again at once.",
+    { positive: true },
+  ),
+  checkinTimeout: Duration(
+    "1m",
+    "A worker that has not checked in for this long is lost: its bundles go back to the queue (each once, counting an attempt as a lost instance's do).",
+    { positive: true },
+  ),
+  deliveryTimeout: Duration(
+    "1m",
+    "A bundle given to a worker whose check-ins do not report it running within this after it was handed over (or that no check-in picked up within this plus checkinTimeout) goes back to the queue.",
+    { positive: true },
+  ),
+});
+
 const Containers = Section("Container images (docs/images.md).", {
   registries: Type.Record(Type.String({ pattern: REGISTRY_HOST }), RegistryCredentials, {
     additionalProperties: false,
@@ -535,6 +554,12 @@ const InstanceType = Type.Object(
     price: Num(undefined, "Price in dollars per hour (also the maximum bid for preemptible instances).", 0),
     preemptible: Bool(false, "A preemptible (spot) instance."),
     gpu: Type.Optional(Gpu),
+    tags: Type.Array(Type.String({ pattern: TAG_PATTERN }), {
+      default: [],
+      maxItems: MAX_TAGS,
+      description:
+        "Tags of this type: a bundle naming a tag (resources.tag) runs only on types and users' workers that have it.",
+    }),
   },
   // The default lets Value.Default fill each entry of the instanceTypes record.
   { additionalProperties: false, default: {} },
@@ -565,6 +590,7 @@ export const ConfigSchema = Type.Object(
     dispatcher: Dispatcher,
     cloud: Cloud,
     containers: Containers,
+    workers: Workers,
     instanceTypes: Type.Record(Type.String({ pattern: INSTANCE_TYPE_NAME }), InstanceType, {
       additionalProperties: false,
       minProperties: 1,

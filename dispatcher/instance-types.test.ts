@@ -10,6 +10,7 @@ const type = (price: number, more: Partial<TypeConfig> = {}): TypeConfig => ({
   ram: 8 * GiB,
   includedScratch: 10 * GiB,
   addedScratch: 5 * GiB,
+  tags: [],
   price,
   preemptible: false,
   ...more,

@@ -27,6 +27,7 @@ export function instanceTypesFromConfig(
       price: t.price,
       preemptible: t.preemptible,
       gpu: t.gpu === undefined ? null : { ...t.gpu },
+      ...(t.tags.length > 0 ? { tags: [...t.tags] } : {}),
     });
   }
   const factor = config.dispatcher?.preemptiblePriceFactor ?? 0;

@@ -192,6 +192,54 @@ export const ERROR_CODES = {
     status: 404,
     description: "The caller has no image of that name or id in the store.",
   },
+  "workers.name_taken": {
+    status: 409,
+    description:
+      "The caller already has a worker of that name (`dispatch-cloud workers token create --name`).",
+  },
+  "workers.not_found": {
+    status: 404,
+    description: "No worker of that id (among the caller's own, unless the caller is an admin).",
+  },
+  "workers.disabled": {
+    status: 403,
+    description: "The worker token belongs to a worker its owner or an admin disabled: it may not check in.",
+  },
+  "workers.wrong_worker": {
+    status: 403,
+    description:
+      "The check-in names a worker id other than the one its token was made for. Nothing was stored.",
+  },
+  "workers.worker_token": {
+    status: 403,
+    description:
+      "A worker token (`dcw_...`) was used on a route other than the worker's own (check-in, check-out, the artifact): it can do nothing else.",
+  },
+  "workers.implausible_resources": {
+    status: 400,
+    description:
+      "The check-in reports resources out of any plausible range (no CPUs, more than 4096, more than 64 TiB, more slots than 256, ...). Nothing was stored.",
+  },
+  "workers.not_assigned": {
+    status: 403,
+    description:
+      "The check-in says the worker runs a bundle that is not its owner's: a worker only ever sees its owner's bundles. Nothing was stored.",
+  },
+  "workers.no_artifact": {
+    status: 404,
+    description:
+      "The server has no runner artifact to offer (it runs from sources): workers cannot upgrade from it.",
+  },
+  "worker.artifact_mismatch": {
+    status: 502,
+    description:
+      "The runner artifact a worker downloaded does not have the sha256 the server announced: the worker keeps its old program.",
+  },
+  "worker.checkin_failed": {
+    status: 502,
+    description:
+      "A worker could not check in (network, 5xx): it retries with back-off, and says so when it gives up.",
+  },
   "pipeline.not_found": {
     status: 404,
     description: "The caller has no pipeline of that name (`PUT /api/v1/pipelines/:name` stores one).",

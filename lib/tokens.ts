@@ -7,6 +7,8 @@ import { DispatchCloudError } from "./errors.ts";
 
 export const USER_TOKEN_PREFIX = "dcu_";
 export const RUNNER_TOKEN_PREFIX = "dcr_";
+/** A user's worker token (docs/workers.md): it checks in as that one worker and nothing else. */
+export const WORKER_TOKEN_PREFIX = "dcw_";
 const TOKEN_BODY = /^[A-Za-z0-9_-]{43}$/;
 
 function newToken(prefix: string): string {
@@ -18,6 +20,9 @@ export const newUserToken = (): string => newToken(USER_TOKEN_PREFIX);
 
 /** A fresh per-bundle runner token (`dcr_` + 43 base64url characters). */
 export const newRunnerToken = (): string => newToken(RUNNER_TOKEN_PREFIX);
+
+/** A fresh worker token (`dcw_` + 43 base64url characters). */
+export const newWorkerToken = (): string => newToken(WORKER_TOKEN_PREFIX);
 
 /** The token of an `Authorization: Bearer <token>` header; throws auth.missing_token if there is none. */
 export function bearerTokenOf(header: string | undefined): string {
@@ -55,7 +60,7 @@ export function constantTimeEqual(a: string, b: string): boolean {
 const UUID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789";
 const CLUSTER_ID = /^[a-z0-9]{5}$/;
 
-function newUuid(clusterId: string, kind: "bndl" | "user"): string {
+function newUuid(clusterId: string, kind: "bndl" | "user" | "wrkr"): string {
   if (!CLUSTER_ID.test(clusterId))
     throw new Error(`clusterId must be 5 characters [a-z0-9], got ${clusterId}`);
   let tail = "";
@@ -65,6 +70,7 @@ function newUuid(clusterId: string, kind: "bndl" | "user"): string {
 
 export const BUNDLE_UUID_PATTERN = "^[a-z0-9]{5}-bndl-[a-z0-9]{15}$";
 export const USER_UUID_PATTERN = "^[a-z0-9]{5}-user-[a-z0-9]{15}$";
+export const WORKER_ID_PATTERN = "^[a-z0-9]{5}-wrkr-[a-z0-9]{15}$";
 /** An API token's id (made by the store: store/queries.ts createToken). */
 export const TOKEN_ID_PATTERN = "^[a-z0-9]{5}-tokn-[a-z0-9]{15}$";
 
@@ -73,3 +79,6 @@ export const newBundleUuid = (clusterId: string): string => newUuid(clusterId, "
 
 /** `<clusterId>-user-<15 chars [a-z0-9]>` */
 export const newUserUuid = (clusterId: string): string => newUuid(clusterId, "user");
+
+/** `<clusterId>-wrkr-<15 chars [a-z0-9]>`: a user's worker. */
+export const newWorkerId = (clusterId: string): string => newUuid(clusterId, "wrkr");

@@ -4,11 +4,13 @@
  * the checks the schema cannot express: the server's smallest RAM and vCPUs (restServer.minBundleRam and
  * minBundleVcpus, so Docker never gets a 0 that means "no limit") and subpaths the filesystem can hold.
  */
+
 import { type Static, Type } from "@sinclair/typebox";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { CONTROL_CHARACTERS, NO_CONTROL_PATTERN, pathLengthProblem } from "../lib/text-limits.ts";
 import { BUNDLE_UUID_PATTERN } from "../lib/tokens.ts";
 import { formatSize, parseDuration, parseSize, SIZE_FORMAT } from "../lib/units.ts";
+import { TAG_PATTERN } from "../lib/worker-protocol.ts";
 import { GPU_STACKS, type NewBundle } from "../store/types.ts";
 import { childPath, invalidBody, validate } from "./validate.ts";
 
@@ -78,6 +80,18 @@ const Resources = Type.Object(
     ram: Type.Optional(Size({ default: "256MiB", description: "Memory for the container." })),
     scratch: Type.Optional(Size({ default: 0, description: "Scratch disk space." })),
     gpu: Type.Optional(Gpu),
+    tag: Type.Optional(
+      Type.String({
+        pattern: TAG_PATTERN,
+        description: "Run only on instance types and users' workers with this tag (docs/workers.md).",
+        errorMessage: "must be a tag: 1-63 characters a-z 0-9 . _ -, starting with a letter or digit",
+      }),
+    ),
+    workersOnly: Type.Optional(
+      Type.Boolean({
+        description: "Run only on your own workers (docs/workers.md), never on a cloud instance.",
+      }),
+    ),
   },
   { additionalProperties: false },
 );
@@ -201,6 +215,8 @@ export function parseBundleRequest(
                   ? [gpu.hardwareTarget]
                   : [...gpu.hardwareTarget],
           },
+    ...(r.tag === undefined ? {} : { tag: r.tag }),
+    ...(r.workersOnly === true ? { workersOnly: true } : {}),
   };
 
   if (resources.vcpus < minimums.vcpus) {

@@ -69,6 +69,8 @@ export interface BundleRow {
   /** The pinned image reference and the store image (store/migrations/007_images.sql). Optional as above. */
   image_pinned?: string | null;
   image_store?: ImageStoreRef | null;
+  /** The user's worker running the current attempt (store/migrations/010_workers.sql). Optional as above. */
+  worker_id?: string | null;
 }
 
 export function bundleFromRow(r: BundleRow): Bundle {
@@ -88,6 +90,7 @@ export function bundleFromRow(r: BundleRow): Bundle {
   }
   if (r.image_pinned !== undefined && r.image_pinned !== null) b.imagePinned = r.image_pinned;
   if (r.image_store !== undefined && r.image_store !== null) b.imageStore = r.image_store;
+  if (r.worker_id !== undefined && r.worker_id !== null) b.workerId = r.worker_id;
   return b;
 }
 

@@ -195,6 +195,39 @@ export function startBundle(
   });
 }
 
+/**
+ * staged -> starting on a user's own worker (docs/workers.md): the next attempt, the worker, its GPU devices. No
+ * runner token yet: the REST server makes one when it hands the start document to the worker's check-in
+ * (deliverToWorker), so no token is ever kept in the clear. instance_type says `worker`.
+ */
+export function startBundleOnWorker(
+  db: Db,
+  uuid: string,
+  args: { workerId: string; gpuDevices: number[]; actor: string },
+): Promise<TransitionResult> {
+  return transition(db, uuid, {
+    from: ["staged"],
+    to: "'starting'",
+    guard: "b.attempt < b.max_attempts",
+    guardFailed: (b) => b.attempt >= b.maxAttempts,
+    set: [
+      "attempt = b.attempt + 1",
+      "instance_id = NULL",
+      "instance_type = 'worker'",
+      "worker_id = $7::text",
+      "worker_delivered_at = NULL",
+      "runner_token_hash = NULL",
+      "gpu_devices = $8::int[]",
+      `starting_at = ${NOW}`,
+      "running_at = NULL",
+      "exit_code = NULL",
+    ],
+    params: [args.workerId, args.gpuDevices],
+    reason: null,
+    actor: args.actor,
+  });
+}
+
 /** staged -> failed: no configured instance type can ever run it. */
 export function failStaged(
   db: Db,
@@ -229,6 +262,8 @@ export function markRunning(
 
 const CLEAR_INSTANCE = [
   "instance_id = NULL",
+  "worker_id = NULL",
+  "worker_delivered_at = NULL",
   "instance_type = NULL",
   "runner_token_hash = NULL",
   "gpu_devices = '{}'",

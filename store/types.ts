@@ -33,6 +33,10 @@ export interface BundleResources {
   ram: number;
   scratch: number;
   gpu: GpuRequest | null;
+  /** Run only on instance types and users' workers with this tag (docs/workers.md). Absent: anywhere. */
+  tag?: string;
+  /** Run only on the owner's own workers, never on a cloud instance (docs/workers.md). Absent: false. */
+  workersOnly?: boolean;
 }
 
 /** Limits enforced by crunch-run. time in milliseconds, disk in bytes; null = none. */
@@ -125,6 +129,11 @@ export interface Bundle extends NewBundle {
    */
   outputManifest?: string;
   outputBytes?: number;
+  /**
+   * The user's own worker (docs/workers.md) its current attempt was given to; absent when it runs on an
+   * instance or waits. instanceId is null while this is set.
+   */
+  workerId?: string;
 }
 
 /** One input tree of a bundle: its manifest's digest (`<sha256 hex>/<size>`) and the bytes of its files. */
@@ -191,4 +200,53 @@ export type LogStream = (typeof LOG_STREAMS)[number];
 export interface Migration {
   name: string;
   sql: string;
+}
+
+/**
+ * NOTIFY channel of users' workers (docs/workers.md): the payload is a worker id. The dispatcher notifies it when
+ * it gives that worker a bundle (its check-in, waiting in a long poll, answers at once); the REST server when a
+ * check-in changed what the dispatcher should know (resources, tags, slots, state, cache).
+ */
+export const WORKER_CHANNEL = "dispatch_cloud_workers";
+
+export type WorkerState = "new" | "active" | "draining" | "stopped" | "lost";
+
+/** What a worker reported of its machine at its last check-in (lib/worker-protocol.ts checks the shape). */
+export interface WorkerResources {
+  vcpus: number;
+  /** Bytes. */
+  ram: number;
+  /** Free bytes of its work directory's file system. */
+  freeDisk: number;
+  /** Its GPUs, or null for none. */
+  gpu: {
+    stack: "cuda" | "rocm";
+    deviceCount: number;
+    /** Bytes of memory per device. */
+    vram: number;
+    driverVersion: string | null;
+    hardwareTarget: string | null;
+  } | null;
+}
+
+/** One user's worker (store/migrations/010_workers.sql). */
+export interface Worker {
+  id: string;
+  ownerUuid: string;
+  name: string;
+  state: WorkerState;
+  disabledAt: Date | null;
+  tags: string[];
+  /** Null until its first check-in. */
+  resources: WorkerResources | null;
+  slots: number;
+  version: string | null;
+  artifactSha256: string | null;
+  /** Manifest keys of the trees its cache holds. */
+  cache: string[];
+  running: { uuid: string; attempt: number }[];
+  createdAt: Date;
+  checkedInAt: Date | null;
+  /** Milliseconds since its last check-in by the database's clock (null: never); filled by the queries that say so. */
+  checkinAgeMs?: number | null;
 }

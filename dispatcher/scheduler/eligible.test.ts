@@ -22,6 +22,7 @@ const t = (
   ram: ramGiB * GiB,
   includedScratch: scratchGiB * GiB,
   addedScratch: 0,
+  tags: [],
   price,
   preemptible: false,
   ...more,
