@@ -35,6 +35,7 @@ export type { RunnerArtifact } from "./runner-artifact.ts";
 import { createScheduler, type Scheduler } from "./scheduler/scheduler.ts";
 import { createConnectLimits, sshConnector } from "./sshexec/executor.ts";
 import { createSync, type Sync } from "./sync.ts";
+import { createUserWorkers, type UserWorkers } from "./workers/user-workers.ts";
 
 /** How often a standby tries to take the lock. */
 export const LOCK_RETRY_INTERVAL_MS = 3000;
@@ -95,6 +96,8 @@ export interface Parts {
   scheduler: Scheduler;
   sync: Sync;
   instanceSet: InstanceSet;
+  /** Users' own workers (docs/workers.md). */
+  userWorkers: UserWorkers;
 }
 
 /** A loop around `body`: runs it, then waits `interval` or until woken; errors are logged, never fatal. */
@@ -225,9 +228,11 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
       runnerApiUrl: opts.runnerApiUrl,
       ...(publicKey === undefined ? {} : { dispatcherPublicKey: publicKey }),
     });
+    const userWorkers = createUserWorkers({ db, queue, transitions, clock, logger: opts.logger, config });
     const scheduler = createScheduler({
       queue,
       pool,
+      userWorkers,
       transitions,
       instanceTypes,
       config,
@@ -238,14 +243,16 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
     const sync = createSync({ queue, pool, transitions, clock, logger: opts.logger, config, startedAt });
     try {
       await queue.start();
+      await userWorkers.start();
       await pool.start();
     } catch (err) {
       await pool.stop().catch(() => {});
+      await userWorkers.stop().catch(() => {});
       await queue.stop().catch(() => {});
       if (ownedInstanceSet) await instanceSet.stop().catch(() => {});
       throw err;
     }
-    parts = { queue, pool, scheduler, sync, instanceSet };
+    parts = { queue, pool, scheduler, sync, instanceSet, userWorkers };
 
     const schedulerLoop = createLoop(clock, logger, "scheduler pass", config.dispatcher.pollInterval, () =>
       serial(async () => {
@@ -255,10 +262,18 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
     const syncLoop = createLoop(clock, logger, "sync pass", config.cloud.probeInterval, () =>
       serial(() => sync.syncOnce()),
     );
-    loops = [schedulerLoop, syncLoop];
+    const workersLoop = createLoop(
+      clock,
+      logger,
+      "users' workers sweep",
+      Math.min(config.workers.longPoll, 2000),
+      () => userWorkers.sweepOnce(),
+    );
+    loops = [schedulerLoop, syncLoop, workersLoop];
     unsubscribe = [
       queue.subscribe(() => schedulerLoop.wake()),
-      metrics.watch({ queue, pool }),
+      metrics.watch({ queue, pool, userWorkers }),
+      userWorkers.subscribe(() => schedulerLoop.wake()),
       pool.subscribe((event: PoolEvent) => {
         schedulerLoop.wake();
         if (event.type !== "create:error") syncLoop.wake();
@@ -278,6 +293,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
     if (!graceful) {
       for (const loop of current) void loop.stop();
       if (p !== null) {
+        void p.userWorkers.stop().catch(() => {});
         void p.pool.stop().catch(() => {});
         void p.queue.stop().catch(() => {});
       }
@@ -286,6 +302,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
     await Promise.all(current.map((loop) => loop.stop()));
     if (p === null) return;
     await p.scheduler.flushStatuses().catch((err: unknown) => logger.warn({ err }, "cannot write statuses"));
+    await p.userWorkers.stop();
     await p.pool.stop();
     await p.queue.stop();
     if (ownedInstanceSet) await p.instanceSet.stop();

@@ -25,7 +25,12 @@ export const DISPATCHER_METRIC = {
   longestWait: "dispatchcloud_queue_longest_wait_seconds",
   queueToRunner: "dispatchcloud_bundle_queue_to_runner_seconds",
   atQuota: "dispatchcloud_at_quota",
+  userWorkers: "dispatchcloud_user_workers",
+  userWorkerCheckinAge: "dispatchcloud_user_worker_checkin_age_max_seconds",
 } as const;
+
+/** The states of users' workers (store WorkerState); `dispatchcloud_user_workers{state}` has one series each. */
+export const USER_WORKER_STATES = ["new", "active", "draining", "stopped", "lost"] as const;
 
 /** The active states (the queue's); `dispatchcloud_bundles{state}` has one series each. */
 export const QUEUE_STATES = ["staged", "starting", "running"] as const;
@@ -41,6 +46,11 @@ export interface MetricParts {
     workers(): readonly WorkerView[];
     quota(): { atQuota: boolean };
     subscribe(fn: (event: unknown) => void): () => void;
+  };
+  /** Users' own workers (dispatcher/workers/user-workers.ts); absent: none are counted. */
+  userWorkers?: {
+    countsByState(): Record<(typeof USER_WORKER_STATES)[number], number>;
+    views(): readonly { checkinAgeMs: number | null }[];
   };
 }
 
@@ -116,6 +126,29 @@ export function createDispatcherMetrics(opts: {
     registers: [registry],
     collect() {
       this.set(parts?.pool.quota().atQuota === true ? 1 : 0);
+    },
+  });
+
+  replace(DISPATCHER_METRIC.userWorkers);
+  new Gauge({
+    name: DISPATCHER_METRIC.userWorkers,
+    help: "Users' own workers (docs/workers.md) by state, as the dispatcher last read them.",
+    labelNames: ["state"],
+    registers: [registry],
+    collect() {
+      const counts = parts?.userWorkers?.countsByState();
+      for (const state of USER_WORKER_STATES) this.set({ state }, counts?.[state] ?? 0);
+    },
+  });
+  replace(DISPATCHER_METRIC.userWorkerCheckinAge);
+  new Gauge({
+    name: DISPATCHER_METRIC.userWorkerCheckinAge,
+    help: "Seconds since the active or draining user's worker that checked in longest ago last checked in (0: none).",
+    registers: [registry],
+    collect() {
+      let oldest = 0;
+      for (const v of parts?.userWorkers?.views() ?? []) oldest = Math.max(oldest, v.checkinAgeMs ?? 0);
+      this.set(oldest / 1000);
     },
   });
 

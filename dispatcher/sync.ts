@@ -95,6 +95,8 @@ export function createSync(opts: SyncOptions): Sync {
 
   const checkBundle = (b: Bundle, now: number, ops: Promise<void>[]): void => {
     if (b.state !== "starting" && b.state !== "running") return;
+    // On a user's own worker: watched by dispatcher/workers/user-workers.ts, not by probes.
+    if (b.workerId !== undefined) return;
     const key = `${b.uuid}/${b.attempt}`;
     const id = b.instanceId;
     const w = id === null ? undefined : pool.worker(id);

@@ -127,4 +127,26 @@ export interface Demand {
   scratch: number;
   gpu: Bundle["resources"]["gpu"];
   preemptible: boolean;
+  /** Only instance types (and users' workers) with this tag (resources.tag). Absent: any. */
+  tag?: string;
+  /** Only the owner's own workers, no instance type at all (resources.workersOnly). Absent: false. */
+  workersOnly?: boolean;
+}
+
+/** One of the users' own workers (docs/workers.md) as the dispatcher sees it (the management API shows these). */
+export interface UserWorkerView {
+  id: string;
+  ownerUuid: string;
+  name: string;
+  state: "new" | "active" | "draining" | "stopped" | "lost";
+  disabled: boolean;
+  tags: readonly string[];
+  slots: number;
+  /** Bundles starting or running there (or being given to it). */
+  bundles: readonly string[];
+  version: string | null;
+  /** Milliseconds since its last check-in, now (null: never). */
+  checkinAgeMs: number | null;
+  /** It may be given bundles now (active, enabled, checked in lately). */
+  fresh: boolean;
 }

@@ -13,6 +13,7 @@ import {
   IdleBehaviorResult,
   InstanceKillResult,
   InstanceList,
+  UserWorkerList,
 } from "./schemas.ts";
 
 const AUTH_ERRORS = ["auth.missing_token", "auth.forbidden"] as const;
@@ -48,6 +49,14 @@ export function managementApiDocument(): Json {
           operationId: "listInstances",
           summary: "Every instance of the pool; creates in flight appear as booting under a placeholder id.",
           responses: { "200": json(ref("InstanceList"), "The instances."), ...errors(ACTIVE_ERRORS) },
+        },
+      },
+      "/management/v1/workers": {
+        get: {
+          operationId: "listUserWorkers",
+          summary:
+            "Users' own workers the dispatcher reads (active and draining; docs/workers.md): their slots, bundles and check-in age.",
+          responses: { "200": json(ref("UserWorkerList"), "The workers."), ...errors(ACTIVE_ERRORS) },
         },
       },
       "/management/v1/instances/hold": behavior(
@@ -141,6 +150,7 @@ export function managementApiDocument(): Json {
         BundleList: plain(BundleList),
         BundleItem: plain(BundleItem),
         BundleKillResult: plain(BundleKillResult),
+        UserWorkerList: plain(UserWorkerList),
         Health: plain(Health),
         Error: plain(ErrorResponse),
       },

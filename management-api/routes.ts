@@ -19,6 +19,7 @@ import {
   instanceItems,
   type ManagementParts,
   type ManagementSource,
+  userWorkerItems,
 } from "./views.ts";
 
 export interface ManagementContext {
@@ -124,6 +125,11 @@ export function registerManagementRoutes(app: FastifyInstance, ctx: ManagementCo
   app.get("/management/v1/instances", async (request) => {
     queryOf(request.query, []);
     return { items: instanceItems(partsOf(), ctx.nowMs()) };
+  });
+
+  app.get("/management/v1/workers", async (request) => {
+    queryOf(request.query, []);
+    return { items: userWorkerItems(partsOf()) };
   });
 
   for (const behavior of ["hold", "drain", "run"] as const satisfies readonly IdleBehavior[]) {

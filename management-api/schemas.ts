@@ -74,6 +74,8 @@ export const BundleItem = Type.Object(
       ram: Type.Integer({ description: "Bytes." }),
       scratch: Type.Integer({ description: "Bytes." }),
       gpu: Type.Union([Gpu, Type.Null()]),
+      tag: Type.Optional(Type.String({ description: "Runs only where this tag is (docs/workers.md)." })),
+      workersOnly: Type.Optional(Type.Boolean({ description: "Runs only on its owner's own workers." })),
     }),
     eligibleTypes: Type.Array(Type.String(), {
       description: "Instance types that can run it, cheapest first (empty: none can).",
@@ -85,6 +87,11 @@ export const BundleItem = Type.Object(
     instanceId: Type.Union([Type.String(), Type.Null()], {
       description: "The instance it was started on (starting and running bundles).",
     }),
+    workerId: Type.Optional(
+      Type.String({
+        description: "The user's worker it was given to (starting and running bundles; docs/workers.md).",
+      }),
+    ),
     placement: Type.Optional(
       Type.String({
         description:
@@ -107,3 +114,28 @@ export const BundleKillResult = Type.Object(
 export const Health = Type.Object({ health: Type.Literal("OK") }, { additionalProperties: false });
 
 export { ErrorResponse } from "../lib/openapi.ts";
+
+export const UserWorkerItem = Type.Object(
+  {
+    id: Type.String(),
+    ownerUuid: Type.String(),
+    name: Type.String(),
+    state: Type.Union(["new", "active", "draining", "stopped", "lost"].map((s) => Type.Literal(s))),
+    disabled: Type.Boolean(),
+    tags: Type.Array(Type.String()),
+    slots: Type.Integer(),
+    bundles: Type.Array(Type.String(), { description: "Bundles starting or running there." }),
+    version: Type.Union([Type.String(), Type.Null()]),
+    checkinAgeMs: Type.Union([Type.Number(), Type.Null()], {
+      description: "Milliseconds since its last check-in.",
+    }),
+    fresh: Type.Boolean({ description: "It may be given bundles now (active, enabled, checked in lately)." }),
+  },
+  { additionalProperties: false },
+);
+export type UserWorkerItem = Static<typeof UserWorkerItem>;
+
+export const UserWorkerList = Type.Object(
+  { items: Type.Array(UserWorkerItem) },
+  { additionalProperties: false },
+);

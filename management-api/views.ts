@@ -1,6 +1,6 @@
-import { type IdleBehavior, queueOrder, type WorkerView } from "../dispatcher/types.ts";
+import { type IdleBehavior, queueOrder, type UserWorkerView, type WorkerView } from "../dispatcher/types.ts";
 import type { Bundle } from "../store/types.ts";
-import type { BundleItem, InstanceItem } from "./schemas.ts";
+import type { BundleItem, InstanceItem, UserWorkerItem } from "./schemas.ts";
 
 /** What the management API needs of the dispatcher's parts (a subset of dispatcher/main.ts Parts). */
 export interface ManagementParts {
@@ -18,6 +18,8 @@ export interface ManagementParts {
     /** The instance types that could run the bundle, cheapest first. */
     eligibleTypes(bundle: Bundle): readonly string[];
   };
+  /** Users' own workers (docs/workers.md); absent: none. */
+  userWorkers?: { views(): UserWorkerView[] };
 }
 
 /** The dispatcher as the management API sees it: its parts while active, null as a standby. */
@@ -65,6 +67,7 @@ export function bundleItem(b: Bundle, parts: ManagementParts): BundleItem {
     firstSeenAt: (b.stagedAt ?? b.createdAt).toISOString(),
     schedulingStatus: status ?? b.schedulingStatus,
     instanceId: b.state === "staged" ? null : b.instanceId,
+    ...(b.state !== "staged" && b.workerId !== undefined ? { workerId: b.workerId } : {}),
     ...(placement === undefined ? {} : { placement }),
   };
 }
@@ -80,4 +83,11 @@ export function bundleItems(parts: ManagementParts): BundleItem[] {
   staged.sort(queueOrder);
   active.sort(queueOrder);
   return [...staged, ...active].map((b) => bundleItem(b, parts));
+}
+
+/** Users' own workers the dispatcher reads (active and draining), by id. */
+export function userWorkerItems(parts: ManagementParts): UserWorkerItem[] {
+  return (parts.userWorkers?.views() ?? [])
+    .map((v) => ({ ...v, tags: [...v.tags], bundles: [...v.bundles] }))
+    .sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
 }

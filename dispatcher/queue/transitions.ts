@@ -9,7 +9,13 @@
 import type { Logger } from "../../lib/logger.ts";
 import { hashToken, newRunnerToken } from "../../lib/tokens.ts";
 import type { Db } from "../../store/db.ts";
-import { failStaged, loseBundle, requeueStarting, startBundle } from "../../store/transitions.ts";
+import {
+  failStaged,
+  loseBundle,
+  requeueStarting,
+  startBundle,
+  startBundleOnWorker,
+} from "../../store/transitions.ts";
 import type { Bundle, TransitionResult } from "../../store/types.ts";
 import type { QueueView } from "../types.ts";
 
@@ -23,6 +29,14 @@ export interface BundleTransitions {
     uuid: string,
     on: { instanceId: string; instanceType: string; gpuDevices: readonly number[] },
   ): Promise<ClaimResult>;
+  /**
+   * staged -> starting on a user's own worker (docs/workers.md): the next attempt, the worker, its GPU devices.
+   * No runner token: the REST server makes one when the worker's check-in picks the bundle up.
+   */
+  claimOnWorker(
+    uuid: string,
+    on: { workerId: string; gpuDevices: readonly number[] },
+  ): Promise<TransitionResult>;
   /** starting -> staged: the runner never started (or failed before `start`); counts the attempt. */
   requeue(uuid: string, attempt: number, reason: string): Promise<TransitionResult>;
   /** running -> staged while attempts remain, else failed: the instance was lost or preempted. */
@@ -64,6 +78,14 @@ export function createBundleTransitions(opts: {
       return result.ok
         ? { ok: true, bundle: result.bundle, token }
         : { ok: false, reason: result.reason, current: result.current };
+    },
+    async claimOnWorker(uuid, on) {
+      const result = await startBundleOnWorker(db, uuid, {
+        workerId: on.workerId,
+        gpuDevices: [...on.gpuDevices],
+        actor: ACTOR,
+      });
+      return applied(result, "given to a worker", uuid);
     },
     async requeue(uuid, attempt, reason) {
       return applied(await requeueStarting(db, uuid, attempt, { actor: ACTOR, reason }), "requeued", uuid);

@@ -20,6 +20,8 @@ export function demandOf(
     scratch: r.scratch,
     gpu: r.gpu === null || r.gpu.deviceCount <= 0 ? null : r.gpu,
     preemptible: bundle.preemptible || opts.alwaysUsePreemptibleInstances === true,
+    ...(r.tag === undefined ? {} : { tag: r.tag }),
+    ...(r.workersOnly === true ? { workersOnly: true } : {}),
   };
 }
 
@@ -93,6 +95,8 @@ function targetOk(g: NonNullable<Demand["gpu"]>, target: string): boolean {
 
 /** The per-type test eligibleTypes uses: resources, preemptible and GPU rules (not the price cut). */
 export function fits(demand: Demand, type: InstanceType): boolean {
+  if (demand.workersOnly === true) return false;
+  if (demand.tag !== undefined && type.tags?.includes(demand.tag) !== true) return false;
   return unmet(demand, type).length === 0;
 }
 
@@ -118,7 +122,15 @@ export function eligibleTypes(
   types: readonly InstanceType[],
   opts: { maximumPriceFactor: number; reserveExtraRam?: number },
 ): EligibleResult {
-  const fitting = types.filter((t) => fits(demand, t)).sort(compareTypes);
+  if (demand.workersOnly === true) {
+    return { ok: false, reason: "it runs only on your own workers (resources.workersOnly)", closest: null };
+  }
+  const tag = demand.tag;
+  if (tag !== undefined && !types.some((t) => t.tags?.includes(tag) === true)) {
+    return { ok: false, reason: `no instance type has tag ${tag}`, closest: null };
+  }
+  const candidates = tag === undefined ? types : types.filter((t) => t.tags?.includes(tag) === true);
+  const fitting = candidates.filter((t) => fits(demand, t)).sort(compareTypes);
   const cheapest = fitting[0];
   if (cheapest !== undefined) {
     const limit = cheapest.price * Math.max(opts.maximumPriceFactor, 1);
@@ -126,7 +138,7 @@ export function eligibleTypes(
   }
   if (types.length === 0) return { ok: false, reason: "no instance types are configured", closest: null };
 
-  const failing = types.map((type) => ({ type, needs: unmet(demand, type) }));
+  const failing = candidates.map((type) => ({ type, needs: unmet(demand, type) }));
   const closest = failing.sort((a, b) => a.needs.length - b.needs.length || compareTypes(a.type, b.type))[0]!;
   const clauses = new Set(
     closest.needs.map((need) => explain(need, demand, failing, closest.type, opts.reserveExtraRam)),

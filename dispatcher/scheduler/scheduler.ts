@@ -32,6 +32,7 @@ import type { Bundle } from "../../store/types.ts";
 import type { QueueChange } from "../queue/queue.ts";
 import type { BundleTransitions } from "../queue/transitions.ts";
 import type { CreateRefusal, CreateResult, Demand, QueueView, RunnerView, WorkerView } from "../types.ts";
+import type { UserWorkers } from "../workers/user-workers.ts";
 import { demandOf, type EligibleResult, eligibilityOptions, eligibleTypes } from "./eligible.ts";
 import * as say from "./status.ts";
 
@@ -101,6 +102,12 @@ export interface SchedulerOptions {
   db: Db;
   clock: Clock;
   logger: Logger;
+  /**
+   * Users' own workers (dispatcher/workers/user-workers.ts): a staged bundle goes to one of its owner's workers
+   * first when one can run it now; a bundle only workers can run (a tag no type has, resources.workersOnly, or
+   * bigger than every type while one of the owner's workers is big enough) waits for them. None: instances only.
+   */
+  userWorkers?: Pick<UserWorkers, "place" | "checkedIn" | "couldEverRun" | "anyRoom">;
   /**
    * Every pass reads the whole queue, recomputes every worker's room and visits every bundle (no tail): the pass
    * the incremental one must agree with (scheduler-incremental.test.ts). Default false.
@@ -311,6 +318,10 @@ function hasRoom(s: Slot, d: Demand, gpuCount: number, limit: number): boolean {
   );
 }
 
+/** Only users' workers can run bundles of this shape (a tag no instance type has, or resources.workersOnly). */
+const workerBound = (shape: Shape): boolean =>
+  !shape.eligible.ok && (shape.demand.workersOnly === true || shape.demand.tag !== undefined);
+
 /** The resource signature of a demand (what JSON.stringify would tell apart, cheaper). */
 function shapeKey(d: Demand): string {
   const g = d.gpu;
@@ -318,7 +329,9 @@ function shapeKey(d: Demand): string {
     g === null
       ? ""
       : `|${g.stack}|${g.deviceCount}|${g.vram}|${g.driverVersion ?? ""}|${JSON.stringify(g.hardwareTarget)}`;
-  return `${d.vcpus}|${d.ram}|${d.scratch}|${d.preemptible ? 1 : 0}${gpu}`;
+  const only =
+    d.tag === undefined && d.workersOnly !== true ? "" : `|${d.tag ?? ""}|${d.workersOnly ? 1 : 0}`;
+  return `${d.vcpus}|${d.ram}|${d.scratch}|${d.preemptible ? 1 : 0}${gpu}${only}`;
 }
 
 async function eachLimited<T>(items: readonly T[], n: number, fn: (item: T) => Promise<void>): Promise<void> {
@@ -330,7 +343,7 @@ async function eachLimited<T>(items: readonly T[], n: number, fn: (item: T) => P
 }
 
 export function createScheduler(opts: SchedulerOptions): Scheduler {
-  const { queue, pool, transitions, instanceTypes, config, db, clock } = opts;
+  const { queue, pool, transitions, instanceTypes, config, db, clock, userWorkers } = opts;
   const log = opts.logger.child({ component: "scheduler" });
   const { demand: demandOpts, eligible: eligibleOpts } = eligibilityOptions(config);
   const perInstance = config.cloud.maxRunningBundlesPerInstance;
@@ -468,7 +481,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         added.push(e);
       }
     }
-    e.unrunnable = !e.shape.eligible.ok || e.exhausted;
+    e.unrunnable = (!e.shape.eligible.ok && !workerBound(e.shape)) || e.exhausted;
     if (e.unrunnable) unrunnables.add(e);
     else unrunnables.delete(e);
   }
@@ -1186,10 +1199,36 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         setStarting(e, e.runnerOn);
         return true;
       }
+      const shape = e.shape;
+      if (userWorkers !== undefined && !e.exhausted) {
+        // The owner's own workers first (docs/workers.md).
+        const w = userWorkers.place(e.bundle);
+        if (w !== null) {
+          result.started.push(e.uuid);
+          e.status = say.startingOnWorker(w.name);
+          e.persist = false;
+          e.reason = "";
+          return true;
+        }
+      }
+      if (
+        workerBound(shape) ||
+        (e.unrunnable && !e.exhausted && userWorkers?.couldEverRun(e.bundle) === true)
+      ) {
+        const tag = shape.demand.tag ?? null;
+        setWaiting(
+          e,
+          say.waitingForWorkers({
+            tag,
+            workersOnly: shape.demand.workersOnly === true,
+            have: userWorkers?.checkedIn(e.bundle.ownerUuid, tag) ?? 0,
+          }),
+        );
+        return true;
+      }
       // No type fits it, or a bundle requeued after its last attempt (its runner never started) would otherwise
       // wait forever: failed below.
       if (e.unrunnable) return true;
-      const shape = e.shape;
       prepare(shape);
       let sentence: string | null = null;
       const before = e.plannedPass === pass - 1 ? e.plannedOn : null;
@@ -1214,7 +1253,8 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         if (sentence === null && stoppedAt() === null) return true; // placed on a new instance
       }
       setWaiting(e, sentence ?? withHint(shape, stoppedAt()!));
-      return full || stoppedAt() === null;
+      // Past a quota stop only users' workers can still take bundles: walk on while one has a free slot.
+      return full || stoppedAt() === null || userWorkers?.anyRoom() === true;
     };
     order = walkInOrder(added, visit);
     // The tail: every bundle after the stop waits for the same reason; only those that do not wait are noted.
@@ -1230,7 +1270,9 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       result.waiting = position + (order.length - tail.start) - tail.skips.length;
     } else result.waiting = position;
 
-    const unrunnable = [...unrunnables].filter((e) => e.runnerPass !== pass).sort(byOrder);
+    const unrunnable = [...unrunnables]
+      .filter((e) => e.runnerPass !== pass && (e.exhausted || userWorkers?.couldEverRun(e.bundle) !== true))
+      .sort(byOrder);
     if (unrunnable.length > 0) await failUnrunnable(unrunnable, result);
     log.debug(
       {

@@ -87,3 +87,22 @@ export const forCache = (held: number, total: number): string =>
 /** Started on an instance chosen for its cache. */
 export const startingOnForCache = (instanceId: string, held: number, total: number): string =>
   `starting on ${instanceId} (${forCache(held, total)})`;
+
+/** Given to one of its owner's own workers (docs/workers.md). */
+export const startingOnWorker = (name: string): string => `starting on your worker ${name}`;
+
+/**
+ * It can run only on its owner's workers (a tag no instance type has, resources.workersOnly, or bigger than
+ * every type) and none of them can take it now. `have`: how many of those workers (with the tag) are checked in.
+ */
+export function waitingForWorkers(opts: { tag: string | null; workersOnly: boolean; have: number }): string {
+  const which = opts.tag === null ? "one of your workers" : `one of your workers with tag ${opts.tag}`;
+  const why = opts.workersOnly ? " (it runs only on your own machines)" : "";
+  const state =
+    opts.have === 0
+      ? "none is checked in"
+      : opts.have === 1
+        ? "the one checked in is busy or too small"
+        : `all ${opts.have} checked in are busy or too small`;
+  return `waiting for ${which}${why}: ${state}`;
+}
