@@ -1,13 +1,14 @@
 /**
  * The bundle manager moves `created` bundles on: to `staged` once every dependency is ready (or final,
  * with allowFailedDependencies), to `failed` when a dependency failed or was killed. It wakes on the bundle
- * NOTIFY channel; the poll interval is only a fallback. One pass is `runOnce()`.
+ * NOTIFY channel; the poll interval is only a fallback (the loop is notified-loop.ts). One pass is `runOnce()`.
  */
 import type { Logger } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
 import { createdBundlesReady } from "../store/queries.ts";
 import { failCreated, stageBundles } from "../store/transitions.ts";
 import { BUNDLE_CHANNEL, type Bundle, type BundleState, isFinalState } from "../store/types.ts";
+import { notifiedLoop } from "./notified-loop.ts";
 
 export interface BundleManagerOptions {
   db: Db;
@@ -58,9 +59,6 @@ export function decide(
   return { action: "stage", reason };
 }
 
-/** The longest rest between two passes under a stream of notifications. */
-const MAX_REST_MS = 100;
-
 export function createBundleManager(opts: BundleManagerOptions): BundleManager {
   const { db } = opts;
   const log = opts.logger.child({ component: "bundle-manager" });
@@ -109,59 +107,19 @@ export function createBundleManager(opts: BundleManagerOptions): BundleManager {
     }
   }
 
-  let timer: NodeJS.Timeout | undefined;
-  let unlisten: (() => unknown) | undefined;
-  let running: Promise<void> | undefined;
-  let again = false;
-  let stopped = true;
-
-  function trigger(): void {
-    if (stopped) return;
-    if (running !== undefined) {
-      again = true;
-      return;
-    }
-    running = (async () => {
-      for (;;) {
-        again = false;
-        const t0 = performance.now();
-        try {
-          await runOnce();
-        } catch (err) {
-          log.error({ err }, "bundle manager pass failed");
-        }
-        if (!again || stopped) break;
-        // Woken while it ran: under a stream of submissions, rest as long as the pass took (at most 0.1 s)
-        // so the passes take at most half the database's time and each stages more at once. On PGlite, whose
-        // one connection also serves every request, a pass per submission cost more than the submission.
-        await new Promise((r) => setTimeout(r, Math.min(MAX_REST_MS, performance.now() - t0)));
-      }
-    })().finally(() => {
-      running = undefined;
-    });
-  }
-
-  return {
-    runOnce,
-    async start() {
-      if (!stopped) return;
-      stopped = false;
-      unlisten = await db.listen(BUNDLE_CHANNEL, (payload: string) => {
-        // Payload `<uuid> <state> <changeSeq>`: new bundles and final states can unblock someone.
-        const state = payload.split(" ")[1];
-        if (state === undefined || state === "created" || isFinalState(state as BundleState)) trigger();
-      });
-      timer = setInterval(trigger, pollInterval);
-      timer.unref();
-      trigger();
+  const loop = notifiedLoop({
+    db,
+    channel: BUNDLE_CHANNEL,
+    // Payload `<uuid> <state> <changeSeq>`: new bundles and final states can unblock someone.
+    filter: (payload) => {
+      const state = payload.split(" ")[1];
+      return state === undefined || state === "created" || isFinalState(state as BundleState);
     },
-    async stop() {
-      stopped = true;
-      if (timer !== undefined) clearInterval(timer);
-      timer = undefined;
-      await unlisten?.();
-      unlisten = undefined;
-      await running;
-    },
-  };
+    pollInterval,
+    pass: runOnce,
+    log,
+    name: "bundle manager",
+  });
+
+  return { runOnce, start: loop.start, stop: loop.stop };
 }

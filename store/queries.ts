@@ -130,6 +130,31 @@ function bundleFields(r: BundleRow): Bundle {
   };
 }
 
+/**
+ * The request a stored bundle was made from, with its pinned image (a retry runs the same image): the one place
+ * that knows which of a Bundle's fields make a NewBundle. `Required` makes a field added to NewBundle, optional
+ * or not, a compile error here until it is copied.
+ */
+export function newBundleOf(b: Bundle): NewBundle {
+  const request: Required<NewBundle> = {
+    ownerUuid: b.ownerUuid,
+    name: b.name,
+    command: b.command,
+    image: b.image,
+    env: b.env,
+    resources: b.resources,
+    preemptible: b.preemptible,
+    priority: b.priority,
+    limits: b.limits,
+    dependencies: b.dependencies,
+    allowFailedDependencies: b.allowFailedDependencies,
+    maxAttempts: b.maxAttempts,
+    imagePinned: b.imagePinned ?? null,
+    imageStore: b.imageStore ?? null,
+  };
+  return request;
+}
+
 interface UserRow {
   uuid: string;
   name: string;

@@ -16,6 +16,7 @@ import {
   listBundles,
   listEvents,
   maxChangeSeq,
+  newBundleOf,
   setSchedulingStatus,
   setSchedulingStatuses,
 } from "../store/queries.ts";
@@ -210,6 +211,23 @@ describeEachDb("store", (getDb) => {
         actor: `user:${owner}`,
       });
       expect(typeof events[0]!.id).toBe("number");
+    });
+
+    it("newBundleOf gives back the request a stored bundle was made from, and inserting it again keeps it", async () => {
+      await setup();
+      const input = testNewBundle(owner, {
+        resources: { vcpus: 2, ram: 2 ** 30, scratch: 2 ** 30, gpu: null, tag: "lab", workersOnly: true },
+        imagePinned: `reg.test/tool@sha256:${"ab".repeat(32)}`,
+        imageStore: { manifest: `${"c".repeat(64)}/10`, imageId: `sha256:${"d".repeat(64)}`, bytes: 10 },
+      });
+      const stored = await insertBundle(db(), testBundleUuid(), input, "created");
+      expect(newBundleOf(stored)).toEqual(input);
+      const again = await insertBundle(db(), testBundleUuid(), newBundleOf(stored), "created");
+      expect(newBundleOf(again)).toEqual(input);
+      // Without a pinned or stored image the request says so with nulls.
+      const plainInput = testNewBundle(owner);
+      const plain = await insertBundle(db(), testBundleUuid(), plainInput, "created");
+      expect(newBundleOf(plain)).toEqual({ ...plainInput, imagePinned: null, imageStore: null });
     });
 
     it("getBundleForOwner hides other users' bundles", async () => {

@@ -8,9 +8,10 @@
  * - waiting jobs with a failed parent -> failed, naming the ancestor that ran and failed (repeated down the graph);
  * - waiting jobs whose parents are all completed or skipped -> queued with a new bundle depending on the parents'.
  *
- * It wakes on the bundle NOTIFY channel when a bundle becomes final, polls as a fallback, and its first pass
- * catches up with whatever happened while no manager ran: all it needs is in the tables. Every change is a guarded
- * statement, so several managers (two REST servers) never move a job twice. One pass is `runOnce()`.
+ * It wakes on the bundle NOTIFY channel when a bundle becomes final, polls as a fallback (notified-loop.ts), and
+ * its first pass catches up with whatever happened while no manager ran: all it needs is in the tables. Every
+ * change is a guarded statement, so several managers (two REST servers) never move a job twice. One pass is
+ * `runOnce()`.
  */
 import { DispatchCloudError } from "../../lib/errors.ts";
 import type { PipelineDefinition } from "../../lib/pipeline/definition.ts";
@@ -23,14 +24,9 @@ import {
   type ReadyJob,
   readyWaitingJobs,
 } from "../../store/pipeline-queries.ts";
-import { getBundle, insertBundles } from "../../store/queries.ts";
-import {
-  BUNDLE_CHANNEL,
-  type Bundle,
-  type BundleState,
-  isFinalState,
-  type NewBundle,
-} from "../../store/types.ts";
+import { getBundle, insertBundles, newBundleOf } from "../../store/queries.ts";
+import { BUNDLE_CHANNEL, type BundleState, isFinalState } from "../../store/types.ts";
+import { notifiedLoop } from "../notified-loop.ts";
 import { DefinitionCache, type PipelineEnv, startJobs } from "./jobs.ts";
 
 export interface PipelineManagerOptions extends PipelineEnv {
@@ -46,28 +42,6 @@ export interface PipelineManager {
   start(): Promise<void>;
   stop(): Promise<void>;
 }
-
-/** The request a stored bundle was made from (its pinned image kept), for a retry. */
-function requestOf(b: Bundle): NewBundle {
-  return {
-    ownerUuid: b.ownerUuid,
-    name: b.name,
-    command: b.command,
-    image: b.image,
-    env: b.env,
-    resources: b.resources,
-    preemptible: b.preemptible,
-    priority: b.priority,
-    limits: b.limits,
-    dependencies: b.dependencies,
-    allowFailedDependencies: b.allowFailedDependencies,
-    maxAttempts: b.maxAttempts,
-    imagePinned: b.imagePinned ?? null,
-    imageStore: b.imageStore ?? null,
-  };
-}
-
-const MAX_REST_MS = 100;
 
 export function createPipelineManager(opts: PipelineManagerOptions): PipelineManager {
   const { db } = opts;
@@ -104,7 +78,7 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
       const ok = await db.transaction(async (tx) => {
         if (!(await finishQueuedJob(tx, job, job.bundleUuid, { state: "queued", retryBundle: uuid })))
           return false;
-        await insertBundles(tx, job.ownerUuid, [{ uuid, bundle: requestOf(old) }]);
+        await insertBundles(tx, job.ownerUuid, [{ uuid, bundle: newBundleOf(old) }]);
         return true;
       });
       if (ok) {
@@ -171,56 +145,19 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
     return moved;
   }
 
-  let timer: NodeJS.Timeout | undefined;
-  let unlisten: (() => unknown) | undefined;
-  let running: Promise<void> | undefined;
-  let again = false;
-  let stopped = true;
-
-  function trigger(): void {
-    if (stopped) return;
-    if (running !== undefined) {
-      again = true;
-      return;
-    }
-    running = (async () => {
-      for (;;) {
-        again = false;
-        const t0 = performance.now();
-        try {
-          await runOnce();
-        } catch (err) {
-          log.error({ err }, "pipeline manager pass failed");
-        }
-        if (!again || stopped) break;
-        await new Promise((r) => setTimeout(r, Math.min(MAX_REST_MS, performance.now() - t0)));
-      }
-    })().finally(() => {
-      running = undefined;
-    });
-  }
-
-  return {
-    runOnce,
-    async start() {
-      if (!stopped) return;
-      stopped = false;
-      unlisten = await db.listen(BUNDLE_CHANNEL, (payload: string) => {
-        // Payload `<uuid> <state> <changeSeq>`: only a final state can move a job.
-        const state = payload.split(" ")[1];
-        if (state !== undefined && isFinalState(state as BundleState)) trigger();
-      });
-      timer = setInterval(trigger, pollInterval);
-      timer.unref();
-      trigger();
+  const loop = notifiedLoop({
+    db,
+    channel: BUNDLE_CHANNEL,
+    // Payload `<uuid> <state> <changeSeq>`: only a final state can move a job.
+    filter: (payload) => {
+      const state = payload.split(" ")[1];
+      return state !== undefined && isFinalState(state as BundleState);
     },
-    async stop() {
-      stopped = true;
-      if (timer !== undefined) clearInterval(timer);
-      timer = undefined;
-      await unlisten?.();
-      unlisten = undefined;
-      await running;
-    },
-  };
+    pollInterval,
+    pass: runOnce,
+    log,
+    name: "pipeline manager",
+  });
+
+  return { runOnce, start: loop.start, stop: loop.stop };
 }
