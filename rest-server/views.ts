@@ -30,6 +30,7 @@ export function bundleView(b: Bundle, nowMs: number) {
     maxAttempts: b.maxAttempts,
     instanceId: b.instanceId,
     instanceType: b.instanceType,
+    workerId: b.workerId ?? null,
     gpuDevices: b.gpuDevices,
     exitCode: b.exitCode,
     resourceUsage: b.resourceUsage,
