@@ -126,6 +126,7 @@ describe("management API: authentication, standby, metrics, OpenAPI", () => {
       "/management/v1/instances/kill",
       "/management/v1/instances/run",
       "/management/v1/openapi.json",
+      "/management/v1/workers",
       "/metrics",
     ]);
     expect(Object.keys(body.components.schemas.InstanceList.properties.items.items.properties)).toEqual([

@@ -67,6 +67,7 @@ describe("users' own machines as workers (serve, local driver, Docker)", () => {
       sshServer: "embedded",
       runtimeEngine: "docker",
       maxInstances: 2,
+      management: true,
       extraYaml: ["workers:", "  longPoll: 1s", "  checkinTimeout: 5s", "  deliveryTimeout: 30s"].join("\n"),
     });
   }, 180_000);
@@ -175,6 +176,18 @@ describe("users' own machines as workers (serve, local driver, Docker)", () => {
       const mine = await socketInodes(w.child.pid!);
       expect(mine.filter((i) => listening.has(i))).toEqual([]);
     }
+
+    // Operators see them: the management API's worker list and the metrics.
+    const listed = await sys.manage<{ items: { id: string; fresh: boolean; slots: number }[] }>(
+      "GET",
+      "/workers",
+    );
+    expect(listed.items.filter((i) => i.fresh).map((i) => i.id)).toEqual(
+      expect.arrayContaining([wa.id, wb.id]),
+    );
+    await until("two active workers in the metrics", async () =>
+      (await sys.metricSum("dispatchcloud_user_workers", { state: "active" })) === 2 ? true : undefined,
+    );
 
     // A's three bundles: one on A's worker (one slot), the others on cloud instances.
     const aBundles = await Promise.all(
