@@ -280,7 +280,8 @@ export function registerWorkerRoutes(
       messages.push({ type: "kill", uuid: e.uuid, attempt: e.attempt, reason });
     }
     // Registered before the deliveries are read, so a bundle given to it from now on wakes this check-in.
-    const watch = await opts.waiters.watch(worker.id);
+    const deadline = performance.now() + opts.longPollMs;
+    let watch = await opts.waiters.watch(worker.id);
     try {
       messages.push(...(await runMessages(request, worker.id)));
       if (outdated) {
@@ -297,16 +298,21 @@ export function registerWorkerRoutes(
           });
         }
       }
-      if (messages.length === 0 && !opts.waiters.closed) {
-        const hangUp = abortOnHangUp(reply);
-        await watch.wait(opts.longPollMs, hangUp.signal);
-        if (!hangUp.signal.aborted && !opts.waiters.closed) {
-          const now = await getWorker(db, worker.id);
-          if (now === null || now.disabledAt !== null) {
-            throw new DispatchCloudError("workers.disabled", `worker ${worker.id} is disabled`);
-          }
-          messages.push(...(await runMessages(request, worker.id)));
+      // The long poll. A NOTIFY that gives nothing to send (this or another check-in of the worker recorded a
+      // change, which the dispatcher is told of on the same channel) does not end it.
+      const hangUp = messages.length === 0 ? abortOnHangUp(reply) : null;
+      while (messages.length === 0 && hangUp !== null) {
+        const left = deadline - performance.now();
+        if (left <= 0 || opts.waiters.closed || hangUp.signal.aborted) break;
+        await watch.wait(left, hangUp.signal);
+        watch.cancel();
+        if (opts.waiters.closed || hangUp.signal.aborted || performance.now() >= deadline) break;
+        watch = await opts.waiters.watch(worker.id);
+        const now = await getWorker(db, worker.id);
+        if (now === null || now.disabledAt !== null) {
+          throw new DispatchCloudError("workers.disabled", `worker ${worker.id} is disabled`);
         }
+        messages.push(...(await runMessages(request, worker.id)));
       }
     } finally {
       watch.cancel();
