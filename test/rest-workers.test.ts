@@ -11,9 +11,11 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
+import { routesOf } from "../lib/http-routes.ts";
 import { newRunnerToken, newUserToken } from "../lib/tokens.ts";
 import { VERSION } from "../lib/version.ts";
 import type { CheckinRequest } from "../lib/worker-protocol.ts";
+import { usersApiDocument } from "../rest-server/openapi.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import type { Db } from "../store/db.ts";
 import { getBundle } from "../store/queries.ts";
@@ -105,6 +107,18 @@ describeEachDb("REST workers", (getDb) => {
     if (notify) await notifyWorkers(getDb(), [workerId]);
     return b.uuid;
   };
+
+  it("documents every workers route in the OpenAPI document", () => {
+    const paths = usersApiDocument()["paths"] as Record<string, Record<string, unknown>>;
+    const routes = routesOf(apps[0]!).filter(
+      (r) => r.url.startsWith("/api/v1/workers") && r.method !== "HEAD",
+    );
+    expect(routes.length).toBe(7);
+    for (const r of routes) {
+      const path = r.url.replace(/:([a-z]+)/g, "{$1}");
+      expect(paths[path]?.[r.method.toLowerCase()], `${r.method} ${r.url}`).toBeDefined();
+    }
+  });
 
   describe("worker tokens", () => {
     it("makes a worker and its token, shown once; lists the caller's own, everyone's only for an admin", async () => {
