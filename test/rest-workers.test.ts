@@ -174,6 +174,20 @@ describeEachDb("REST workers", (getDb) => {
       expect(all.body.items.map((w: Json) => w.id)).toEqual(expect.arrayContaining([a1.id, a2.id, b1.id]));
     });
 
+    it("gives parallel requests without a name distinct default names", async () => {
+      const carol = await createTestUserWithToken(getDb());
+      const made = await Promise.all(
+        Array.from({ length: 4 }, () => api("POST", "/api/v1/workers", carol.token, {})),
+      );
+      expect(made.map((r) => r.status)).toEqual([201, 201, 201, 201]);
+      expect(made.map((r) => r.body.worker.name).sort()).toEqual([
+        "worker-1",
+        "worker-2",
+        "worker-3",
+        "worker-4",
+      ]);
+    });
+
     it("disables and enables (owner or admin; anyone else: not found); a disabled worker cannot check in", async () => {
       const alice = await createTestUserWithToken(getDb());
       const bob = await createTestUserWithToken(getDb());

@@ -149,14 +149,28 @@ export function registerWorkerRoutes(
   app.post("/api/v1/workers", { onRequest: userAuth }, async (request, reply) => {
     const caller = callerOf(request);
     const body = validate(CreateWorkerRequest, request.body ?? {});
-    const name = body.name ?? defaultName(await listWorkers(db, caller.uuid));
     const token = newWorkerToken();
-    const worker = await createWorker(db, {
-      id: newWorkerId(ctx.clusterId),
-      ownerUuid: caller.uuid,
-      name,
-      tokenHash: hashToken(token),
-    });
+    const make = async (name: string) =>
+      createWorker(db, {
+        id: newWorkerId(ctx.clusterId),
+        ownerUuid: caller.uuid,
+        name,
+        tokenHash: hashToken(token),
+      });
+    let worker: Worker;
+    if (body.name !== undefined) worker = await make(body.name);
+    else {
+      // A default name another request took meanwhile: the next free one (a few tries, then the conflict).
+      for (let tries = 1; ; tries++) {
+        try {
+          worker = await make(defaultName(await listWorkers(db, caller.uuid)));
+          break;
+        } catch (err) {
+          if (!(err instanceof DispatchCloudError && err.code === "workers.name_taken") || tries >= 5)
+            throw err;
+        }
+      }
+    }
     request.log.info({ workerId: worker.id, owner: caller.uuid }, "worker created");
     // The only time the token is ever shown; the database keeps its hash.
     return reply.code(201).send({ worker: workerView(worker), token });
