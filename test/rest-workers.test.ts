@@ -11,6 +11,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
+import { parseStartDocument } from "../crunch-run/start-doc.ts";
 import { routesOf } from "../lib/http-routes.ts";
 import { newRunnerToken, newUserToken } from "../lib/tokens.ts";
 import { VERSION } from "../lib/version.ts";
@@ -271,6 +272,14 @@ describeEachDb("REST workers", (getDb) => {
       expect(run.startDocument.token).toMatch(/^dcr_/);
       expect(run.startDocument.apiUrl).toMatch(/^http:\/\//);
       expect(run.startDocument).not.toHaveProperty("registryAuth");
+      // crunch-run --detach takes it as it is.
+      expect(parseStartDocument(JSON.stringify(run.startDocument), uuid)).toMatchObject({
+        uuid,
+        attempt: 1,
+        runtimeEngine: "process",
+        warmSupervisors: 0,
+        registryAuth: [],
+      });
       // Once: the next check-in (reporting it) gets nothing more.
       const again = await checkin(w, { running: [{ uuid, attempt: 1 }] });
       expect(again.body.messages).toEqual([]);
@@ -314,6 +323,18 @@ describeEachDb("REST workers", (getDb) => {
       expect(old.body.messages).toEqual([
         { type: "kill", uuid: current, attempt: 2, reason: "given back to the queue" },
       ]);
+    });
+
+    it("never hands it another user's bundle, even one given to it", async () => {
+      const alice = await createTestUserWithToken(getDb());
+      const bob = await createTestUserWithToken(getDb());
+      const w = await newWorker(alice);
+      const bobs = await giveToWorker(bob.uuid, w.id);
+      const res = await checkin(w);
+      expect(res.status).toBe(200);
+      expect(res.body.messages).toEqual([]);
+      expect(JSON.stringify(res.body)).not.toContain(bobs);
+      expect((await getBundle(getDb(), bobs))?.state).toBe("starting");
     });
 
     it("tells a worker whose artifact differs to drain, and to upgrade once nothing runs on it", async () => {

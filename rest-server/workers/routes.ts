@@ -198,9 +198,10 @@ export function registerWorkerRoutes(
   // ---- the worker's own routes ----------------------------------------------------------------------------
 
   /** Run messages for the bundles the dispatcher gave this worker that no check-in picked up yet. */
-  const runMessages = async (request: FastifyRequest, workerId: string): Promise<WorkerMessage[]> => {
+  const runMessages = async (request: FastifyRequest, worker: Worker): Promise<WorkerMessage[]> => {
+    const workerId = worker.id;
     const out: WorkerMessage[] = [];
-    for (const b of await undeliveredWorkerBundles(db, workerId)) {
+    for (const b of await undeliveredWorkerBundles(db, workerId, worker.ownerUuid)) {
       const token = newRunnerToken();
       const delivered = await deliverToWorker(db, b.uuid, b.attempt, workerId, hashToken(token));
       if (delivered === null) continue;
@@ -297,7 +298,7 @@ export function registerWorkerRoutes(
     const deadline = performance.now() + opts.longPollMs;
     let watch = await opts.waiters.watch(worker.id);
     try {
-      messages.push(...(await runMessages(request, worker.id)));
+      messages.push(...(await runMessages(request, worker)));
       if (outdated) {
         messages.push({
           type: "drain",
@@ -326,7 +327,7 @@ export function registerWorkerRoutes(
         if (now === null || now.disabledAt !== null) {
           throw new DispatchCloudError("workers.disabled", `worker ${worker.id} is disabled`);
         }
-        messages.push(...(await runMessages(request, worker.id)));
+        messages.push(...(await runMessages(request, worker)));
       }
     } finally {
       watch.cancel();
