@@ -227,7 +227,7 @@ export function registerWorkerRoutes(
 
   app.post("/api/v1/workers/checkin", { onRequest: workerAuth }, async (request, reply) => {
     const worker = workerOf(request);
-    // Steps 1-4 store nothing: token, shape, plausibility, identity, the bundles it claims.
+    // Nothing is stored until every check passed: token, shape, plausibility, identity, the bundles it claims.
     const body = validate(CheckinRequest, request.body ?? {});
     checkPlausible(body);
     checkWorkerId(worker, body.workerId);
