@@ -495,7 +495,7 @@ const Workers = Section("Users' own machines as workers (docs/workers.md).", {
   ),
   deliveryTimeout: Duration(
     "1m",
-    "A bundle given to a worker whose check-ins do not report it running within this after it was handed over (or that no check-in picked up within this plus checkinTimeout) goes back to the queue.",
+    "A bundle given to a worker that the worker's check-ins do not report (as started or running) within this goes back to the queue.",
     { positive: true },
   ),
 });
