@@ -105,8 +105,10 @@ describe("defaultConfig", () => {
         addedScratch: 0,
         price: 0,
         preemptible: false,
+        tags: [],
       },
     });
+    expect(config.workers).toEqual({ longPoll: 2000, checkinTimeout: 60_000, deliveryTimeout: 60_000 });
   });
 
   it("derives instanceSetId from clusterId and providerType from the type's name", () => {
