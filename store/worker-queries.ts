@@ -92,7 +92,8 @@ export async function listWorkers(db: Db, ownerUuid: string | null): Promise<Wor
 }
 
 /**
- * The workers the dispatcher may give bundles to or must watch: active or draining, not disabled. With each, how
+ * The workers the dispatcher may give bundles to or must watch: active or draining (disabled ones too: they get
+ * nothing new, but their bundles are watched until they go silent and are lost). With each, how
  * long ago it checked in by the database's clock (checkinAgeMs), so no two machines' clocks are compared.
  */
 export async function liveWorkers(db: Db): Promise<Worker[]> {
