@@ -12,10 +12,12 @@ import {
   isTokenShaped,
   RUNNER_TOKEN_PREFIX,
   USER_TOKEN_PREFIX,
+  WORKER_TOKEN_PREFIX,
 } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { findBundleByRunnerTokenHash, findLiveToken, touchToken } from "../store/queries.ts";
-import type { ApiToken, Bundle, User } from "../store/types.ts";
+import type { ApiToken, Bundle, User, Worker } from "../store/types.ts";
+import { findWorkerByTokenHash } from "../store/worker-queries.ts";
 
 declare module "fastify" {
   interface FastifyRequest {
@@ -25,6 +27,8 @@ declare module "fastify" {
     callerToken: ApiToken | null;
     /** The bundle whose runner token authenticated the request (runner API routes only). */
     runnerBundle: Bundle | null;
+    /** The user's worker whose token authenticated the request (the workers' own routes only). */
+    worker: Worker | null;
   }
 }
 
@@ -52,6 +56,19 @@ export function bearerToken(request: FastifyRequest): string {
 }
 
 const invalidToken = () => new DispatchCloudError("auth.invalid_token", "the token is not valid");
+
+/**
+ * A worker token (`dcw_...`) on any route but the worker's own: refused by its prefix alone, before any lookup,
+ * so it is never looked for in another table (docs/workers.md).
+ */
+function refuseWorkerToken(token: string): void {
+  if (token.startsWith(WORKER_TOKEN_PREFIX)) {
+    throw new DispatchCloudError(
+      "workers.worker_token",
+      "a worker token may only check in, check out and fetch the runner artifact",
+    );
+  }
+}
 
 /** A token's last use is written at most this often (so authentication is a write only once a minute). */
 export const LAST_USED_RESOLUTION_MS = 60_000;
@@ -110,6 +127,7 @@ export async function authenticateUser(
   cache?: TokenCache,
 ): Promise<FoundToken> {
   const token = bearerToken(request);
+  refuseWorkerToken(token);
   if (!isTokenShaped(token, USER_TOKEN_PREFIX)) throw invalidToken();
   const hash = hashToken(token);
   const cached = cache?.get(hash, nowMs);
@@ -141,6 +159,7 @@ export function requireAdmin(user: User): void {
 /** The bundle a runner token belongs to, while that bundle is starting or running. */
 export async function authenticateRunner(db: Db, request: FastifyRequest): Promise<Bundle> {
   const token = bearerToken(request);
+  refuseWorkerToken(token);
   if (!isTokenShaped(token, RUNNER_TOKEN_PREFIX)) throw invalidToken();
   const bundle = await findBundleByRunnerTokenHash(db, hashToken(token));
   if (bundle === null) throw invalidToken();
@@ -148,4 +167,28 @@ export async function authenticateRunner(db: Db, request: FastifyRequest): Promi
     throw new DispatchCloudError("runner.not_current", `bundle ${bundle.uuid} is ${bundle.state}`);
   }
   return bundle;
+}
+
+/** The worker set by the route's onRequest hook (the workers' own routes). */
+export function workerOf(request: FastifyRequest): Worker {
+  if (request.worker === null) throw new Error("route has no worker authentication hook");
+  return request.worker;
+}
+
+/**
+ * The worker a worker token (`dcw_...`) belongs to; any other token (a user's, a runner's) is auth.invalid_token
+ * here, and a disabled worker's is workers.disabled. Only the token's hash is looked up.
+ */
+export async function authenticateWorker(db: Db, request: FastifyRequest): Promise<Worker> {
+  const token = bearerToken(request);
+  if (!isTokenShaped(token, WORKER_TOKEN_PREFIX)) throw invalidToken();
+  const worker = await findWorkerByTokenHash(db, hashToken(token));
+  if (worker === null) throw invalidToken();
+  if (worker.disabledAt !== null) {
+    throw new DispatchCloudError(
+      "workers.disabled",
+      `worker ${worker.id} is disabled; its owner or an admin may enable it`,
+    );
+  }
+  return worker;
 }

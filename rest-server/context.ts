@@ -15,6 +15,12 @@ import type { OutputStore } from "./outputs.ts";
 import type { SubmitLimits } from "./quotas.ts";
 import type { SubmitCoalescer } from "./submit-coalescer.ts";
 
+/** The runner artifact workers upgrade to (the file the dispatcher deploys): its bytes and their sha256. */
+export interface WorkerArtifact {
+  sha256: string;
+  content: Buffer;
+}
+
 /** What the routes need, built once by createRestServer. */
 export interface RouteContext {
   db: Db;
@@ -52,4 +58,6 @@ export interface RouteContext {
   imageResolvers: ImageResolver[];
   /** Requeues for an unavailable registry that do not use up an attempt (containers.unavailableImageRequeues). */
   unavailableImageRequeues: number;
+  /** The runner artifact users' workers upgrade to (rest-server/workers/); null when the server has none. */
+  runnerArtifact: WorkerArtifact | null;
 }

@@ -29,6 +29,7 @@ import {
   httpServerOptions,
 } from "../lib/http-timeouts.ts";
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
+import type { RuntimeEngine } from "../lib/runner-protocol.ts";
 import type { Db } from "../store/db.ts";
 import { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
@@ -39,7 +40,7 @@ import { createCasMetrics } from "./cas/metrics.ts";
 import { cacheTtlFor, ReadableCache } from "./cas/readable-cache.ts";
 import { registerCasRoutes } from "./cas/routes.ts";
 import { createStoredOutputs } from "./cas/stored-outputs.ts";
-import type { RouteContext } from "./context.ts";
+import type { RouteContext, WorkerArtifact } from "./context.ts";
 import { type ImageResolver, storeImageResolver } from "./image-resolve.ts";
 import { registerImageRoutes } from "./images-routes.ts";
 import { createLogNotifier } from "./logs.ts";
@@ -51,6 +52,8 @@ import { registerRunnerRoutes } from "./routes-runner.ts";
 import { registerTokenRoutes } from "./routes-tokens.ts";
 import { registerUserRoutes } from "./routes-users.ts";
 import { createSubmitCoalescer } from "./submit-coalescer.ts";
+import { registerWorkerRoutes } from "./workers/routes.ts";
+import { createWorkerWaiters } from "./workers/waiters.ts";
 
 export interface RestServerOptions {
   db: Db;
@@ -96,6 +99,20 @@ export interface RestServerOptions {
   imageResolvers?: ImageResolver[];
   /** containers.unavailableImageRequeues (default its default). */
   unavailableImageRequeues?: number;
+  /** Users' own workers (docs/workers.md). */
+  workers?: WorkerServerOptions;
+}
+
+export interface WorkerServerOptions {
+  /** workers.longPoll, in ms (default its default). */
+  longPoll?: number;
+  /** dispatcher.runtimeEngine, named in the start documents handed to workers (default its default). */
+  runtimeEngine?: RuntimeEngine;
+  /**
+   * The runner artifact workers upgrade to: the file the dispatcher deploys (cli/runner-artifact.ts). None: workers
+   * are never told to drain or upgrade, and GET /api/v1/workers/artifact answers workers.no_artifact.
+   */
+  artifact?: WorkerArtifact | null;
 }
 
 export interface CasServerOptions {
@@ -171,6 +188,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
         : [storeImageResolver(opts.db), ...(opts.imageResolvers ?? [])],
     unavailableImageRequeues:
       opts.unavailableImageRequeues ?? defaultConfig().containers.unavailableImageRequeues,
+    runnerArtifact: opts.workers?.artifact ?? null,
   };
   const timeouts = {
     headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,
@@ -200,6 +218,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   app.decorateRequest("caller", null);
   app.decorateRequest("callerToken", null);
   app.decorateRequest("runnerBundle", null);
+  app.decorateRequest("worker", null);
 
   // JSON only. fastify's default parsers (including text/plain) are removed so anything else is a 415.
   app.removeAllContentTypeParsers();
@@ -239,9 +258,10 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     if (request.runnerBundle !== null) allowSlowUpload(request.raw);
   });
 
-  // Log followers end their responses before the server waits for open connections to finish.
+  // Log followers and workers' long polls end their responses before the server waits for open connections.
+  const workerWaiters = createWorkerWaiters(opts.db, logger);
   app.addHook("preClose", async () => {
-    await ctx.logNotifier.close();
+    await Promise.all([ctx.logNotifier.close(), workerWaiters.close()]);
   });
 
   const casDefaults = defaultConfig().cas;
@@ -280,6 +300,11 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     logger: logger as Logger,
   });
   registerRunnerRoutes(app, ctx);
+  registerWorkerRoutes(app, ctx, {
+    longPollMs: opts.workers?.longPoll ?? defaultConfig().workers.longPoll,
+    runtimeEngine: opts.workers?.runtimeEngine ?? defaultConfig().dispatcher.runtimeEngine,
+    waiters: workerWaiters,
+  });
   ctx.casMetrics =
     opts.cas?.metricsRegistry === undefined ? null : createCasMetrics(opts.cas.metricsRegistry, opts.db);
   registerCasRoutes(app, ctx, {

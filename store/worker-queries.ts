@@ -216,3 +216,55 @@ export async function deliverToWorker(
 export async function notifyWorkers(db: Db, ids: readonly string[]): Promise<void> {
   for (const id of new Set(ids)) await db.query("SELECT pg_notify($1, $2)", [WORKER_CHANNEL, id]);
 }
+
+/** Bundles of this worker's that are starting on it and were not handed to a check-in yet (deliverToWorker). */
+export async function undeliveredWorkerBundles(db: Db, workerId: string): Promise<Bundle[]> {
+  const { rows } = await db.query<BundleRow>(
+    `SELECT * FROM bundles WHERE worker_id = $1 AND state = 'starting' AND worker_delivered_at IS NULL
+     ORDER BY starting_at, uuid`,
+    [workerId],
+  );
+  return rows.map(bundleFromRow);
+}
+
+/** What a check-in needs to know of a bundle it reports running: whose it is and where its attempt is. */
+export interface ReportedBundle {
+  uuid: string;
+  ownerUuid: string;
+  state: Bundle["state"];
+  attempt: number;
+  workerId: string | null;
+}
+
+/** The bundles of these uuids that exist (in no particular order). */
+export async function reportedBundles(db: Db, uuids: readonly string[]): Promise<ReportedBundle[]> {
+  if (uuids.length === 0) return [];
+  const { rows } = await db.query<{
+    uuid: string;
+    owner_uuid: string;
+    state: Bundle["state"];
+    attempt: number;
+    worker_id: string | null;
+  }>("SELECT uuid, owner_uuid, state, attempt, worker_id FROM bundles WHERE uuid = ANY($1::text[])", [
+    [...new Set(uuids)],
+  ]);
+  return rows.map((r) => ({
+    uuid: r.uuid,
+    ownerUuid: r.owner_uuid,
+    state: r.state,
+    attempt: r.attempt,
+    workerId: r.worker_id,
+  }));
+}
+
+/** A worker checked out: state stopped, nothing running. NOTIFYs WORKER_CHANNEL. Null when it is gone. */
+export async function checkoutWorker(db: Db, id: string): Promise<Worker | null> {
+  const { rows } = await db.query<WorkerRow>(
+    `UPDATE workers SET state = 'stopped', running = '[]'::jsonb, checked_in_at = date_trunc('milliseconds', now())
+     WHERE id = $1 RETURNING ${COLUMNS}`,
+    [id],
+  );
+  if (rows[0] === undefined) return null;
+  await notifyWorkers(db, [id]);
+  return workerFromRow(rows[0]);
+}

@@ -26,7 +26,7 @@ import { migrate } from "../../store/migrate.ts";
 import { countUsers, createUser } from "../../store/queries.ts";
 import { parse } from "../args.ts";
 import { type CliIo, EXIT_OK } from "../io.ts";
-import { loadRunnerArtifact } from "../runner-artifact.ts";
+import { loadRunnerArtifact, runningFromSources } from "../runner-artifact.ts";
 
 const OPTIONS = { config: { type: "string", short: "c" } } as const;
 
@@ -176,9 +176,11 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     if (embedded && config.management.token === "") {
       config = await ensureManagementToken(config, dataDir, logger);
     }
-    // Before anything starts: a missing cloud.deployRunnerBinary is a config error.
+    // Before anything starts: a missing cloud.deployRunnerBinary is a config error. `serve` deploys it to
+    // instances; both modes offer it to users' workers to upgrade to (docs/workers.md). A rest-server running
+    // from sources with no cloud.deployRunnerBinary has none (it does not build one): its workers never upgrade.
     const runner =
-      mode === "serve"
+      mode === "serve" || config.cloud.deployRunnerBinary !== "" || !runningFromSources()
         ? await loadRunnerArtifact({ deployRunnerBinary: config.cloud.deployRunnerBinary, logger })
         : null;
     const db = await openMigrated(config, logger);
@@ -228,6 +230,11 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       quotas: config.quotas,
       unavailableImageRequeues: config.containers.unavailableImageRequeues,
       imageResolvers: registryResolvers,
+      workers: {
+        longPoll: config.workers.longPoll,
+        runtimeEngine: config.dispatcher.runtimeEngine,
+        artifact: runner,
+      },
       cas: {
         backend: casBackend,
         retention: config.cas.retention,
