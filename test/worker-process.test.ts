@@ -12,7 +12,7 @@ import http from "node:http";
 import os, { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { runCli } from "../cli/cli.ts";
 import type { CliIo } from "../cli/io.ts";
 import { detectGpus, detectResources, parseNvidiaSmi } from "../cli/worker/resources.ts";
@@ -290,6 +290,11 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     apiUrl = await restServer();
   });
 
+  afterEach((ctx) => {
+    if (ctx.task.result?.state !== "fail") return;
+    for (const p of procs) process.stderr.write(`--- worker ${p.pid}:\n${p.out}\n`);
+  });
+
   afterAll(async () => {
     for (const p of procs) await p.stop("SIGKILL");
     for (const s of servers) await s.close();
@@ -352,7 +357,7 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
       tags: ["gpu", "lab-1"],
       slots: 3,
       version: expect.any(String),
-      artifactSha256: "",
+      artifactSha256: null, // from sources: no artifact to report
     });
     expect(row?.resources).toMatchObject({ vcpus: os.availableParallelism(), ram: os.totalmem(), gpu: null });
     expect(row?.resources?.freeDisk).toBeGreaterThan(0);
@@ -397,7 +402,7 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     expect(await p.stop("SIGTERM")).toBe(0);
     expect((await getWorker(db, w.id))?.state).toBe("stopped");
     expect(p.lines(/^checked out$/)).toHaveLength(1);
-  });
+  }, 150_000);
 
   it("--on-stop finish lets the running bundle end before it checks out; hand-back requeues it", async () => {
     const w = await newWorker("finisher");
@@ -428,7 +433,7 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     expect(after?.workerId ?? null).toBeNull();
     expect(await listed(root)).toEqual([]);
     expect((await getWorker(db, w.id))?.state).toBe("stopped");
-  });
+  }, 150_000);
 
   describe("upgrades (from the one-file artifact)", () => {
     let artifactA: Buffer;
