@@ -329,6 +329,11 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     expect(await runCli(e)).toBe(1);
     expect(e.stdout).toEqual([`${w.id}: enabled`, expect.stringContaining("[workers.not_found]")]);
     expect((await getWorker(db, w.id))?.disabledAt).toBeNull();
+    // A bundle asks for a tag and for the owner's workers only (submit's flags of the request's fields).
+    const sub = io(["submit", "--image", "busybox", "--tag", "gpu", "--workers-only", "--", "true"]);
+    expect(await runCli(sub), sub.stderr.join("\n")).toBe(0);
+    const submitted = await getBundle(db, sub.stdout[0] as string);
+    expect(submitted?.resources).toMatchObject({ tag: "gpu", workersOnly: true });
     const a = io(["workers", "list", "--all"]);
     expect(await runCli(a)).toBe(1);
     expect(a.stderr.join("\n")).toContain("[auth.forbidden]");
