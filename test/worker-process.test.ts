@@ -23,7 +23,13 @@ import { getBundle, insertBundle } from "../store/queries.ts";
 import { killBundle, stageBundle, startBundleOnWorker } from "../store/transitions.ts";
 import type { Bundle, NewBundle } from "../store/types.ts";
 import { getWorker, notifyWorkers } from "../store/worker-queries.ts";
-import { createTestUserWithToken, testBundleUuid, testNewBundle, useTestDb } from "./db.ts";
+import {
+  createTestUserWithToken,
+  startWithRunnerToken,
+  testBundleUuid,
+  testNewBundle,
+  useTestDb,
+} from "./db.ts";
 import { BIN } from "./serve-process.ts";
 
 const sha256 = (b: Buffer | string) => createHash("sha256").update(b).digest("hex");
@@ -277,6 +283,29 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
       ms,
     );
 
+  /** `crunch-run <args>` from sources with DISPATCH_VM_ROOT=root, the start document (if any) on stdin. */
+  const crunchRun = (
+    root: string,
+    args: string[],
+    doc?: object,
+  ): Promise<{ code: number | null; stdout: string; stderr: string }> =>
+    new Promise((resolve, reject) => {
+      const env: NodeJS.ProcessEnv = { ...process.env, DISPATCH_VM_ROOT: root };
+      delete env["NODE_OPTIONS"];
+      const child = spawn(BIN, args, { env, stdio: ["pipe", "pipe", "pipe"] });
+      let stdout = "";
+      let stderr = "";
+      child.stdout.on("data", (d: Buffer) => {
+        stdout += d.toString();
+      });
+      child.stderr.on("data", (d: Buffer) => {
+        stderr += d.toString();
+      });
+      child.on("error", reject);
+      child.on("close", (code) => resolve({ code, stdout, stderr }));
+      child.stdin.end(doc === undefined ? "" : JSON.stringify(doc));
+    });
+
   const workDir = (name: string) => join(dir, name);
   const listed = async (root: string): Promise<string[]> =>
     (await readdir(join(root, "var", "lock")).catch(() => [] as string[])).filter((n) => n.endsWith(".lock"));
@@ -342,6 +371,24 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
   it("checks in with no listening socket, runs a delivered bundle to ready, kills one, and finishes on SIGTERM", async () => {
     const w = await newWorker("laptop");
     const root = workDir("laptop");
+    // A leftover in its work directory: a runner of one of the user's bundles that is not this worker's (it runs
+    // "on an instance"). The worker finds it, reports it, and the server's answer tells it to kill it.
+    const leftover = testBundleUuid();
+    await insertBundle(db, leftover, testNewBundle(user.uuid, { command: ["sleep", "300"] }), "created");
+    expect((await stageBundle(db, leftover, { actor: "test" })).ok).toBe(true);
+    const started = await startWithRunnerToken(db, leftover, { instanceId: "i-elsewhere", actor: "test" });
+    const detached = await crunchRun(root, ["--detach", leftover], {
+      uuid: leftover,
+      attempt: started.bundle.attempt,
+      apiUrl,
+      token: started.token,
+      instanceType: "small",
+      gpuDevices: [],
+      runtimeEngine: "process",
+      warmSupervisors: 0,
+    });
+    expect(detached.code, detached.stderr).toBe(0);
+    await waitState(leftover, ["running"]);
     const p = startWorkerProcess(w, [
       "--work-dir",
       root,
@@ -370,6 +417,13 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     expect((await socketInodes(p.pid)).size).toBeGreaterThan(0);
     expect(await listeningSockets(p.pid)).toEqual([]);
 
+    expect(await p.waitLog(/^found a bundle running in the work directory$/)).toMatchObject({
+      uuid: leftover,
+      attempt: 1,
+    });
+    expect(await p.waitLog(/^stopping a bundle's runner$/)).toMatchObject({ uuid: leftover });
+    await waitFor("the leftover's runner gone", async () => (await listed(root)).length === 0);
+
     const done = await bundleOnWorker(w.id, {
       command: ["sh", "-c", 'echo "hi from $GREETING" > "$DISPATCH_OUTPUT_DIR/out.txt"'],
       env: { GREETING: "the worker" },
@@ -378,8 +432,7 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     expect(final.state, p.out).toBe("ready");
     expect(final.exitCode).toBe(0);
     expect(final.workerId).toBe(w.id);
-    const started = await p.waitLog(/^bundle started$/);
-    expect(started).toMatchObject({ uuid: done, attempt: 1 });
+    expect(await p.waitLog(/^bundle started$/)).toMatchObject({ uuid: done, attempt: 1 });
     await p.waitLog(/^bundle finished$/);
     // The supervisor ran below the work directory (crunch-run's DISPATCH_VM_ROOT) and left its log there.
     expect(existsSync(join(root, "var", "log", "crunch-run", `${done}.log`))).toBe(true);
@@ -389,7 +442,8 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     expect(await res.text()).toBe("hi from the worker\n");
     expect(await listeningSockets(p.pid)).toEqual([]);
 
-    // Kill: the server's next answer says kill, the worker stops the runner.
+    // A bundle killed by its owner: stopped, whether the server's kill message or the supervisor's own
+    // heartbeat gets there first (the worker's kill message is shown deterministically by the leftover above).
     const long = await bundleOnWorker(w.id, { command: ["sleep", "300"] });
     await waitState(long, ["running"]);
     await waitFor("the running bundle in the worker's check-in", async () =>
@@ -397,9 +451,9 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     );
     expect((await killBundle(db, long, { actor: "test", reason: "killed by the test" })).ok).toBe(true);
     await notifyWorkers(db, [w.id]);
-    expect(await p.waitLog(/^stopping a bundle's runner$/)).toMatchObject({ uuid: long });
     await waitFor("the killed runner gone", async () => (await listed(root)).length === 0);
     await waitFor("the check-in without it", async () => (await getWorker(db, w.id))?.running.length === 0);
+    expect((await getBundle(db, long))?.state).toBe("killed");
     expect(p.out).not.toContain("dcr_");
     expect(p.out).not.toContain("dcw_");
 

@@ -75,6 +75,11 @@ const MIN_CYCLE_MS = 250;
 const KILL_GRACE_MS = 10_000;
 /** How long an upgrade whose download failed is not tried again. */
 const UPGRADE_RETRY_MS = 5 * 60_000;
+/**
+ * While nothing runs here, `crunch-run --list` (a process start each time) is asked this often rather than at
+ * every check-in: with no runner of ours, only a leftover of an earlier worker process could show up in it.
+ */
+const IDLE_LIST_MS = 30_000;
 /** How long stopping tries to check out before it gives up (the server then finds the worker lost). */
 const CHECKOUT_BUDGET_MS = 30_000;
 
@@ -119,6 +124,7 @@ class WorkerLoop {
   private retryMs = FIRST_RETRY_MS;
   private checkedIn = false;
   private listProblem: string | null = null;
+  private listedAt = 0;
 
   constructor(
     private readonly opts: WorkerOptions,
@@ -205,8 +211,11 @@ class WorkerLoop {
 
   /** What runs here: crunch-run --list's bundles (with their attempts) and the ones being started. */
   private async running(): Promise<CheckinRequest["running"]> {
+    const idle = this.attempts.size === 0 && this.starting.size === 0 && this.killing.size === 0;
+    if (idle && this.listedAt > 0 && Date.now() - this.listedAt < IDLE_LIST_MS) return [];
     let listed: string[];
     try {
+      this.listedAt = Date.now();
       const list = await this.runners.list();
       this.cache = list.cachedManifests;
       listed = [...list.runners.keys()];
