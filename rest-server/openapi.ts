@@ -10,6 +10,7 @@ import { ImageRequest } from "./images-routes.ts";
 import { PipelineRequest, RerunRequest, RunRequest } from "./pipelines/routes.ts";
 import { TokenRequest } from "./routes-tokens.ts";
 import { KillRequest, UploadRequest, UserRequest } from "./routes-users.ts";
+import { CheckinRequest, CheckoutRequest, CreateWorkerRequest } from "./workers/schemas.ts";
 
 const nullable = (type: string, extra: Json = {}): Json => ({ type: [type, "null"], ...extra });
 /** An API token as the users' API shows it (rest-server/routes-tokens.ts; never the token itself). */
@@ -37,6 +38,73 @@ const TOKEN_VIEW: Json = {
     "expired",
     "current",
   ],
+};
+
+/** A user's worker as the users' API shows it (rest-server/workers/routes.ts; never its token). */
+const WORKER_VIEW: Json = {
+  type: "object",
+  properties: {
+    id: { type: "string" },
+    ownerUuid: { type: "string" },
+    name: { type: "string" },
+    state: { type: "string", enum: ["new", "active", "draining", "stopped", "lost"] },
+    disabled: { type: "boolean" },
+    tags: { type: "array", items: { type: "string" } },
+    resources: {
+      type: ["object", "null"],
+      description: "What its last check-in reported: vcpus, ram and freeDisk (bytes), gpu or null.",
+    },
+    slots: { type: "integer" },
+    version: nullable("string"),
+    artifactSha256: nullable("string"),
+    cachedTrees: { type: "integer", description: "How many input trees its cache holds in full." },
+    running: {
+      type: "array",
+      items: {
+        type: "object",
+        properties: { uuid: { type: "string" }, attempt: { type: "integer" } },
+        required: ["uuid", "attempt"],
+      },
+    },
+    createdAt: { type: "string", format: "date-time" },
+    checkedInAt: nullable("string", { format: "date-time" }),
+    checkinAgeMs: nullable("integer", { description: "Milliseconds since its last check-in." }),
+  },
+  required: [
+    "id",
+    "ownerUuid",
+    "name",
+    "state",
+    "disabled",
+    "tags",
+    "resources",
+    "slots",
+    "version",
+    "artifactSha256",
+    "cachedTrees",
+    "running",
+    "createdAt",
+    "checkedInAt",
+    "checkinAgeMs",
+  ],
+};
+
+/** A worker's message in a check-in's answer (lib/worker-protocol.ts WorkerMessage). */
+const WORKER_MESSAGE: Json = {
+  type: "object",
+  description:
+    "run {uuid, attempt, startDocument}: start this bundle (crunch-run's start document, with a runner token); kill {uuid, attempt, reason}; drain {reason}: take no new bundles; upgrade {sha256, bytes, version}: nothing runs, fetch the artifact and replace yourself.",
+  properties: {
+    type: { type: "string", enum: ["run", "kill", "drain", "upgrade"] },
+    uuid: { type: "string" },
+    attempt: { type: "integer" },
+    startDocument: { type: "object" },
+    reason: { type: "string" },
+    sha256: { type: "string" },
+    bytes: { type: "integer" },
+    version: { type: "string" },
+  },
+  required: ["type"],
 };
 
 /** An image in the store as the users' API shows it (rest-server/images-routes.ts). */
@@ -622,6 +690,141 @@ export function usersApiDocument(): Json {
           },
         },
       },
+      "/api/v1/workers": {
+        post: {
+          operationId: "createWorker",
+          description: "Makes one of the caller's own workers and its token (docs/workers.md).",
+          requestBody: body("CreateWorkerRequest"),
+          responses: {
+            "201": json(
+              {
+                type: "object",
+                properties: {
+                  worker: ref("Worker"),
+                  token: { type: "string", description: "dcw_..., shown only this once." },
+                },
+                required: ["worker", "token"],
+              },
+              "The worker and its token, shown only this once.",
+            ),
+            ...errors([
+              ...common,
+              "workers.worker_token",
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "workers.name_taken",
+            ]),
+          },
+        },
+        get: {
+          operationId: "listWorkers",
+          parameters: [query("all", "true: every user's workers (admins only).", false)],
+          responses: {
+            "200": json(
+              { type: "object", properties: { items: { type: "array", items: ref("Worker") } } },
+              "The caller's workers (with all=true, everyone's), by creation.",
+            ),
+            ...errors([...common, "workers.worker_token", "request.invalid_query", "auth.forbidden"]),
+          },
+        },
+      },
+      ...Object.fromEntries(
+        (["disable", "enable"] as const).map((action) => [
+          `/api/v1/workers/{id}/${action}`,
+          {
+            post: {
+              operationId: `${action}Worker`,
+              description:
+                action === "disable"
+                  ? "The worker's token is refused (workers.disabled) and it is given nothing until enabled. Its owner or an admin."
+                  : "The worker may check in again. Its owner or an admin.",
+              parameters: [{ name: "id", in: "path", required: true, schema: { type: "string" } }],
+              responses: {
+                "200": json(ref("Worker"), "The worker."),
+                ...errors([...common, "workers.worker_token", "request.invalid_param", "workers.not_found"]),
+              },
+            },
+          },
+        ]),
+      ),
+      "/api/v1/workers/checkin": {
+        post: {
+          operationId: "workerCheckin",
+          description:
+            "A worker (Authorization: Bearer dcw_...) reports itself and gets its messages: at once when there are some, else after at most workers.longPoll (docs/workers.md). A refused check-in stores nothing.",
+          requestBody: body("WorkerCheckinRequest"),
+          responses: {
+            "200": json(
+              {
+                type: "object",
+                properties: {
+                  workerId: { type: "string" },
+                  serverVersion: { type: "string" },
+                  artifactSha256: {
+                    type: "string",
+                    description: 'The server\'s runner artifact, or "" for none.',
+                  },
+                  messages: { type: "array", items: ref("WorkerMessage") },
+                },
+                required: ["workerId", "serverVersion", "artifactSha256", "messages"],
+              },
+              "What the worker is to do, in order: kill, run, drain, upgrade.",
+            ),
+            ...errors([
+              ...common,
+              "workers.disabled",
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "workers.implausible_resources",
+              "workers.wrong_worker",
+              "workers.not_assigned",
+            ]),
+          },
+        },
+      },
+      "/api/v1/workers/checkout": {
+        post: {
+          operationId: "workerCheckout",
+          description:
+            "The worker stops (state stopped); with handBack its starting bundles go back to the queue and its running ones are lost (requeued while attempts remain).",
+          requestBody: body("WorkerCheckoutRequest"),
+          responses: {
+            "200": json(
+              {
+                type: "object",
+                properties: { requeued: { type: "array", items: { type: "string" } } },
+                required: ["requeued"],
+              },
+              "The bundles handed back that are staged again.",
+            ),
+            ...errors([
+              ...common,
+              "workers.disabled",
+              "request.invalid_json",
+              "request.invalid_body",
+              "request.unknown_field",
+              "workers.wrong_worker",
+            ]),
+          },
+        },
+      },
+      "/api/v1/workers/artifact": {
+        get: {
+          operationId: "workerArtifact",
+          description:
+            "The runner artifact a worker upgrades to; its sha256 in the x-artifact-sha256 header.",
+          responses: {
+            "200": {
+              description: "The artifact's bytes.",
+              headers: { "x-artifact-sha256": { schema: { type: "string" } } },
+              content: { "application/octet-stream": { schema: { type: "string", format: "binary" } } },
+            },
+            ...errors([...common, "workers.disabled", "workers.no_artifact"]),
+          },
+        },
+      },
       "/api/v1/users/current": {
         get: {
           operationId: "currentUser",
@@ -682,6 +885,11 @@ export function usersApiDocument(): Json {
           ],
         },
         Image: IMAGE_VIEW,
+        Worker: WORKER_VIEW,
+        WorkerMessage: WORKER_MESSAGE,
+        CreateWorkerRequest: plain(CreateWorkerRequest),
+        WorkerCheckinRequest: plain(CheckinRequest),
+        WorkerCheckoutRequest: plain(CheckoutRequest),
         Token: TOKEN_VIEW,
         TokenWithSecret: {
           allOf: [

@@ -53,7 +53,7 @@ import { registerTokenRoutes } from "./routes-tokens.ts";
 import { registerUserRoutes } from "./routes-users.ts";
 import { createSubmitCoalescer } from "./submit-coalescer.ts";
 import { registerWorkerRoutes } from "./workers/routes.ts";
-import { createWorkerWaiters } from "./workers/waiters.ts";
+import { createWorkerWaiters, type WorkerWaiters } from "./workers/waiters.ts";
 
 export interface RestServerOptions {
   db: Db;
@@ -139,6 +139,8 @@ declare module "fastify" {
   interface FastifyInstance {
     /** The content-addressed store's garbage collection (gcOnce for tests and operators). */
     casGc: CasGc;
+    /** Workers' check-ins waiting in their long poll (rest-server/workers/waiters.ts). */
+    workerWaiters: WorkerWaiters;
   }
 }
 
@@ -260,6 +262,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
 
   // Log followers and workers' long polls end their responses before the server waits for open connections.
   const workerWaiters = createWorkerWaiters(opts.db, logger);
+  app.decorate("workerWaiters", workerWaiters);
   app.addHook("preClose", async () => {
     await Promise.all([ctx.logNotifier.close(), workerWaiters.close()]);
   });

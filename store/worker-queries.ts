@@ -217,12 +217,21 @@ export async function notifyWorkers(db: Db, ids: readonly string[]): Promise<voi
   for (const id of new Set(ids)) await db.query("SELECT pg_notify($1, $2)", [WORKER_CHANNEL, id]);
 }
 
-/** Bundles of this worker's that are starting on it and were not handed to a check-in yet (deliverToWorker). */
-export async function undeliveredWorkerBundles(db: Db, workerId: string): Promise<Bundle[]> {
+/**
+ * Bundles of ownerUuid's that are starting on this worker and were not handed to a check-in yet (deliverToWorker).
+ * Another user's bundle given to it (which the dispatcher never does) is never handed over: it stays undelivered
+ * until the delivery timeout requeues it.
+ */
+export async function undeliveredWorkerBundles(
+  db: Db,
+  workerId: string,
+  ownerUuid: string,
+): Promise<Bundle[]> {
   const { rows } = await db.query<BundleRow>(
-    `SELECT * FROM bundles WHERE worker_id = $1 AND state = 'starting' AND worker_delivered_at IS NULL
+    `SELECT * FROM bundles WHERE worker_id = $1 AND owner_uuid = $2 AND state = 'starting'
+       AND worker_delivered_at IS NULL
      ORDER BY starting_at, uuid`,
-    [workerId],
+    [workerId, ownerUuid],
   );
   return rows.map(bundleFromRow);
 }

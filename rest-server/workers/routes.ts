@@ -149,14 +149,28 @@ export function registerWorkerRoutes(
   app.post("/api/v1/workers", { onRequest: userAuth }, async (request, reply) => {
     const caller = callerOf(request);
     const body = validate(CreateWorkerRequest, request.body ?? {});
-    const name = body.name ?? defaultName(await listWorkers(db, caller.uuid));
     const token = newWorkerToken();
-    const worker = await createWorker(db, {
-      id: newWorkerId(ctx.clusterId),
-      ownerUuid: caller.uuid,
-      name,
-      tokenHash: hashToken(token),
-    });
+    const make = async (name: string) =>
+      createWorker(db, {
+        id: newWorkerId(ctx.clusterId),
+        ownerUuid: caller.uuid,
+        name,
+        tokenHash: hashToken(token),
+      });
+    let worker: Worker;
+    if (body.name !== undefined) worker = await make(body.name);
+    else {
+      // A default name another request took meanwhile: the next free one (a few tries, then the conflict).
+      for (let tries = 1; ; tries++) {
+        try {
+          worker = await make(defaultName(await listWorkers(db, caller.uuid)));
+          break;
+        } catch (err) {
+          if (!(err instanceof DispatchCloudError && err.code === "workers.name_taken") || tries >= 5)
+            throw err;
+        }
+      }
+    }
     request.log.info({ workerId: worker.id, owner: caller.uuid }, "worker created");
     // The only time the token is ever shown; the database keeps its hash.
     return reply.code(201).send({ worker: workerView(worker), token });
@@ -184,9 +198,10 @@ export function registerWorkerRoutes(
   // ---- the worker's own routes ----------------------------------------------------------------------------
 
   /** Run messages for the bundles the dispatcher gave this worker that no check-in picked up yet. */
-  const runMessages = async (request: FastifyRequest, workerId: string): Promise<WorkerMessage[]> => {
+  const runMessages = async (request: FastifyRequest, worker: Worker): Promise<WorkerMessage[]> => {
+    const workerId = worker.id;
     const out: WorkerMessage[] = [];
-    for (const b of await undeliveredWorkerBundles(db, workerId)) {
+    for (const b of await undeliveredWorkerBundles(db, workerId, worker.ownerUuid)) {
       const token = newRunnerToken();
       const delivered = await deliverToWorker(db, b.uuid, b.attempt, workerId, hashToken(token));
       if (delivered === null) continue;
@@ -280,9 +295,10 @@ export function registerWorkerRoutes(
       messages.push({ type: "kill", uuid: e.uuid, attempt: e.attempt, reason });
     }
     // Registered before the deliveries are read, so a bundle given to it from now on wakes this check-in.
-    const watch = await opts.waiters.watch(worker.id);
+    const deadline = performance.now() + opts.longPollMs;
+    let watch = await opts.waiters.watch(worker.id);
     try {
-      messages.push(...(await runMessages(request, worker.id)));
+      messages.push(...(await runMessages(request, worker)));
       if (outdated) {
         messages.push({
           type: "drain",
@@ -297,16 +313,21 @@ export function registerWorkerRoutes(
           });
         }
       }
-      if (messages.length === 0 && !opts.waiters.closed) {
-        const hangUp = abortOnHangUp(reply);
-        await watch.wait(opts.longPollMs, hangUp.signal);
-        if (!hangUp.signal.aborted && !opts.waiters.closed) {
-          const now = await getWorker(db, worker.id);
-          if (now === null || now.disabledAt !== null) {
-            throw new DispatchCloudError("workers.disabled", `worker ${worker.id} is disabled`);
-          }
-          messages.push(...(await runMessages(request, worker.id)));
+      // The long poll. A NOTIFY that gives nothing to send (this or another check-in of the worker recorded a
+      // change, which the dispatcher is told of on the same channel) does not end it.
+      const hangUp = messages.length === 0 ? abortOnHangUp(reply) : null;
+      while (messages.length === 0 && hangUp !== null) {
+        const left = deadline - performance.now();
+        if (left <= 0 || opts.waiters.closed || hangUp.signal.aborted) break;
+        await watch.wait(left, hangUp.signal);
+        watch.cancel();
+        if (opts.waiters.closed || hangUp.signal.aborted || performance.now() >= deadline) break;
+        watch = await opts.waiters.watch(worker.id);
+        const now = await getWorker(db, worker.id);
+        if (now === null || now.disabledAt !== null) {
+          throw new DispatchCloudError("workers.disabled", `worker ${worker.id} is disabled`);
         }
+        messages.push(...(await runMessages(request, worker)));
       }
     } finally {
       watch.cancel();
