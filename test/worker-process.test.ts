@@ -463,6 +463,50 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     expect(p.lines(/^checked out$/)).toHaveLength(1);
   }, 150_000);
 
+  it("retries a server that fails (503) with back-off, logging the failure once, and checks in when it recovers", async () => {
+    let failing = true;
+    let refused = 0;
+    const target = new URL(apiUrl);
+    const proxy = http.createServer((req, res) => {
+      if (failing) {
+        refused++;
+        res.writeHead(503, { "content-type": "application/json" });
+        res.end(JSON.stringify({ error: { code: "internal.error", message: "the test's proxy is down" } }));
+        req.resume();
+        return;
+      }
+      const up = http.request(
+        { host: target.hostname, port: target.port, path: req.url, method: req.method, headers: req.headers },
+        (upRes) => {
+          res.writeHead(upRes.statusCode ?? 502, upRes.headers);
+          upRes.pipe(res);
+        },
+      );
+      req.pipe(up);
+    });
+    await new Promise<void>((ok) => proxy.listen(0, "127.0.0.1", ok));
+    const port = (proxy.address() as { port: number }).port;
+    try {
+      const w = await newWorker("flaky");
+      const p = startWorkerProcess(w, ["--work-dir", workDir("flaky")], { api: `http://127.0.0.1:${port}` });
+      await waitFor("three refused check-ins", async () => refused >= 3);
+      expect(p.child.exitCode).toBeNull();
+      expect(p.lines(/^check-in failed; retrying with back-off$/)).toHaveLength(1);
+      expect((await getWorker(db, w.id))?.checkedInAt).toBeNull();
+      failing = false;
+      const again = await p.waitLog(/^check-in works again$/);
+      expect(again["failures"]).toBe(refused);
+      await waitFor(
+        "the check-in through the proxy",
+        async () => (await getWorker(db, w.id))?.state === "active",
+      );
+      expect(await p.stop("SIGTERM")).toBe(0);
+    } finally {
+      proxy.closeAllConnections();
+      await new Promise<void>((ok) => proxy.close(() => ok()));
+    }
+  }, 150_000);
+
   it("--on-stop finish lets the running bundle end before it checks out; hand-back requeues it", async () => {
     const w = await newWorker("finisher");
     const root = workDir("finisher");

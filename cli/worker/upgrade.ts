@@ -50,7 +50,9 @@ export async function replaceProgram(file: string, content: Buffer): Promise<voi
  */
 export function relaunch(file: string, args: string[]): Promise<number> {
   // A SEA executable is its own program; the .cjs artifact starts by its two-line launcher (it is executable).
-  const child = spawn(file, args, { stdio: "inherit" });
+  // In a process group of its own: a Ctrl-C at the terminal reaches this process alone, which passes it on once
+  // (reaching both, the new program would count two: the second means "hand back").
+  const child = spawn(file, args, { stdio: "inherit", detached: true });
   const forward = (signal: NodeJS.Signals) => () => {
     child.kill(signal);
   };
