@@ -184,6 +184,11 @@ class WorkerProc {
     if (this.child.exitCode === null && this.child.signalCode === null) this.child.kill(signal);
     return this.exited;
   }
+  /** Signals its whole process group, as Ctrl-C at a terminal does (started with `group`). */
+  async ctrlC(): Promise<number | null> {
+    process.kill(-this.pid, "SIGINT");
+    return this.exited;
+  }
 }
 
 describe("dispatch-cloud worker (a real process against the REST server)", () => {
@@ -242,7 +247,7 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
   function startWorkerProcess(
     w: { id: string; tokenFile: string },
     args: string[],
-    opts: { program?: string; api?: string } = {},
+    opts: { program?: string; api?: string; group?: boolean } = {},
   ): WorkerProc {
     const argv = [
       "worker",
@@ -256,7 +261,12 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
     const env = { ...process.env };
     delete env["NODE_OPTIONS"];
     const p = new WorkerProc(
-      spawn(opts.program ?? BIN, [...argv, ...args], { env, stdio: ["ignore", "pipe", "pipe"], cwd: dir }),
+      spawn(opts.program ?? BIN, [...argv, ...args], {
+        env,
+        stdio: ["ignore", "pipe", "pipe"],
+        cwd: dir,
+        detached: opts.group === true,
+      }),
     );
     procs.push(p);
     return p;
@@ -563,6 +573,7 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
       const p = startWorkerProcess(w, ["--work-dir", workDir("upgrader"), "--runtime", "process"], {
         program,
         api: newApi,
+        group: true,
       });
       await p.waitLog(/^upgrading/, 90_000);
       await p.waitLog(/^upgraded/, 90_000);
@@ -579,8 +590,10 @@ describe("dispatch-cloud worker (a real process against the REST server)", () =>
       // The new program runs the next bundle.
       const b = await bundleOnWorker(w.id, { command: ["true"] });
       expect((await waitState(b, ["ready", "failed", "killed"])).state, p.out).toBe("ready");
-      // The old process forwards the signal to the new one and exits with its code.
-      expect(await p.stop("SIGTERM")).toBe(0);
+      // The old process passes Ctrl-C on to the new one (once: it finishes, not hands back) and exits with its code.
+      expect(await p.ctrlC()).toBe(0);
+      expect(p.lines(/^stopping: taking no new bundles/)).toHaveLength(1);
+      expect(p.lines(/^stopping: handing the bundles back/)).toEqual([]);
       expect((await getWorker(db, w.id))?.state).toBe("stopped");
     }, 180_000);
 
