@@ -12,6 +12,8 @@ import { submitCommand } from "./commands/submit.ts";
 import { tokensCommand } from "./commands/tokens.ts";
 import { uploadCommand } from "./commands/upload.ts";
 import { usersCommand } from "./commands/users.ts";
+import { workerCommand } from "./commands/worker.ts";
+import { workersCommand } from "./commands/workers.ts";
 import { type CliIo, type Command, EXIT_OK, reportError, usageError } from "./io.ts";
 
 const USAGE = `dispatch-cloud — runs batch containers ("bundles") on cloud VMs it creates and destroys on demand
@@ -35,6 +37,8 @@ users and bundles (clients of the REST server: --api-url URL, token from DISPATC
   bundles list|show|kill|events
   upload DIR [--name N]         a directory into the content-addressed store, as a ready bundle to depend on
   images push|list|rm           container images in the content-addressed store (docker save; no registry)
+  workers token create|list|disable|enable  your own machines as workers (docs/workers.md); --all: admins
+  worker --api-url URL --token-file F --worker-id ID [--tag T]...  run bundles on this machine (a worker)
   gahp [--config F]             a BOINC GAHP on stdin/stdout, so HTCondor 9.x submits to us (docs/htcondor.md)
   pipeline check|apply|list|run|rerun|status  pipelines of apps and job ids (docs/pipelines.md): run APP JOB_ID
                                 creates the job and every parent job not yet done, each as a bundle
@@ -70,6 +74,8 @@ export const COMMANDS: Record<string, Command> = {
   pipeline: pipelineCommand,
   instance: instanceCommand,
   queue: queueCommand,
+  workers: workersCommand,
+  worker: workerCommand,
 };
 
 /** Runs one command line; returns the exit code. Every error is printed with its stable code. */

@@ -15,6 +15,8 @@ const USAGE = `usage: dispatch-cloud submit [FILE.json|FILE.yml] [flags] [--] CO
   --name NAME              a name for the bundle
   --vcpus N --ram SIZE --scratch SIZE
   --gpus N [--gpu-stack cuda|rocm] [--gpu-vram SIZE] [--gpu-driver X.Y]
+  --tag TAG                run only where an instance type or one of your workers has the tag
+  --workers-only           run only on your own workers, never on a cloud instance (docs/workers.md)
   --env NAME=VALUE         (repeatable)
   --priority N             0..1000 (default 500)
   --preemptible            allow a preemptible (spot) instance
@@ -35,6 +37,8 @@ const OPTIONS = {
   "gpu-stack": { type: "string" },
   "gpu-vram": { type: "string" },
   "gpu-driver": { type: "string" },
+  tag: { type: "string" },
+  "workers-only": { type: "boolean" },
   env: { type: "string", multiple: true },
   priority: { type: "string" },
   preemptible: { type: "boolean" },
@@ -87,6 +91,8 @@ export async function submitCommand(io: CliIo): Promise<number> {
       ...(v["gpu-driver"] === undefined ? {} : { driverVersion: v["gpu-driver"] }),
     };
   }
+  if (v.tag !== undefined) resources["tag"] = v.tag;
+  if (v["workers-only"] === true) resources["workersOnly"] = true;
   if (Object.keys(resources).length > 0) body["resources"] = resources;
   if (v.env !== undefined) {
     const env = { ...((body["env"] as Body | undefined) ?? {}) };
