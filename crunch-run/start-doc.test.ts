@@ -43,6 +43,8 @@ describe("parseStartDocument", () => {
       warmSupervisors: 2,
       registryAuth: [],
       imagePullRetryMs: 120_000,
+      workerPid: 0,
+      workerPidStart: "",
     });
   });
 
@@ -71,6 +73,14 @@ describe("parseStartDocument", () => {
     const err = errorOf({ ...good, registryAuth });
     expect(err.path).toBe(path);
     expect(err.message).not.toContain("hunter2");
+  });
+
+  it("takes a worker's pid and its start time (users' workers)", () => {
+    const parse = (extra: object) => parseStartDocument(JSON.stringify({ ...good, ...extra }), UUID);
+    expect(parse({ workerPid: 4242, workerPidStart: "123456" })).toMatchObject({
+      workerPid: 4242,
+      workerPidStart: "123456",
+    });
   });
 
   it("takes warmSupervisors (0 = none)", () => {
@@ -129,6 +139,9 @@ describe("parseStartDocument", () => {
     ["negative warm supervisors", { ...good, warmSupervisors: -1 }, "warmSupervisors"],
     ["too many warm supervisors", { ...good, warmSupervisors: 65 }, "warmSupervisors"],
     ["a tiny pull retry time", { ...good, imagePullRetryMs: 5 }, "imagePullRetryMs"],
+    ["a negative worker pid", { ...good, workerPid: -1 }, "workerPid"],
+    ["a worker pid as text", { ...good, workerPid: "12" }, "workerPid"],
+    ["a worker start time that is not digits", { ...good, workerPidStart: "1; rm" }, "workerPidStart"],
   ])("rejects %s with the field's path", (_name, doc, path) => {
     const err = errorOf(doc);
     expect(err.code).toBe("crunchrun.invalid_start_document");

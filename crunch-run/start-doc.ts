@@ -122,6 +122,19 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
     throw bad("warmSupervisors", `must be a whole number from 0 to ${MAX_WARM_SUPERVISORS}`);
   }
   const registryAuth = parseRegistryAuth(doc["registryAuth"] ?? []);
+  const workerPid = doc["workerPid"] ?? 0;
+  if (
+    typeof workerPid !== "number" ||
+    !Number.isSafeInteger(workerPid) ||
+    workerPid < 0 ||
+    workerPid > 4_194_304
+  ) {
+    throw bad("workerPid", "must be a process id (0: none)");
+  }
+  const workerPidStart = doc["workerPidStart"] ?? "";
+  if (typeof workerPidStart !== "string" || !/^[0-9]{0,20}$/.test(workerPidStart)) {
+    throw bad("workerPidStart", "must be a process start time (digits) or empty");
+  }
   const pullRetry = doc["imagePullRetryMs"] ?? DEFAULT_IMAGE_PULL_RETRY_MS;
   const pr = IMAGE_PULL_RETRY_RANGE_MS;
   if (
@@ -148,6 +161,8 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
     warmSupervisors: warm,
     registryAuth,
     imagePullRetryMs: pullRetry,
+    workerPid,
+    workerPidStart,
   };
 }
 

@@ -54,7 +54,7 @@ import { removeStagedTree, stageTree } from "./cas-stage.ts";
 import { createDockerClient, DockerApiError } from "./docker-api.ts";
 import { createStoreImageLoader } from "./image-store.ts";
 import { imdsEndpoint, type SpotNotice, type SpotPoller, startSpotPoller } from "./imds.ts";
-import { parseLock, readLockText, releaseLock, replaceLock } from "./lock.ts";
+import { parseLock, procStartTime, readLockText, releaseLock, replaceLock } from "./lock.ts";
 import { LogStream } from "./log-stream.ts";
 import { lockFile, type RunnerPaths, workDir } from "./paths.ts";
 import type { ContainerRuntime, RunningContainer } from "./runtime.ts";
@@ -456,6 +456,11 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       // Heartbeats from here on, with the latest usage.
       const beat = async () => {
         if (heartbeat.stopped) return;
+        if (doc.workerPid > 0 && !workerAlive(doc.workerPid, doc.workerPidStart)) {
+          say("the worker process that started this bundle is gone: stopping it (it goes back to the queue)");
+          markLost(new Error(`worker process ${doc.workerPid} is gone`));
+          return;
+        }
         try {
           if (container !== null) await sampleUsage(container, outDir, usage);
           await client.heartbeat({ ...usage }, statusText);
@@ -832,4 +837,10 @@ async function chooseRuntime(
     return processRuntime();
   }
   return createDockerRuntime(docker, { pullLockDir: path.join(paths.lockDir, "crunch-run-pulls") });
+}
+
+/** The worker process that started a bundle is still there: pid alive, and the same process (start time). */
+function workerAlive(pid: number, start: string): boolean {
+  const now = procStartTime(pid);
+  return now !== null && (start === "" || now === start);
 }

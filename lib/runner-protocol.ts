@@ -70,6 +70,13 @@ export interface StartDocument {
   registryAuth: RegistryAuth[];
   /** How long a pull whose registry is unavailable (network, 5xx, 429) is retried before the bundle is requeued. */
   imagePullRetryMs: number;
+  /**
+   * A user's worker (docs/workers.md) sets these to its own pid and that process's start time (/proc/<pid>/stat
+   * field 22): the supervisor stops the bundle (no finish) once that process is gone, so a killed worker's
+   * bundles do not run on unwatched. 0 and "": none (cloud instances).
+   */
+  workerPid: number;
+  workerPidStart: string;
 }
 
 /** The fields crunch-run fills in with the defaults below when the document leaves them out. */
@@ -81,7 +88,9 @@ type Defaulted =
   | "processUidCount"
   | "warmSupervisors"
   | "registryAuth"
-  | "imagePullRetryMs";
+  | "imagePullRetryMs"
+  | "workerPid"
+  | "workerPidStart";
 /** What the dispatcher sends: the required fields, and the defaulted ones only where they differ. */
 export type StartDocumentSent = Omit<StartDocument, Defaulted> & Partial<Pick<StartDocument, Defaulted>>;
 
@@ -101,6 +110,8 @@ export const START_DOCUMENT_FIELDS: ReadonlySet<string> = new Set<keyof StartDoc
   "warmSupervisors",
   "registryAuth",
   "imagePullRetryMs",
+  "workerPid",
+  "workerPidStart",
 ]);
 
 export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;

@@ -68,11 +68,17 @@ describe("users' own machines as workers (serve, local driver, Docker)", () => {
       runtimeEngine: "docker",
       maxInstances: 2,
       management: true,
-      extraYaml: ["workers:", "  longPoll: 1s", "  checkinTimeout: 5s", "  deliveryTimeout: 30s"].join("\n"),
+      extraYaml: ["workers:", "  longPoll: 2s", "  checkinTimeout: 20s", "  deliveryTimeout: 60s"].join("\n"),
     });
   }, 180_000);
 
   afterAll(async () => {
+    if (process.env["DC_E2E_DUMP"] !== undefined) {
+      await writeFile(
+        process.env["DC_E2E_DUMP"],
+        `${sys?.output()}\n${workers.map((w) => w.out()).join("\n")}`,
+      );
+    }
     for (const w of workers)
       if (w.child.exitCode === null && w.child.signalCode === null) w.child.kill("SIGKILL");
     await sys?.stop();

@@ -8,8 +8,10 @@
  * startWorker runs one in this process and returns a handle (tests use it; the CLI command wraps it with
  * signal handling and the relaunch after an upgrade).
  */
+
 import { mkdir } from "node:fs/promises";
 import path from "node:path";
+import { procStartTime } from "../../crunch-run/lock.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { abortableSleep } from "../../lib/retry.ts";
 import type { RuntimeEngine, StartDocumentSent } from "../../lib/runner-protocol.ts";
@@ -286,6 +288,9 @@ class WorkerLoop {
       apiUrl: this.opts.apiUrl,
       warmSupervisors: 0,
       ...(this.opts.runtime === undefined ? {} : { runtimeEngine: this.opts.runtime }),
+      // Its supervisor stops the bundle when this process is gone (killed): it then goes back to the queue.
+      workerPid: process.pid,
+      workerPidStart: procStartTime(process.pid) ?? "",
     };
     // Operators' registry credentials never reach a user's machine (the server sends none; make sure).
     delete doc.registryAuth;
