@@ -4,12 +4,14 @@
  * chunks, BUNDLE_CHANNEL for state changes) with a poll as the fallback, until the bundle is final (or a newer
  * attempt started) and every chunk has been sent.
  */
+
 import { Readable } from "node:stream";
 import type { Logger } from "pino";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "../store/db.ts";
 import { getBundle, readLogChunks } from "../store/queries.ts";
 import { BUNDLE_CHANNEL, isFinalState, LOG_CHANNEL, LOG_STREAMS, type LogStream } from "../store/types.ts";
+import { createKeyedWaiters, type KeyedWaiters } from "./keyed-waiters.ts";
 
 /** Chunks read per query (each at most 1 MiB). */
 const CHUNKS_PER_READ = 8;
@@ -76,88 +78,21 @@ export function parseLogQuery(query: unknown): LogQuery {
   return out;
 }
 
-/** Wakes log followers of a bundle. One LISTEN per server, shared by every follower. */
-export interface LogNotifier {
-  /**
-   * Registers interest in `uuid` (after the server listens, so nothing notified from now on is missed);
-   * `wait` resolves on a notification for it, after `timeoutMs`, on abort, or when the notifier closes.
-   */
-  watch(
-    uuid: string,
-  ): Promise<{ wait(timeoutMs: number, signal: AbortSignal): Promise<void>; cancel(): void }>;
-  readonly closed: boolean;
-  /** Wakes every follower for good (they end their responses) and stops listening. */
-  close(): Promise<void>;
-}
+/**
+ * Wakes log followers of a bundle (rest-server/keyed-waiters.ts): a stored chunk (LOG_CHANNEL) or a transition
+ * (BUNDLE_CHANNEL) of the bundle. One LISTEN per channel per server, shared by every follower; closing wakes every
+ * follower for good (they end their responses).
+ */
+export type LogNotifier = KeyedWaiters;
 
 export function createLogNotifier(db: Db, logger: Logger): LogNotifier {
-  const waiters = new Map<string, Set<() => void>>();
-  let listening: Promise<(() => Promise<void>)[]> | null = null;
-  let closed = false;
-
-  const wake = (payload: string) => {
-    const uuid = payload.split(" ", 1)[0] ?? "";
-    for (const fn of [...(waiters.get(uuid) ?? [])]) fn();
-  };
-  const listen = () => {
-    listening ??= Promise.all([db.listen(LOG_CHANNEL, wake), db.listen(BUNDLE_CHANNEL, wake)]).catch(
-      (err: unknown) => {
-        listening = null;
-        logger.warn({ err }, "cannot listen for log notifications; followers poll");
-        return [];
-      },
-    );
-    return listening;
-  };
-
-  return {
-    get closed() {
-      return closed;
-    },
-    async watch(uuid) {
-      if (!closed) await listen();
-      let fired = false;
-      let onFire: (() => void) | null = null;
-      const fire = () => {
-        fired = true;
-        onFire?.();
-      };
-      let set = waiters.get(uuid);
-      if (set === undefined) {
-        set = new Set();
-        waiters.set(uuid, set);
-      }
-      set.add(fire);
-      const cancel = () => {
-        const s = waiters.get(uuid);
-        if (s?.delete(fire) && s.size === 0) waiters.delete(uuid);
-      };
-      return {
-        cancel,
-        wait(timeoutMs, signal) {
-          if (fired || closed || signal.aborted) return Promise.resolve();
-          return new Promise<void>((resolve) => {
-            const done = () => {
-              clearTimeout(timer);
-              signal.removeEventListener("abort", done);
-              onFire = null;
-              resolve();
-            };
-            const timer = setTimeout(done, timeoutMs);
-            signal.addEventListener("abort", done, { once: true });
-            onFire = done;
-          });
-        },
-      };
-    },
-    async close() {
-      closed = true;
-      for (const set of waiters.values()) for (const fn of [...set]) fn();
-      const unlisten = await (listening ?? Promise.resolve([]));
-      listening = null;
-      await Promise.all(unlisten.map((u) => u().catch(() => {})));
-    },
-  };
+  return createKeyedWaiters({
+    db,
+    channels: [LOG_CHANNEL, BUNDLE_CHANNEL],
+    keyOf: (payload) => payload.split(" ", 1)[0] ?? "",
+    logger,
+    listenFailed: "cannot listen for log notifications; followers poll",
+  });
 }
 
 export interface LogReadArgs {
