@@ -1,5 +1,7 @@
 /** Types shared by the store, the REST server, the dispatcher and the CLI. */
 
+import type { WorkerResourcesReport } from "../lib/worker-protocol.ts";
+
 export const BUNDLE_STATES = [
   "created",
   "staged",
@@ -211,23 +213,8 @@ export const WORKER_CHANNEL = "dispatch_cloud_workers";
 
 export type WorkerState = "new" | "active" | "draining" | "stopped" | "lost";
 
-/** What a worker reported of its machine at its last check-in (lib/worker-protocol.ts checks the shape). */
-export interface WorkerResources {
-  vcpus: number;
-  /** Bytes. */
-  ram: number;
-  /** Free bytes of its work directory's file system. */
-  freeDisk: number;
-  /** Its GPUs, or null for none. */
-  gpu: {
-    stack: "cuda" | "rocm";
-    deviceCount: number;
-    /** Bytes of memory per device. */
-    vram: number;
-    driverVersion: string | null;
-    hardwareTarget: string | null;
-  } | null;
-}
+/** What a worker reported of its machine at its last check-in (lib/worker-protocol.ts; the server checked it). */
+export type WorkerResources = WorkerResourcesReport;
 
 /** One user's worker (store/migrations/010_workers.sql). */
 export interface Worker {
