@@ -67,15 +67,15 @@ export function createBundleManager(opts: BundleManagerOptions): BundleManager {
 
   async function runOnce(): Promise<number> {
     let moved = 0;
-    const seen = new Set<string>();
+    // Pages in (created_at, uuid) order, each after the last: a bundle left created (waiting, or a failed move)
+    // is not read again in this pass, and no page sorts what earlier pages covered.
+    let after: { createdAt: Date; uuid: string } | null = null;
     for (;;) {
-      const rows = await createdBundlesReady(db, batchSize);
-      let progress = false;
+      const rows = await createdBundlesReady(db, batchSize, after);
+      const last = rows.at(-1)?.bundle;
+      if (last !== undefined) after = { createdAt: last.createdAt, uuid: last.uuid };
       const toStage: { uuid: string; reason: string | null }[] = [];
       for (const { bundle, dependencyStates } of rows) {
-        if (seen.has(bundle.uuid)) continue;
-        seen.add(bundle.uuid);
-        progress = true;
         const d = decide(bundle, dependencyStates);
         if (d.action === "stage") toStage.push({ uuid: bundle.uuid, reason: d.reason });
         if (d.action !== "fail") continue;
@@ -92,18 +92,20 @@ export function createBundleManager(opts: BundleManagerOptions): BundleManager {
       }
       // The page's stageable bundles in one statement (a batch submission stages as fast as it was inserted).
       try {
-        for (const b of await stageBundles(db, toStage, ACTOR)) {
-          moved++;
-          log.info({ bundleUuid: b.uuid, state: b.state }, "bundle staged");
-        }
+        const staged = await stageBundles(db, toStage, ACTOR);
+        moved += staged.length;
+        // One line per page (a batch of 10,000 would otherwise write 10,000 lines); each bundle at debug.
+        if (staged.length > 0) log.info({ staged: staged.length, first: staged[0]!.uuid }, "bundles staged");
+        if (log.isLevelEnabled("debug"))
+          for (const b of staged) log.debug({ bundleUuid: b.uuid, state: b.state }, "bundle staged");
       } catch (err) {
         log.error(
           { err, bundles: toStage.length },
           "could not stage created bundles; tried again on the next pass",
         );
       }
-      // Another page only if this one was full and brought something new.
-      if (rows.length < batchSize || !progress) return moved;
+      // Another page only if this one was full.
+      if (rows.length < batchSize) return moved;
     }
   }
 

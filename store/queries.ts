@@ -719,6 +719,8 @@ export async function maxChangeSeq(db: Db): Promise<number> {
 export async function createdBundlesReady(
   db: Db,
   limit: number,
+  /** Keyset paging: only bundles after this one in (created_at, uuid) order. */
+  after: { createdAt: Date; uuid: string } | null = null,
 ): Promise<{ bundle: Bundle; dependencyStates: { uuid: string; state: BundleState }[] }[]> {
   const { rows } = await db.query<BundleRow & { dependency_states: { uuid: string; state: BundleState }[] }>(
     // A bundle without dependencies (most of them) skips the per-row lookups: CASE evaluates lazily.
@@ -728,6 +730,7 @@ export async function createdBundlesReady(
          WHERE bd.bundle_uuid = b.uuid), '[]'::jsonb) END AS dependency_states
      FROM bundles b
      WHERE b.state = 'created'
+       AND ($3::timestamptz IS NULL OR (b.created_at, b.uuid) > ($3::timestamptz, $4::text))
        AND (b.dependencies = '[]'::jsonb OR NOT EXISTS (
               SELECT 1 FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
               WHERE bd.bundle_uuid = b.uuid AND NOT (d.state = ANY($2::text[])))
@@ -736,7 +739,7 @@ export async function createdBundlesReady(
               WHERE bd.bundle_uuid = b.uuid AND d.state IN ('failed', 'killed')))
      ORDER BY b.created_at, b.uuid
      LIMIT $1`,
-    [limit, FINAL_STATES],
+    [limit, FINAL_STATES, after?.createdAt ?? null, after?.uuid ?? null],
   );
   return rows.map((r) => ({ bundle: bundleFromRow(r), dependencyStates: r.dependency_states }));
 }

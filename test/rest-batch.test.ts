@@ -193,6 +193,20 @@ describeEachDb("batch submission", (getDb) => {
         await manager.stop();
       }
     });
+    it("one bundle manager pass stages a batch larger than its page, page after page", async () => {
+      const u = await makeUser(getDb());
+      const res = await api("POST", "/api/v1/bundles/batch", u.token, {
+        items: Array.from({ length: 50 }, (_, i) => item(`p${i}`)),
+      });
+      expect(res.status).toBe(201);
+      const manager = createBundleManager({ db: getDb(), logger: pino({ level: "silent" }), batchSize: 7 });
+      expect(await manager.runOnce()).toBeGreaterThanOrEqual(50);
+      const { rows } = await getDb().query<{ n: number }>(
+        "SELECT count(*)::int AS n FROM bundles WHERE owner_uuid = $1 AND state = 'staged'",
+        [u.uuid],
+      );
+      expect(rows[0]!.n).toBe(50);
+    });
   });
 
   describe("with per-user limits", () => {
