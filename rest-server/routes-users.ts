@@ -164,7 +164,7 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
           count: 1,
           limits: ctx.submitLimits,
           nowMs: ctx.nowMs(),
-          insert: (tx) => insertBundle(tx, uuid, newBundle, "created"),
+          insert: (tx) => insertBundle(tx, uuid, newBundle, "submitted"),
         });
     if (!result.ok) return sendRefusal(reply, result.refusal);
     request.log.info(
@@ -217,7 +217,7 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
         count: items.length,
         limits: ctx.submitLimits,
         nowMs: ctx.nowMs(),
-        insert: (tx) => insertBundles(tx, caller.uuid, items),
+        insert: (tx) => insertBundles(tx, caller.uuid, items, "submitted"),
       });
       if (!result.ok) return sendRefusal(reply, result.refusal);
       request.log.info({ owner: caller.uuid, count: items.length }, "bundles created (batch)");

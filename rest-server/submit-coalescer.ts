@@ -24,7 +24,7 @@ interface Pending {
 }
 
 export interface SubmitCoalescer {
-  /** Inserts one bundle (state `created`, no dependencies), grouped with the submissions around it. */
+  /** Inserts one submitted bundle (no dependencies, so it is inserted `staged`), grouped with the submissions around it. */
   insert(uuid: string, bundle: NewBundle): Promise<Bundle>;
   /** Statements run and bundles they carried, for tests and the bench. */
   stats(): { statements: number; bundles: number; largest: number };
@@ -40,7 +40,7 @@ export function createSubmitCoalescer(db: Db): SubmitCoalescer {
     counts.bundles += group.length;
     counts.largest = Math.max(counts.largest, group.length);
     try {
-      const rows = await insertBundleRows(db, group, true);
+      const rows = await insertBundleRows(db, group, true, "submitted");
       const byUuid = new Map(rows.map((b) => [b.uuid, b]));
       for (const p of group) {
         const b = byUuid.get(p.uuid);

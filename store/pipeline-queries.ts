@@ -5,6 +5,7 @@
  * moving the same job never both succeed: the loser's statement changes no row.
  */
 import type { Db } from "./db.ts";
+import { NOW } from "./queries.ts";
 
 export const PIPELINE_JOB_STATES = ["waiting", "queued", "completed", "failed", "skipped"] as const;
 export type PipelineJobState = (typeof PIPELINE_JOB_STATES)[number];
@@ -93,8 +94,6 @@ export const jobFromRow = (r: JobRow): PipelineJob => ({
 /** Jobs as one jsonb parameter (`[{app, job_id}]`), for `jsonb_to_recordset`. */
 const keysJson = (keys: readonly JobKey[]) =>
   JSON.stringify(keys.map((k) => ({ app: k.app, job_id: k.jobId })));
-
-const NOW = "date_trunc('milliseconds', now())";
 
 // ---------------------------------------------------------------------------------------------------------
 // Pipelines

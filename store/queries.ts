@@ -429,15 +429,43 @@ const OWN_IMAGE = (owner: string, image: string, key: string) => `
   FROM images i WHERE i.owner_uuid = ${owner} AND (i.name = ${key} OR i.image_id = ${image})
   ORDER BY (i.name = ${key}) IS TRUE DESC, i.created_at DESC LIMIT 1`;
 
+/** SQL for "now" as every timestamp column holds it (milliseconds, as JSON gives them back). */
+export const NOW = "date_trunc('milliseconds', now())";
+
 /**
- * Inserts a bundle in state `created`, its dependency rows and its first event, and notifies, in one
- * transaction. Every dependency must be a bundle of the same owner.
+ * How a new bundle starts: `created` always; `submitted` is a user's submission, which a bundle without
+ * dependencies passes at once: it is inserted `staged` (every one of its zero dependencies is ready), with both
+ * events, so the queue learns of it from its insert and not after a bundle manager pass (docs/decisions.md).
+ */
+export type InitialState = "created" | "submitted";
+
+/** SQL: the input tree of a bundle whose image is from the store (`store`: its image_store), as input_manifests. */
+export const imageStoreInputSql = (store: string) =>
+  `CASE WHEN jsonb_typeof(${store}) = 'object' THEN jsonb_build_array(jsonb_build_object(
+     'digest', ${store}->'manifest', 'bytes', ${store}->'bytes')) ELSE '[]'::jsonb END`;
+
+/**
+ * SQL: the events of the new rows of CTE `b`: `created` by `actor`, then `created -> staged` by the REST server
+ * for those inserted staged. Ordered so that each bundle's `created` event comes first.
+ */
+const NEW_BUNDLE_EVENTS = (actor: string) => `
+  INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+  SELECT b.uuid, v.from_state, v.to_state, b.attempt, NULL, coalesce(v.actor, ${actor})
+  FROM b CROSS JOIN LATERAL (VALUES (1, NULL::text, 'created', NULL::text), (2, 'created', 'staged', 'rest-server'))
+    AS v(step, from_state, to_state, actor)
+  WHERE v.step = 1 OR b.state = 'staged'
+  ORDER BY b.uuid, v.step`;
+
+/**
+ * Inserts a bundle, its dependency rows and its events, and notifies, in one transaction: `created`, or
+ * `staged` for a submission without dependencies (InitialState). Every dependency must be a bundle of the same
+ * owner.
  */
 export async function insertBundle(
   db: Db,
   uuid: string,
   b: NewBundle,
-  initialState: "created",
+  initialState: InitialState,
 ): Promise<Bundle> {
   // Without dependencies the insert is one statement, atomic on its own: no BEGIN/COMMIT round trips.
   if (b.dependencies.length === 0) return insertBundleRow(db, uuid, b, initialState);
@@ -462,22 +490,30 @@ export async function insertBundle(
   });
 }
 
-/** The one statement of insertBundle: the row, its dependency rows, its first event and its NOTIFY. */
-async function insertBundleRow(db: Db, uuid: string, b: NewBundle, initialState: "created"): Promise<Bundle> {
+/** The one statement of insertBundle: the row, its dependency rows, its events and its NOTIFY. */
+async function insertBundleRow(
+  db: Db,
+  uuid: string,
+  b: NewBundle,
+  initialState: InitialState,
+): Promise<Bundle> {
+  const state = initialState === "submitted" && b.dependencies.length === 0 ? "staged" : "created";
+  const store = "coalesce((SELECT store FROM img), $18::jsonb)";
   const { rows } = await db.query<BundleRow>(
     `WITH img AS (${OWN_IMAGE("$2", "$5", "$19")}), b AS (
        INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
-         limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store)
+         limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store,
+         staged_at, input_manifests)
        VALUES ($1, $2, $3, $4::jsonb, $5, $6::jsonb, $7::jsonb, $8, $9, $10::jsonb, $11::jsonb, $12, $13, $14,
-         coalesce((SELECT image_id FROM img), $17), coalesce((SELECT store FROM img), $18::jsonb))
+         coalesce((SELECT image_id FROM img), $17), ${store},
+         CASE WHEN $14 = 'staged' THEN ${NOW} END,
+         CASE WHEN $14 = 'staged' THEN ${imageStoreInputSql(store)} ELSE '[]'::jsonb END)
        RETURNING *
      ), d AS (
        INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
        SELECT b.uuid, x.ord, x.dep->>'bundle', x.dep->>'subpath', x.dep->>'name'
        FROM b, jsonb_array_elements($11::jsonb) WITH ORDINALITY AS x(dep, ord)
-     ), e AS (
-       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
-       SELECT uuid, NULL, state, attempt, NULL, $15 FROM b
+     ), e AS (${NEW_BUNDLE_EVENTS("$15")}
      ), n AS (
        SELECT pg_notify($16, b.uuid || ' ' || b.state || ' ' || b.change_seq) FROM b
      )
@@ -496,7 +532,7 @@ async function insertBundleRow(db: Db, uuid: string, b: NewBundle, initialState:
       JSON.stringify(b.dependencies),
       b.allowFailedDependencies,
       b.maxAttempts,
-      initialState,
+      state,
       `user:${b.ownerUuid}`,
       BUNDLE_CHANNEL,
       b.imagePinned ?? null,
@@ -548,15 +584,17 @@ export async function insertUploadedBundle(
 const INSERT_CHUNK = 1000;
 
 /**
- * Inserts many bundles of one owner in state `created`, all or nothing, in one transaction: multi-row
- * statements of INSERT_CHUNK rows (bundles, their dependency rows, their first events), one dependency check
- * for the whole batch, and one NOTIFY (`* created <n>`) for all of them, so listeners wake once. Returns the
- * bundles in the order given. A bad dependency names its item: `items[3].dependencies[0].bundle`.
+ * Inserts many bundles of one owner, all or nothing, in one transaction: multi-row statements of INSERT_CHUNK
+ * rows (bundles, their dependency rows, their events), one dependency check for the whole batch, and one NOTIFY
+ * (`* created <n>`, or `* staged <n>` when every one was staged) for all of them, so listeners wake once. Each
+ * starts as `initialState` says (InitialState). Returns the bundles in the order given. A bad dependency names
+ * its item: `items[3].dependencies[0].bundle`.
  */
 export async function insertBundles(
   db: Db,
   ownerUuid: string,
   items: readonly { uuid: string; bundle: NewBundle }[],
+  initialState: InitialState,
 ): Promise<Bundle[]> {
   if (items.length === 0) return [];
   return db.transaction(async (tx) => {
@@ -580,23 +618,26 @@ export async function insertBundles(
     const byUuid = new Map<string, Bundle>();
     for (let start = 0; start < items.length; start += INSERT_CHUNK) {
       const chunk = items.slice(start, start + INSERT_CHUNK);
-      for (const b of await insertBundleRows(tx, chunk, false)) byUuid.set(b.uuid, b);
+      for (const b of await insertBundleRows(tx, chunk, false, initialState)) byUuid.set(b.uuid, b);
     }
-    await tx.query("SELECT pg_notify($1, $2)", [BUNDLE_CHANNEL, `* created ${items.length}`]);
+    const state = [...byUuid.values()].some((b) => b.state === "created") ? "created" : "staged";
+    await tx.query("SELECT pg_notify($1, $2)", [BUNDLE_CHANNEL, `* ${state} ${items.length}`]);
     return items.map((it) => byUuid.get(it.uuid)!);
   });
 }
 
 /**
  * One multi-row statement inserting bundles without dependency checks (each row's owner is its bundle's; the
- * caller checked dependencies, or there are none): the rows, their dependency rows and first events, and with
- * `notify` one NOTIFY `* created <n>` for them all. Atomic on its own, so it needs no transaction. Returns the
- * rows in no particular order.
+ * caller checked dependencies, or there are none): the rows, their dependency rows and events, and with
+ * `notify` one NOTIFY `* created <n>` (`* staged <n>` when none stayed created) for them all. Each starts as
+ * `initialState` says (InitialState). Atomic on its own, so it needs no transaction. Returns the rows in no
+ * particular order.
  */
 export async function insertBundleRows(
   db: Db,
   items: readonly { uuid: string; bundle: NewBundle }[],
   notify: boolean,
+  initialState: InitialState,
 ): Promise<Bundle[]> {
   if (items.length === 0) return [];
   const rows = items.map(({ uuid, bundle: b }) => ({
@@ -618,31 +659,36 @@ export async function insertBundleRows(
     image_key: imageKey(b.image),
   }));
   const { rows: inserted } = await db.query<BundleRow>(
-    `WITH b AS (
-       INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
-         limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store)
-       SELECT r.uuid, r.owner_uuid, r.name, r.command, r.image, r.env, r.resources, r.preemptible, r.priority,
-         r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, 'created',
-         coalesce(img.image_id, r.image_pinned),
-         coalesce(img.store, CASE WHEN jsonb_typeof(r.image_store) = 'object' THEN r.image_store END)
+    `WITH src AS (
+       SELECT r.*, coalesce(img.image_id, r.image_pinned) AS pinned,
+         coalesce(img.store, CASE WHEN jsonb_typeof(r.image_store) = 'object' THEN r.image_store END) AS store,
+         CASE WHEN $4::boolean AND r.dependencies = '[]'::jsonb THEN 'staged' ELSE 'created' END AS state
        FROM jsonb_to_recordset($1::jsonb) AS r(uuid text, owner_uuid text, name text, command jsonb,
          image text, env jsonb, resources jsonb, preemptible boolean, priority int, limits jsonb,
          dependencies jsonb, allow_failed_dependencies boolean, max_attempts int, image_pinned text,
          image_store jsonb, image_key text)
        LEFT JOIN LATERAL (${OWN_IMAGE("r.owner_uuid", "r.image", "r.image_key")}) img ON true
+     ), b AS (
+       INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
+         limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store,
+         staged_at, input_manifests)
+       SELECT r.uuid, r.owner_uuid, r.name, r.command, r.image, r.env, r.resources, r.preemptible, r.priority,
+         r.limits, r.dependencies, r.allow_failed_dependencies, r.max_attempts, r.state, r.pinned, r.store,
+         CASE WHEN r.state = 'staged' THEN ${NOW} END,
+         CASE WHEN r.state = 'staged' THEN ${imageStoreInputSql("r.store")} ELSE '[]'::jsonb END
+       FROM src r
        RETURNING *
      ), d AS (
        INSERT INTO bundle_dependencies (bundle_uuid, ordinal, dependency_uuid, subpath, name)
        SELECT b.uuid, x.ord, x.dep->>'bundle', x.dep->>'subpath', x.dep->>'name'
        FROM b, jsonb_array_elements(b.dependencies) WITH ORDINALITY AS x(dep, ord)
-     ), e AS (
-       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
-       SELECT uuid, NULL, state, attempt, NULL, 'user:' || owner_uuid FROM b
+     ), e AS (${NEW_BUNDLE_EVENTS("'user:' || b.owner_uuid")}
      ), n AS (
-       SELECT pg_notify($2, '* created ' || count(*)) FROM b HAVING $3::boolean AND count(*) > 0
+       SELECT pg_notify($2, '* ' || CASE WHEN bool_or(b.state = 'created') THEN 'created' ELSE 'staged' END
+         || ' ' || count(*)) FROM b HAVING $3::boolean AND count(*) > 0
      )
      SELECT b.* FROM b WHERE (SELECT count(*) FROM n) >= 0`,
-    [JSON.stringify(rows), BUNDLE_CHANNEL, notify],
+    [JSON.stringify(rows), BUNDLE_CHANNEL, notify, initialState === "submitted"],
   );
   return inserted.map(bundleFromRow);
 }

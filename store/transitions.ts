@@ -8,10 +8,9 @@
  * Every transition clears scheduling_status (the scheduler sets it again for queued bundles).
  */
 import type { Db } from "./db.ts";
-import { type BundleRow, bundleFromRow, getBundle } from "./queries.ts";
+import { type BundleRow, bundleFromRow, getBundle, imageStoreInputSql, NOW } from "./queries.ts";
 import { BUNDLE_CHANNEL, type Bundle, type BundleState, type TransitionResult } from "./types.ts";
 
-const NOW = "date_trunc('milliseconds', now())";
 const NON_FINAL: readonly BundleState[] = ["created", "staged", "starting", "running"];
 
 export interface TransitionSpec {
@@ -127,8 +126,7 @@ export async function stageBundles(
            SELECT jsonb_agg(DISTINCT jsonb_build_object('digest', d.output_manifest, 'bytes', d.output_bytes))
            FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
            WHERE bd.bundle_uuid = b.uuid AND d.output_manifest IS NOT NULL), '[]'::jsonb) END
-           || CASE WHEN jsonb_typeof(b.image_store) = 'object' THEN jsonb_build_array(jsonb_build_object(
-             'digest', b.image_store->'manifest', 'bytes', b.image_store->'bytes')) ELSE '[]'::jsonb END
+           || ${imageStoreInputSql("b.image_store")}
        FROM cur WHERE b.uuid = cur.uuid AND b.state = 'created'
        RETURNING b.*
      ), ev AS (

@@ -242,6 +242,17 @@ describeEachDb("images in the store", (getDb) => {
       [coalesced.uuid],
     );
     expect(staged.rows[0]!.input_manifests).toEqual([{ digest: img.manifest, bytes: img.view.bytes }]);
+    // Staged by the batch's insert too: the store image's tree, and nothing for a registry image.
+    const inBatch = await getDb().query<{ uuid: string; state: string; input_manifests: unknown }>(
+      "SELECT uuid, state, input_manifests FROM bundles WHERE uuid = ANY($1::text[])",
+      [batch.body.items.slice(0, 2).map((b: Json) => b.uuid)],
+    );
+    const byUuid = new Map(inBatch.rows.map((r) => [r.uuid, r]));
+    expect(byUuid.get(batch.body.items[0].uuid)).toMatchObject({
+      state: "staged",
+      input_manifests: [{ digest: img.manifest, bytes: img.view.bytes }],
+    });
+    expect(byUuid.get(batch.body.items[1].uuid)).toMatchObject({ state: "staged", input_manifests: [] });
     expect(spec).toMatchObject({ image: "pin/me:1", imagePinned: img.imageId, imageStore: store });
     const registry = await runnerSpec(batch.body.items[1].uuid);
     expect(registry.spec).toMatchObject({

@@ -41,16 +41,19 @@ describe("CLI: pipeline", () => {
     const code = await runCli(io);
     return { code, out, err };
   };
-  /** Finishes every created bundle of the user with exit code 0, then runs the manager; until none is left. */
+  /**
+   * Finishes every waiting bundle of the user (staged, or created: those with parents wait for the manager) with
+   * exit code 0, then runs the manager; until none is left.
+   */
   const drive = async () => {
     for (;;) {
-      const { rows } = await db.query<{ uuid: string }>(
-        "SELECT uuid FROM bundles WHERE owner_uuid = $1 AND state = 'created'",
+      const { rows } = await db.query<{ uuid: string; state: string }>(
+        "SELECT uuid, state FROM bundles WHERE owner_uuid = $1 AND state IN ('created', 'staged')",
         [owner],
       );
       if (rows.length === 0) return;
-      for (const { uuid } of rows) {
-        await stageBundle(db, uuid, { actor: "test" });
+      for (const { uuid, state } of rows) {
+        if (state === "created") await stageBundle(db, uuid, { actor: "test" });
         await startBundle(db, uuid, {
           instanceId: "i-1",
           instanceType: "small",

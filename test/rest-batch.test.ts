@@ -14,6 +14,7 @@ import type { CliIo } from "../cli/io.ts";
 import { createBundleManager } from "../rest-server/bundle-manager.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import type { Db } from "../store/db.ts";
+import { finishBundle, markRunning, startBundle } from "../store/transitions.ts";
 import { BUNDLE_CHANNEL } from "../store/types.ts";
 import { createTestUserWithToken, describeEachDb } from "./db.ts";
 import { expectApiError, injectClient } from "./rest-client.ts";
@@ -69,7 +70,7 @@ describeEachDb("batch submission", (getDb) => {
       api = injectClient(await server());
     });
 
-    it("creates every bundle in the order given, with its first event and its dependencies", async () => {
+    it("creates every bundle in the order given, with its events and its dependencies; stages those without", async () => {
       const u = await makeUser(getDb());
       const dep = await api("POST", "/api/v1/bundles", u.token, item("dep"));
       expect(dep.status).toBe(201);
@@ -79,13 +80,16 @@ describeEachDb("batch submission", (getDb) => {
       expect(res.status, JSON.stringify(res.body)).toBe(201);
       expect(res.body.items.map((b: { name: string }) => b.name)).toEqual(["a", "b", "c"]);
       expect(new Set(res.body.items.map((b: { uuid: string }) => b.uuid)).size).toBe(3);
+      // A bundle without dependencies is staged by its insert (both events); "b" waits for its dependency.
+      expect(res.body.items.map((b: { state: string }) => b.state)).toEqual(["staged", "created", "staged"]);
       for (const b of res.body.items) {
-        expect(b.state).toBe("created");
         const got = await api("GET", `/api/v1/bundles/${b.uuid}`, u.token);
         expect(got.body).toMatchObject({ uuid: b.uuid, name: b.name, command: ["echo", b.name] });
+        expect(got.body.timings.stagedAt === null).toBe(b.name === "b");
         const events = await api("GET", `/api/v1/bundles/${b.uuid}/events`, u.token);
         expect(events.body.items).toMatchObject([
           { fromState: null, toState: "created", actor: `user:${u.uuid}` },
+          ...(b.name === "b" ? [] : [{ fromState: "created", toState: "staged", actor: "rest-server" }]),
         ]);
       }
       const { rows } = await getDb().query<{ dependency_uuid: string; name: string }>(
@@ -149,7 +153,7 @@ describeEachDb("batch submission", (getDb) => {
       } finally {
         await unlisten();
       }
-      expect(payloads.filter((p) => p !== "marker")).toEqual(["* created 10000"]);
+      expect(payloads.filter((p) => p !== "marker")).toEqual(["* staged 10000"]);
     });
 
     it("refuses a body larger than restServer.maxBatchRequestBodySize with request.body_too_large", async () => {
@@ -195,12 +199,28 @@ describeEachDb("batch submission", (getDb) => {
     });
     it("one bundle manager pass stages a batch larger than its page, page after page", async () => {
       const u = await makeUser(getDb());
+      const dep = await api("POST", "/api/v1/bundles", u.token, item("dep"));
       const res = await api("POST", "/api/v1/bundles/batch", u.token, {
-        items: Array.from({ length: 50 }, (_, i) => item(`p${i}`)),
+        items: Array.from({ length: 50 }, (_, i) =>
+          item(`p${i}`, { dependencies: [{ bundle: dep.body.uuid }] }),
+        ),
       });
       expect(res.status).toBe(201);
       const manager = createBundleManager({ db: getDb(), logger: pino({ level: "silent" }), batchSize: 7 });
-      expect(await manager.runOnce()).toBeGreaterThanOrEqual(50);
+      expect(await manager.runOnce()).toBe(0);
+      // Its dependency ends ready: the 50 are staged in one pass over pages of 7.
+      const db = getDb();
+      const tokenHash = `h-${dep.body.uuid}`;
+      await startBundle(db, dep.body.uuid, {
+        instanceId: "i-1",
+        instanceType: "small",
+        runnerTokenHash: tokenHash,
+        gpuDevices: [],
+        actor: "test",
+      });
+      await markRunning(db, dep.body.uuid, 1, { actor: "test" });
+      expect((await finishBundle(db, dep.body.uuid, 1, { exitCode: 0, actor: "test" })).ok).toBe(true);
+      expect(await manager.runOnce()).toBe(50);
       const { rows } = await getDb().query<{ n: number }>(
         "SELECT count(*)::int AS n FROM bundles WHERE owner_uuid = $1 AND state = 'staged'",
         [u.uuid],

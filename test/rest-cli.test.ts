@@ -168,7 +168,7 @@ describe("CLI: bundles logs, bundles outputs, submit --wait", () => {
     let uuid = "";
     await vi.waitFor(async () => {
       const { rows } = await db.query<{ uuid: string }>(
-        "SELECT uuid FROM bundles WHERE state = 'created' AND command = '[\"echo\", \"hello\"]'::jsonb",
+        "SELECT uuid FROM bundles WHERE state = 'staged' AND command = '[\"echo\", \"hello\"]'::jsonb",
       );
       expect(rows).toHaveLength(1);
       uuid = rows[0]!.uuid;
@@ -186,7 +186,7 @@ describe("CLI: bundles logs, bundles outputs, submit --wait", () => {
     let uuid = "";
     await vi.waitFor(async () => {
       const { rows } = await db.query<{ uuid: string }>(
-        "SELECT uuid FROM bundles WHERE state = 'created' AND command = '[\"false\"]'::jsonb",
+        "SELECT uuid FROM bundles WHERE state = 'staged' AND command = '[\"false\"]'::jsonb",
       );
       expect(rows).toHaveLength(1);
       uuid = rows[0]!.uuid;

@@ -148,9 +148,10 @@ describeEachDb("REST server", (getDb) => {
   describe("bundles", () => {
     it("creates a bundle with defaults and shows it to its owner only", async () => {
       const b = await create(alice, { ...minimal, name: "first", resources: { ram: "1GiB" } });
+      // Without dependencies it is staged by its own insert (docs/decisions.md).
       expect(b).toMatchObject({
         name: "first",
-        state: "created",
+        state: "staged",
         attempt: 0,
         maxAttempts: 3,
         priority: 500,
@@ -352,7 +353,7 @@ describeEachDb("REST server", (getDb) => {
       expect(new Set(killed.body.items.map((b: { uuid: string }) => b.uuid))).toEqual(
         new Set(made.slice(0, 2)),
       );
-      const two = await api("GET", "/api/v1/bundles?state=killed,created&limit=500", carol);
+      const two = await api("GET", "/api/v1/bundles?state=killed,staged&limit=500", carol);
       expect(two.body).toMatchObject({ nextCursor: null });
       expect(two.body.items).toHaveLength(7);
       expect(
@@ -397,9 +398,13 @@ describeEachDb("REST server", (getDb) => {
 
       const events = await api("GET", `/api/v1/bundles/${b.uuid}/events`, alice);
       expect(events.status).toBe(200);
-      expect(events.body.items.map((e: { toState: string }) => e.toState)).toEqual(["created", "killed"]);
-      expect(events.body.items[1]).toMatchObject({ fromState: "created", reason: "changed my mind" });
-      expect(events.body.items[1].actor).toMatch(/^user:zzzzz-user-/);
+      expect(events.body.items.map((e: { toState: string }) => e.toState)).toEqual([
+        "created",
+        "staged",
+        "killed",
+      ]);
+      expect(events.body.items[2]).toMatchObject({ fromState: "staged", reason: "changed my mind" });
+      expect(events.body.items[2].actor).toMatch(/^user:zzzzz-user-/);
     });
   });
 
@@ -529,7 +534,7 @@ describeEachDb("REST server", (getDb) => {
       try {
         const dep = await create(alice);
         const child = await create(alice, { ...minimal, dependencies: [{ bundle: dep.uuid }] });
-        await vi.waitFor(async () => expect((await getBundle(getDb(), dep.uuid))?.state).toBe("staged"));
+        expect([dep.state, child.state]).toEqual(["staged", "created"]);
         await api("POST", `/api/v1/bundles/${dep.uuid}/kill`, alice);
         await vi.waitFor(async () => expect((await getBundle(getDb(), child.uuid))?.state).toBe("failed"));
       } finally {
@@ -538,7 +543,8 @@ describeEachDb("REST server", (getDb) => {
     });
 
     it("moves on past a bundle it cannot move", async () => {
-      const b = await create(alice);
+      const dep = await create(alice);
+      const b = await create(alice, { ...minimal, dependencies: [{ bundle: dep.uuid }] });
       // Staged behind the manager's back: its transition loses, and the pass goes on without throwing.
       expect((await stageBundle(getDb(), b.uuid, { actor: "test" })).ok).toBe(true);
       await expect(manager.runOnce()).resolves.toEqual(expect.any(Number));

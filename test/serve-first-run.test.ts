@@ -219,7 +219,7 @@ describe("logs for people", () => {
     }
   });
 
-  it("keep a bundle's state changes at info: created and killed by a user", async () => {
+  it("keep a bundle's state changes at info: created (staged at once) and killed by a user", async () => {
     const db = await openTestDb("pglite");
     try {
       const lines: Array<Record<string, unknown>> = [];
@@ -262,7 +262,7 @@ describe("logs for people", () => {
       await app.close();
       expect(lines.filter((l) => l["bundleUuid"] === uuid)).toMatchObject([
         { level: 30, msg: "bundle created", owner: user.uuid, image: "busybox" },
-        { level: 30, msg: "bundle killed", from: "created", by: user.uuid },
+        { level: 30, msg: "bundle killed", from: "staged", by: user.uuid },
       ]);
       expect(JSON.stringify(lines)).not.toContain(token);
     } finally {

@@ -43,15 +43,15 @@ describeEachDb("submit coalescer", (getDb) => {
       expect(b.name).toBe(`b${i}`);
       expect(b.priority).toBe(i);
       expect(b.ownerUuid).toBe(owners[i % 3]!.uuid);
-      expect(b.state).toBe("created");
+      expect(b.state).toBe("staged");
     });
     const events = await listEvents(db, got[5]!.uuid);
-    expect(events.map((e) => [e.toState, e.actor])).toEqual([["created", `user:${owners[2]!.uuid}`]]);
-    await expect.poll(() => payloads.filter((p) => p.startsWith("* created ")).length).toBe(2);
-    expect(payloads.filter((p) => p.startsWith("* created ")).sort()).toEqual([
-      "* created 1",
-      "* created 39",
+    expect(events.map((e) => [e.toState, e.actor])).toEqual([
+      ["created", `user:${owners[2]!.uuid}`],
+      ["staged", "rest-server"],
     ]);
+    await expect.poll(() => payloads.filter((p) => p.startsWith("* staged ")).length).toBe(2);
+    expect(payloads.filter((p) => p.startsWith("* staged ")).sort()).toEqual(["* staged 1", "* staged 39"]);
     await unlisten();
   });
 
@@ -112,14 +112,14 @@ describeEachDb("submit coalescer", (getDb) => {
         ...extra,
       });
 
-    // An admin is under no limit: grouped, so the notifications are `* created <n>`, n summing to 12.
+    // An admin is under no limit: grouped, so the notifications are `* staged <n>`, n summing to 12.
     const answers = await Promise.all(Array.from({ length: 12 }, (_, i) => post(admin.token, `a${i}`)));
     expect(answers.map((a) => a.status)).toEqual(Array(12).fill(201));
     expect(new Set(answers.map((a) => a.body.uuid)).size).toBe(12);
     const grouped = () =>
       payloads
-        .filter((p) => p.startsWith("* created "))
-        .reduce((n, p) => n + Number(p.slice("* created ".length)), 0);
+        .filter((p) => p.startsWith("* staged "))
+        .reduce((n, p) => n + Number(p.slice("* staged ".length)), 0);
     await expect.poll(grouped).toBe(12);
 
     // Under a limit (the queued cap is checked in a transaction) and with dependencies: one statement each.
@@ -127,9 +127,7 @@ describeEachDb("submit coalescer", (getDb) => {
     expect(mine.status).toBe(201);
     const dependent = await post(admin.token, "d0", { dependencies: [{ bundle: answers[0]!.body.uuid }] });
     expect(dependent.status).toBe(201);
-    await expect
-      .poll(() => payloads.filter((p) => p.startsWith(`${mine.body.uuid} created `)).length)
-      .toBe(1);
+    await expect.poll(() => payloads.filter((p) => p.startsWith(`${mine.body.uuid} staged `)).length).toBe(1);
     await expect
       .poll(() => payloads.filter((p) => p.startsWith(`${dependent.body.uuid} created `)).length)
       .toBe(1);

@@ -231,7 +231,7 @@ export async function startJobs(
     const toInsert = items.flatMap((it, i) =>
       won.has(keyOf(it.job)) ? [{ uuid: it.uuid, bundle: pinned[i]! }] : [],
     );
-    await insertBundles(tx, first.ownerUuid, toInsert);
+    await insertBundles(tx, first.ownerUuid, toInsert, "submitted");
     return toInsert.length;
   });
   if (moved > 0)

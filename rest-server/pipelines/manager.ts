@@ -78,7 +78,7 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
       const ok = await db.transaction(async (tx) => {
         if (!(await finishQueuedJob(tx, job, job.bundleUuid, { state: "queued", retryBundle: uuid })))
           return false;
-        await insertBundles(tx, job.ownerUuid, [{ uuid, bundle: newBundleOf(old) }]);
+        await insertBundles(tx, job.ownerUuid, [{ uuid, bundle: newBundleOf(old) }], "submitted");
         return true;
       });
       if (ok) {
