@@ -13,7 +13,9 @@
  * PGlite database, after the server has stopped), the target (p50 <= 3 x (SSH round trip + guarded UPDATE),
  * p99 <= 2 x p50) and the load average.
  *
- * Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs]
+ * Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs] [--db pglite|pg]
+ * --db pg: the server on a fresh database of DISPATCH_CLOUD_TEST_PG_URL's PostgreSQL (scripts/test-services.sh).
+ * BENCH_KEEP_DIR=1 keeps the run's directory; BENCH_SERVE_LOG=FILE copies the server's log there.
  */
 import { type ChildProcess, execFileSync, spawn } from "node:child_process";
 import {
@@ -36,16 +38,18 @@ import { createLogger } from "../lib/logger.ts";
 import { openDb } from "../store/db.ts";
 import { insertBundle } from "../store/queries.ts";
 import { stageBundle } from "../store/transitions.ts";
-import { testBundleUuid, testNewBundle } from "../test/db.ts";
+import { openTestDb, testBundleUuid, testNewBundle } from "../test/db.ts";
 
 const { values } = parseArgs({
   options: {
     bundles: { type: "string", default: "200" },
     bursts: { type: "string", default: "5" },
     runner: { type: "string", default: "sea" },
+    db: { type: "string", default: "pglite" },
   },
 });
 if (values.runner !== "sea" && values.runner !== "cjs") throw new Error("--runner is sea or cjs");
+if (values.db !== "pglite" && values.db !== "pg") throw new Error("--db is pglite or pg");
 const COUNT = Number(values.bundles);
 const BURSTS = Number(values.bursts);
 const BURST = 20;
@@ -90,6 +94,7 @@ async function runnerBinaryFor(kind: string): Promise<string> {
 }
 
 let runnerBinary = "";
+let dbUrl = `pglite:${dir}/data/pglite`;
 /** uuid -> how the pool started its runner ("spare" or "detach"), from the serve process's log. */
 const startedVia = new Map<string, string>();
 
@@ -100,7 +105,7 @@ function startServe(): Promise<ChildProcess> {
     [
       "clusterId: bench",
       `dataDir: ${dir}/data`,
-      `database:\n  url: "pglite:${dir}/data/pglite"`,
+      `database:\n  url: "${dbUrl}"`,
       `restServer:\n  listen: "127.0.0.1:${PORT}"`,
       // info: the pool's "runner started" lines say which way each runner was started.
       `logging:\n  level: ${process.env["BENCH_LOG_LEVEL"] ?? "info"}\n  format: json`,
@@ -313,7 +318,7 @@ async function submitBurst(): Promise<View[]> {
 
 /** Times `n` guarded transitions (created -> staged: one guarded UPDATE with its event row and NOTIFY). */
 async function guardedUpdates(n: number): Promise<number[]> {
-  const db = await openDb(`pglite:${dir}/data/pglite`);
+  const db = await openDb(dbUrl);
   try {
     const { rows } = await db.query<{ uuid: string }>("SELECT uuid FROM users LIMIT 1");
     const owner = rows[0]?.uuid;
@@ -335,6 +340,9 @@ async function guardedUpdates(n: number): Promise<number[]> {
 
 async function main(): Promise<void> {
   runnerBinary = await runnerBinaryFor(values.runner as string);
+  // PostgreSQL: a fresh migrated database on DISPATCH_CLOUD_TEST_PG_URL's server (scripts/test-services.sh).
+  const pgDb = values.db === "pg" ? await openTestDb("pg") : null;
+  if (pgDb !== null) dbUrl = pgDb.url;
   progress(`bench:dispatch: starting serve in ${dir}; crunch-run is ${runnerBinary || "the one-file build"}`);
   const load0 = loadavg();
   const serve = await startServe();
@@ -381,7 +389,9 @@ async function main(): Promise<void> {
       `  crunch-run deployed from ${values.runner === "sea" ? "the single executable" : "the one-file .cjs"}; two local VMs, ${SLOTS} bundle slots and ${WARM} warm spare supervisors each`,
     );
     console.log(`  SSH exec round trip (same VM, same run): ${summary(ssh)}`);
-    console.log(`  one guarded UPDATE (created -> staged, same PGlite database): ${summary(updates)}`);
+    console.log(
+      `  one guarded UPDATE (created -> staged, same ${values.db === "pg" ? "PostgreSQL" : "PGlite"} database): ${summary(updates)}`,
+    );
     console.log(`  floor = p50 SSH round trip + p50 guarded UPDATE = ${floor.toFixed(1)} ms`);
     printPhase(
       `back to back: ${COUNT} bundles, each submitted once the previous one has ended`,
@@ -392,7 +402,10 @@ async function main(): Promise<void> {
   } finally {
     if (!serveStopped) serve.kill("SIGTERM");
     await destroyLocalVms(`${dir}/vms`, quiet);
-    rmSync(dir, { recursive: true, force: true });
+    await pgDb?.close().catch(() => {});
+    // BENCH_KEEP_DIR=1 keeps the run's directory (the runners' logs on the VMs) for a look afterwards.
+    if (process.env["BENCH_KEEP_DIR"] === undefined) rmSync(dir, { recursive: true, force: true });
+    else progress(`bench:dispatch: kept ${dir}`);
   }
 }
 

@@ -129,6 +129,21 @@ describe("placement", () => {
     expect(h.pool.calls.create).toEqual(["small"]);
   });
 
+  it("counts no bundle slot for a runner whose bundle ended, before a probe sees it gone", async () => {
+    const running = testBundle({ state: "running" });
+    const done = testBundle({ state: "running" });
+    h.queue.set(running);
+    h.queue.set(done);
+    h.queue.apply({ ...done, state: "ready", changeSeq: done.changeSeq + 1 });
+    const w = h.pool.addWorker({ type: large, runners: [running.uuid, done.uuid] });
+    const bs = h.staged(testBundle(), testBundle());
+    const s = h.scheduler([small, medium, large], { maxRunningBundlesPerInstance: 2 });
+    await s.runOnce();
+    // Two slots: the running bundle's and one more; the ended one's runner only cleans up.
+    expect(h.startedOn()).toEqual([[bs[0]!.uuid, w.id]]);
+    expect(h.pool.calls.create).toEqual(["small"]);
+  });
+
   it("plans bundles onto an unknown (not yet probed) instance without starting or creating", async () => {
     h.pool.addWorker({ id: "i-unknown", type: small, state: "unknown" });
     const [b] = h.staged(testBundle());

@@ -199,6 +199,8 @@ interface WorkerRoom {
   readonly staged: string[];
   /** The queue changed a row of one of its runners' bundles: recompute. */
   stale: boolean;
+  /** Runners whose bundle has ended (called finish): they only clean up, so they take no bundle slot. */
+  ended: number;
   vcpus: number;
   ram: number;
   scratch: number;
@@ -840,6 +842,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       devices: [],
       staged: [],
       stale: false,
+      ended: 0,
       vcpus,
       ram,
       scratch,
@@ -855,9 +858,13 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         c.staged.push(r.uuid);
         stagedRunner(r.uuid, w);
       }
+      // Its runner called finish: the container is gone, only the runner's clean-up is left. Its slot is free
+      // at once, not once a probe sees the runner gone (up to probeInterval later).
+      if (bundle === undefined && queue.ended(r.uuid)) {
+        c.ended++;
+        continue;
+      }
       if (full) continue;
-      // Its runner called finish: the container is gone, only the runner's clean-up is left.
-      if (bundle === undefined && queue.ended(r.uuid)) continue;
       if (bundle === undefined) {
         // Not ours to measure (final, or unknown): it fills the whole worker.
         vcpus = ram = scratch = 0;
@@ -943,7 +950,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       slot.ram = c.ram;
       slot.scratch = c.scratch;
       slot.gpus = c.gpus;
-      slot.load = w.runners.size;
+      slot.load = w.runners.size - c.ended;
       const cached = w.cachedManifests ?? NO_KEYS;
       if (cached !== slot.cacheList) indexCache(slot, cached);
       slots.push(slot);
