@@ -5,7 +5,7 @@
  */
 import type { Logger } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
-import { createdBundlesReady } from "../store/queries.ts";
+import { anyCreatedBundles, createdBundlesReady } from "../store/queries.ts";
 import { failCreated, stageBundles } from "../store/transitions.ts";
 import { BUNDLE_CHANNEL, type Bundle, type BundleState, isFinalState } from "../store/types.ts";
 import { notifiedLoop } from "./notified-loop.ts";
@@ -66,6 +66,9 @@ export function createBundleManager(opts: BundleManagerOptions): BundleManager {
   const batchSize = opts.batchSize ?? 500;
 
   async function runOnce(): Promise<number> {
+    // Woken by every bundle that ends, mostly with nothing created (submissions without dependencies are staged
+    // by their insert): one cheap query then, instead of the full read (~16 ms on PGlite).
+    if (!(await anyCreatedBundles(db))) return 0;
     let moved = 0;
     // Pages in (created_at, uuid) order, each after the last: a bundle left created (waiting, or a failed move)
     // is not read again in this pass, and no page sorts what earlier pages covered.

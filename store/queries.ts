@@ -758,6 +758,14 @@ export async function maxChangeSeq(db: Db): Promise<number> {
   return Number(rows[0]!.seq);
 }
 
+/** Whether any bundle is `created` (the partial index of migration 011): the bundle manager's pass is cheap then. */
+export async function anyCreatedBundles(db: Db): Promise<boolean> {
+  const { rows } = await db.query<{ any: boolean }>(
+    "SELECT EXISTS (SELECT 1 FROM bundles WHERE state = 'created') AS any",
+  );
+  return rows[0]?.any === true;
+}
+
 /**
  * Created bundles the bundle manager can decide on now — every dependency final, or at least one failed or
  * killed — with their dependencies' states, oldest first.

@@ -17,6 +17,7 @@ import { DispatchCloudError } from "../../lib/errors.ts";
 import type { PipelineDefinition } from "../../lib/pipeline/definition.ts";
 import { newBundleUuid } from "../../lib/tokens.ts";
 import {
+  anyOpenJobs,
   type FinishedJob,
   finishedQueuedJobs,
   finishQueuedJob,
@@ -99,6 +100,8 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
   }
 
   async function runOnce(): Promise<number> {
+    // Most bundles that end are no pipeline's: with no job waiting or queued there is nothing to read.
+    if (!(await anyOpenJobs(db))) return 0;
     let moved = 0;
     // Finished bundles, page by page (a moved job leaves the query; a page without progress ends it).
     for (;;) {
