@@ -12,7 +12,8 @@
  *   keeps K spare processes (`crunch-run --spare`, each in its own session, spoken to over a Node IPC channel):
  *   supervisors that have loaded their modules and wait for one start document. K is the start document's
  *   `warmSupervisors` (the dispatcher sends min(dispatcher.warmSupervisors, the instance's slots)); every
- *   hand-off updates it. Spares are started again in the background, at most half the CPUs' worth at a time
+ *   hand-off updates it. Spares are started again in the background (REFILL_DELAY_MS after a hand-off), at most
+ *   half the CPUs' worth at a time
  *   (one on a 2-core instance, so that refilling does not slow the bundles just started), and at once for
  *   hand-offs that wait;
  *   spares that die before they are ready are started again later and later (1 s doubling to 1 min).
@@ -53,6 +54,8 @@ export const SPARE_IDLE_MS = 10 * 60_000;
 const HAND_OFF_TIMEOUT_MS = 1000;
 /** How long a hand-off may wait on the socket for a spare to be ready before it is refused. */
 const PENDING_MAX_MS = 3000;
+/** How long after a hand-off the warm pool starts the spares that replace those handed out. */
+const REFILL_DELAY_MS = 250;
 /** How long a spare may take to answer a hand-off before it is killed and the hand-off refused. */
 const ANSWER_MAX_MS = 3000;
 /** sun_path holds 108 bytes with its NUL (so a local VM's root may be up to 74 bytes long for spares). */
@@ -200,6 +203,20 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     for (let i = 0; i < Math.min(want, now); i++) spawnSpare();
   };
 
+  /**
+   * The background refill after a hand-off, REFILL_DELAY_MS later: a spare's start-up (a new Node process, hundreds
+   * of ms of CPU) would otherwise compete with the supervisor just handed its bundle, whose `start` call is what
+   * the bundle waits for.
+   */
+  let refillTimer: NodeJS.Timeout | null = null;
+  const refillSoon = () => {
+    if (refillTimer !== null) return;
+    refillTimer = setTimeout(() => {
+      refillTimer = null;
+      fill();
+    }, REFILL_DELAY_MS);
+  };
+
   const spawnSpare = () => {
     const out = openSpareLog(paths);
     if (out === null) return;
@@ -269,7 +286,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
         spare.proc.removeAllListeners("message");
         spare.proc.removeAllListeners("exit");
         settle(pidAnswer(m.pid));
-        fill();
+        refillSoon();
       } else if (m?.type === "refused") {
         spare.busy = false;
         settle(refusedAnswer(m.why));
@@ -303,6 +320,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     if (closing) return;
     closing = true;
     clearTimeout(idle);
+    if (refillTimer !== null) clearTimeout(refillTimer);
     clearInterval(watch);
     server.close();
     if (unlink) {
@@ -354,7 +372,9 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       });
       pending.push(p);
       dispatch();
-      fill();
+      // A hand-off still waiting needs a spare now; else the refill waits until the one just handed has started.
+      if (pending.length > 0) fill();
+      else refillSoon();
     });
   });
 

@@ -144,6 +144,18 @@ describe("placement", () => {
     expect(h.pool.calls.create).toEqual(["small"]);
   });
 
+  it("prefers, between instances equally loaded, the one with fewer runners still cleaning up", async () => {
+    const done = testBundle({ state: "running" });
+    h.queue.set(done);
+    h.queue.apply({ ...done, state: "ready", changeSeq: done.changeSeq + 1 });
+    // "i-a" sorts first by id; its runner's bundle ended, so "i-b" (nothing cleaning up) takes the bundle.
+    h.pool.addWorker({ id: "i-a", type: small, runners: [done.uuid] });
+    h.pool.addWorker({ id: "i-b", type: small });
+    const [b] = h.staged(testBundle());
+    await h.scheduler().runOnce();
+    expect(h.startedOn()).toEqual([[b!.uuid, "i-b"]]);
+  });
+
   it("plans bundles onto an unknown (not yet probed) instance without starting or creating", async () => {
     h.pool.addWorker({ id: "i-unknown", type: small, state: "unknown" });
     const [b] = h.staged(testBundle());

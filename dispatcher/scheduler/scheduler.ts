@@ -176,8 +176,10 @@ interface Slot {
   scratch: number;
   /** Free GPU device indices, ascending. */
   gpus: readonly number[];
-  /** Runners + bundles placed in this pass. */
+  /** Runners (but those whose bundle ended) + bundles placed in this pass. */
   load: number;
+  /** Runners whose bundle ended and that are still cleaning up (the instance is busier than its load says). */
+  ended: number;
   /** The worker's cachedManifests this slot's cache index was built from, and that index (null: none). */
   cacheList: readonly string[];
   cache: ReadonlySet<string> | null;
@@ -306,6 +308,7 @@ export { queueOrder } from "../types.ts";
 /** Packing first (most runners + planned), then booted over booting, then cheaper, then id. */
 const bySlot = (a: Slot, b: Slot): number =>
   b.load - a.load ||
+  a.ended - b.ended ||
   (a.booted ? 0 : 1) - (b.booted ? 0 : 1) ||
   a.price - b.price ||
   (a.id < b.id ? -1 : a.id > b.id ? 1 : 0);
@@ -827,6 +830,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         scratch: 0,
         gpus: NO_GPUS,
         load: 0,
+        ended: 0,
         cacheList: NO_KEYS,
         cache: null,
         heldStamp: -1,
@@ -951,6 +955,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       slot.scratch = c.scratch;
       slot.gpus = c.gpus;
       slot.load = w.runners.size - c.ended;
+      slot.ended = c.ended;
       const cached = w.cachedManifests ?? NO_KEYS;
       if (cached !== slot.cacheList) indexCache(slot, cached);
       slots.push(slot);
