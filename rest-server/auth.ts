@@ -156,12 +156,17 @@ export function requireAdmin(user: User): void {
   if (!user.isAdmin) throw new DispatchCloudError("auth.forbidden", "only an admin user may do this");
 }
 
-/** The bundle a runner token belongs to, while that bundle is starting or running. */
-export async function authenticateRunner(db: Db, request: FastifyRequest): Promise<Bundle> {
+/** The hash of the request's runner token (auth.* errors for a missing, malformed or worker token). */
+export function runnerTokenHashOf(request: FastifyRequest): string {
   const token = bearerToken(request);
   refuseWorkerToken(token);
   if (!isTokenShaped(token, RUNNER_TOKEN_PREFIX)) throw invalidToken();
-  const bundle = await findBundleByRunnerTokenHash(db, hashToken(token));
+  return hashToken(token);
+}
+
+/** The bundle a runner token belongs to, while that bundle is starting or running. */
+export async function authenticateRunner(db: Db, request: FastifyRequest): Promise<Bundle> {
+  const bundle = await findBundleByRunnerTokenHash(db, runnerTokenHashOf(request));
   if (bundle === null) throw invalidToken();
   if (bundle.state !== "starting" && bundle.state !== "running") {
     throw new DispatchCloudError("runner.not_current", `bundle ${bundle.uuid} is ${bundle.state}`);

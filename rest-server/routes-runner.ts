@@ -14,9 +14,15 @@ import { formatDigest, parseDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { outputManifestsByBundle, setOutputManifest } from "../store/cas-queries.ts";
 import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts";
-import { finishBundle, loseBundle, markRunning, requeueForUnavailableImage } from "../store/transitions.ts";
+import {
+  finishBundle,
+  loseBundle,
+  markRunning,
+  markRunningByToken,
+  requeueForUnavailableImage,
+} from "../store/transitions.ts";
 import type { Bundle, LogStream, TransitionResult } from "../store/types.ts";
-import { authenticateRunner, runnerBundleOf } from "./auth.ts";
+import { authenticateRunner, runnerBundleOf, runnerTokenHashOf } from "./auth.ts";
 import { readManifestStats } from "./cas/routes.ts";
 import type { RouteContext } from "./context.ts";
 import { parseCount, parseStream } from "./logs.ts";
@@ -139,9 +145,29 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     request.runnerBundle = await authenticateRunner(db, request);
   };
 
-  app.post("/api/v1/runner/start", { onRequest }, async (request) => {
-    const bundle = runnerBundleOf(request);
-    if (request.body !== undefined) validate(StartRequest, request.body);
+  app.post("/api/v1/runner/start", async (request) => {
+    const tokenHash = runnerTokenHashOf(request);
+    if (request.body !== undefined) {
+      try {
+        validate(StartRequest, request.body);
+      } catch (err) {
+        await authenticateRunner(db, request); // a bad token is told so before a bad body, as on every route
+        throw err;
+      }
+    }
+    // The usual case in one statement: the token's bundle is starting (the bundle waits for this answer).
+    const fast = await markRunningByToken(db, tokenHash, { actor: ACTOR });
+    if (fast.ok) {
+      const b = fast.bundle;
+      request.log.info(
+        { bundleUuid: b.uuid, attempt: b.attempt, instanceId: b.instanceId },
+        "bundle running",
+      );
+      return { uuid: b.uuid, state: b.state, attempt: b.attempt };
+    }
+    // Otherwise what the token is for, as every runner route sees it (its errors), and why it did not move.
+    const bundle = await authenticateRunner(db, request);
+    request.runnerBundle = bundle;
     const result = await markRunning(db, bundle.uuid, bundle.attempt, { actor: ACTOR });
     if (result.ok) {
       request.log.info(

@@ -30,6 +30,11 @@ export interface TransitionSpec {
   stateReason?: string;
   reason: string | null;
   actor: string;
+  /**
+   * The column $1 names the bundle by: its uuid (default), or the hash of its runner token (unique while set).
+   * By token, a statement that moves nothing answers not_found at once: the caller looks closer.
+   */
+  by?: "uuid" | "runner_token_hash";
 }
 
 /**
@@ -38,7 +43,8 @@ export interface TransitionSpec {
  */
 export async function transition(db: Db, uuid: string, spec: TransitionSpec): Promise<TransitionResult> {
   const guard =
-    "b.uuid = $1 AND b.state = ANY($2::text[]) AND ($6::int IS NULL OR b.attempt = $6::int)" +
+    `b.${spec.by ?? "uuid"} = $1 AND b.state = ANY($2::text[])` +
+    " AND ($6::int IS NULL OR b.attempt = $6::int)" +
     (spec.guard ? ` AND (${spec.guard})` : "");
   const set = [
     `state = ${spec.to}`,
@@ -73,6 +79,7 @@ export async function transition(db: Db, uuid: string, spec: TransitionSpec): Pr
   for (let i = 0; i < 3; i++) {
     const { rows } = await db.query<BundleRow>(sql, params);
     if (rows[0]) return { ok: true, bundle: bundleFromRow(rows[0]) };
+    if (spec.by === "runner_token_hash") return { ok: false, reason: "not_found", current: null };
     const current = await getBundle(db, uuid);
     if (!current) return { ok: false, reason: "not_found", current: null };
     if (!spec.from.includes(current.state)) return { ok: false, reason: "wrong_state", current };
@@ -252,6 +259,26 @@ export function markRunning(
     from: ["starting"],
     to: "'running'",
     attempt,
+    set: [`running_at = ${NOW}`],
+    reason: null,
+    actor: args.actor,
+  });
+}
+
+/**
+ * starting -> running for the bundle whose runner token hashes to `tokenHash`: a runner's `start` in one
+ * statement, without looking the token up first. not_found when no starting bundle holds that token (a bad or
+ * stale token, or a retried start): the caller looks closer.
+ */
+export function markRunningByToken(
+  db: Db,
+  tokenHash: string,
+  args: { actor: string },
+): Promise<TransitionResult> {
+  return transition(db, tokenHash, {
+    by: "runner_token_hash",
+    from: ["starting"],
+    to: "'running'",
     set: [`running_at = ${NOW}`],
     reason: null,
     actor: args.actor,
