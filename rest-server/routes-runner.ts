@@ -17,7 +17,6 @@ import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts"
 import {
   finishBundle,
   loseBundle,
-  markRunning,
   markRunningByToken,
   requeueForUnavailableImage,
 } from "../store/transitions.ts";
@@ -165,23 +164,12 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       );
       return { uuid: b.uuid, state: b.state, attempt: b.attempt };
     }
-    // Otherwise what the token is for, as every runner route sees it (its errors), and why it did not move.
+    // Not starting under this token: a bad or stale token gets the error every runner route gives, and a retried
+    // start (the first answer was lost) finds its own attempt (a token is one attempt's) running: success.
     const bundle = await authenticateRunner(db, request);
-    request.runnerBundle = bundle;
-    const result = await markRunning(db, bundle.uuid, bundle.attempt, { actor: ACTOR });
-    if (result.ok) {
-      request.log.info(
-        { bundleUuid: bundle.uuid, attempt: bundle.attempt, instanceId: bundle.instanceId },
-        "bundle running",
-      );
-      return { uuid: result.bundle.uuid, state: result.bundle.state, attempt: result.bundle.attempt };
-    }
-    // A retried start (the first answer was lost) finds its own attempt already running: that is success.
-    const now = result.current;
-    if (now !== null && now.state === "running" && now.attempt === bundle.attempt) {
-      return { uuid: now.uuid, state: now.state, attempt: now.attempt };
-    }
-    throw notCurrent(bundle, result);
+    if (bundle.state === "running")
+      return { uuid: bundle.uuid, state: bundle.state, attempt: bundle.attempt };
+    throw notCurrentNow(bundle, bundle);
   });
 
   app.get("/api/v1/runner/spec", { onRequest }, async (request) => {

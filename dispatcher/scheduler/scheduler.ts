@@ -305,7 +305,10 @@ const byOrder = (a: Entry, b: Entry): number =>
 
 export { queueOrder } from "../types.ts";
 
-/** Packing first (most runners + planned), then booted over booting, then cheaper, then id. */
+/**
+ * Packing first (most runners + planned, those cleaning up after `finish` left out), then fewer runners cleaning
+ * up, then booted over booting, then cheaper, then id.
+ */
 const bySlot = (a: Slot, b: Slot): number =>
   b.load - a.load ||
   a.ended - b.ended ||
