@@ -6,8 +6,7 @@
  */
 import { DispatchCloudError } from "../lib/errors.ts";
 import { imageKey } from "../lib/image-names.ts";
-import type { Db } from "./db.ts";
-import { sqlState } from "./db.ts";
+import { type Db, prepared, sqlState } from "./db.ts";
 import { readInputManifests } from "./input-manifests.ts";
 import {
   type ApiToken,
@@ -500,7 +499,7 @@ async function insertBundleRow(
   const state = initialState === "submitted" && b.dependencies.length === 0 ? "staged" : "created";
   const store = "coalesce((SELECT store FROM img), $18::jsonb)";
   const { rows } = await db.query<BundleRow>(
-    `WITH img AS (${OWN_IMAGE("$2", "$5", "$19")}), b AS (
+    prepared(`WITH img AS (${OWN_IMAGE("$2", "$5", "$19")}), b AS (
        INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority,
          limits, dependencies, allow_failed_dependencies, max_attempts, state, image_pinned, image_store,
          staged_at, input_manifests)
@@ -517,7 +516,7 @@ async function insertBundleRow(
      ), n AS (
        SELECT pg_notify($16, b.uuid || ' ' || b.state || ' ' || b.change_seq) FROM b
      )
-     SELECT b.* FROM b WHERE (SELECT count(*) FROM n) >= 0`,
+     SELECT b.* FROM b WHERE (SELECT count(*) FROM n) >= 0`),
     [
       uuid,
       b.ownerUuid,
@@ -595,7 +594,22 @@ export async function insertBundles(
   ownerUuid: string,
   items: readonly { uuid: string; bundle: NewBundle }[],
   initialState: InitialState,
-): Promise<Bundle[]> {
+): Promise<Bundle[]>;
+/** As above, answering each bundle's uuid and state only (no whole rows to send back and parse). */
+export async function insertBundles(
+  db: Db,
+  ownerUuid: string,
+  items: readonly { uuid: string; bundle: NewBundle }[],
+  initialState: InitialState,
+  answer: "brief",
+): Promise<BriefBundle[]>;
+export async function insertBundles(
+  db: Db,
+  ownerUuid: string,
+  items: readonly { uuid: string; bundle: NewBundle }[],
+  initialState: InitialState,
+  answer: "whole" | "brief" = "whole",
+): Promise<(Bundle | BriefBundle)[]> {
   if (items.length === 0) return [];
   return db.transaction(async (tx) => {
     const depUuids = [...new Set(items.flatMap((it) => it.bundle.dependencies.map((d) => d.bundle)))];
@@ -615,10 +629,14 @@ export async function insertBundles(
         );
       });
     }
-    const byUuid = new Map<string, Bundle>();
+    const byUuid = new Map<string, Bundle | BriefBundle>();
     for (let start = 0; start < items.length; start += INSERT_CHUNK) {
       const chunk = items.slice(start, start + INSERT_CHUNK);
-      for (const b of await insertBundleRows(tx, chunk, false, initialState)) byUuid.set(b.uuid, b);
+      const rows =
+        answer === "brief"
+          ? await insertBriefRows(tx, chunk, initialState)
+          : await insertBundleRows(tx, chunk, false, initialState);
+      for (const b of rows) byUuid.set(b.uuid, b);
     }
     const state = [...byUuid.values()].some((b) => b.state === "created") ? "created" : "staged";
     await tx.query("SELECT pg_notify($1, $2)", [BUNDLE_CHANNEL, `* ${state} ${items.length}`]);
@@ -640,6 +658,37 @@ export async function insertBundleRows(
   initialState: InitialState,
 ): Promise<Bundle[]> {
   if (items.length === 0) return [];
+  const { rows } = await db.query<BundleRow>(
+    INSERT_ROWS_WHOLE,
+    insertRowsParams(items, notify, initialState),
+  );
+  return rows.map(bundleFromRow);
+}
+
+/** A new bundle as a brief answer names it (insertBundles with "brief"). */
+export interface BriefBundle {
+  uuid: string;
+  state: BundleState;
+}
+
+/** insertBundleRows without a NOTIFY, answering each row's uuid and state only. */
+async function insertBriefRows(
+  db: Db,
+  items: readonly { uuid: string; bundle: NewBundle }[],
+  initialState: InitialState,
+): Promise<BriefBundle[]> {
+  const { rows } = await db.query<BriefBundle>(
+    INSERT_ROWS_BRIEF,
+    insertRowsParams(items, false, initialState),
+  );
+  return rows;
+}
+
+function insertRowsParams(
+  items: readonly { uuid: string; bundle: NewBundle }[],
+  notify: boolean,
+  initialState: InitialState,
+): unknown[] {
   const rows = items.map(({ uuid, bundle: b }) => ({
     uuid,
     owner_uuid: b.ownerUuid,
@@ -658,8 +707,15 @@ export async function insertBundleRows(
     image_store: b.imageStore ?? null,
     image_key: imageKey(b.image),
   }));
-  const { rows: inserted } = await db.query<BundleRow>(
-    `WITH src AS (
+  return [JSON.stringify(rows), BUNDLE_CHANNEL, notify, initialState === "submitted"];
+}
+
+/**
+ * The statement of insertBundleRows, answering `answer` (columns of the new rows `b`). Prepared (store/db.ts):
+ * parsing and planning it cost more than running it for a few rows.
+ */
+const insertRowsSql = (answer: string) =>
+  prepared(`WITH src AS (
        SELECT r.*, coalesce(img.image_id, r.image_pinned) AS pinned,
          coalesce(img.store, CASE WHEN jsonb_typeof(r.image_store) = 'object' THEN r.image_store END) AS store,
          CASE WHEN $4::boolean AND r.dependencies = '[]'::jsonb THEN 'staged' ELSE 'created' END AS state
@@ -687,14 +743,12 @@ export async function insertBundleRows(
        SELECT pg_notify($2, '* ' || CASE WHEN bool_or(b.state = 'created') THEN 'created' ELSE 'staged' END
          || ' ' || count(*)) FROM b HAVING $3::boolean AND count(*) > 0
      )
-     SELECT b.* FROM b WHERE (SELECT count(*) FROM n) >= 0`,
-    [JSON.stringify(rows), BUNDLE_CHANNEL, notify, initialState === "submitted"],
-  );
-  return inserted.map(bundleFromRow);
-}
+     SELECT ${answer} FROM b WHERE (SELECT count(*) FROM n) >= 0`);
+const INSERT_ROWS_WHOLE = insertRowsSql("b.*");
+const INSERT_ROWS_BRIEF = insertRowsSql("b.uuid, b.state");
 
 export async function getBundle(db: Db, uuid: string): Promise<Bundle | null> {
-  const { rows } = await db.query<BundleRow>("SELECT * FROM bundles WHERE uuid = $1", [uuid]);
+  const { rows } = await db.query<BundleRow>(prepared("SELECT * FROM bundles WHERE uuid = $1"), [uuid]);
   return rows[0] ? bundleFromRow(rows[0]) : null;
 }
 
@@ -811,7 +865,9 @@ export async function dependentsOf(db: Db, uuid: string): Promise<string[]> {
 }
 
 export async function findBundleByRunnerTokenHash(db: Db, hash: string): Promise<Bundle | null> {
-  const { rows } = await db.query<BundleRow>("SELECT * FROM bundles WHERE runner_token_hash = $1", [hash]);
+  const { rows } = await db.query<BundleRow>(prepared("SELECT * FROM bundles WHERE runner_token_hash = $1"), [
+    hash,
+  ]);
   return rows[0] ? bundleFromRow(rows[0]) : null;
 }
 

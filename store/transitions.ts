@@ -7,7 +7,7 @@
  * Leaving starting/running clears runner_token_hash, which is what makes a runner token stop working.
  * Every transition clears scheduling_status (the scheduler sets it again for queued bundles).
  */
-import type { Db } from "./db.ts";
+import { type Db, prepared } from "./db.ts";
 import { type BundleRow, bundleFromRow, getBundle, imageStoreInputSql, NOW } from "./queries.ts";
 import { BUNDLE_CHANNEL, type Bundle, type BundleState, type TransitionResult } from "./types.ts";
 
@@ -52,7 +52,8 @@ export async function transition(db: Db, uuid: string, spec: TransitionSpec): Pr
     "scheduling_status = NULL",
     ...(spec.set ?? []),
   ];
-  const sql = `WITH cur AS (
+  // Prepared: by uuid or token hash, the plan is the same whatever the values (store/db.ts, prepared).
+  const sql = prepared(`WITH cur AS (
       SELECT b.uuid, b.state AS from_state FROM bundles b WHERE ${guard} FOR UPDATE
     ), upd AS (
       UPDATE bundles b SET ${set.join(", ")}
@@ -65,7 +66,7 @@ export async function transition(db: Db, uuid: string, spec: TransitionSpec): Pr
     ), n AS (
       SELECT pg_notify($5::text, uuid || ' ' || state || ' ' || change_seq) FROM upd
     )
-    SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`;
+    SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`);
   const params = [
     uuid,
     spec.from,
