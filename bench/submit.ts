@@ -2,7 +2,9 @@
  * bench:submit — how fast users can hand the system work. For PostgreSQL and for PGlite, a server process (the
  * REST server, the bundle manager and the dispatcher's queue, on a fresh migrated database) takes:
  *   1. bundles one at a time (`POST /api/v1/bundles`) from 32 clients over keep-alive connections;
- *   2. bundles in batches of 1,000 (`POST /api/v1/bundles/batch`) from 4 clients.
+ *   2. bundles in batches of 1,000 (`POST /api/v1/bundles/batch`) from 4 clients, each answered whole;
+ *   3. the same with `Prefer: return=minimal` (each bundle answered by its uuid and state, as `submit --batch`
+ *      asks).
  * For each phase it prints bundles accepted per second (first request sent to last answer) and how long after
  * the last answer the dispatcher's queue held all of them (staged by the bundle manager, read by the queue).
  *
@@ -126,8 +128,13 @@ async function submit(
   total: number,
   per: number,
   clients: number,
+  minimal: boolean,
 ): Promise<number> {
-  const headers = { authorization: `Bearer ${token}`, "content-type": "application/json" };
+  const headers = {
+    authorization: `Bearer ${token}`,
+    "content-type": "application/json",
+    ...(minimal ? { prefer: "return=minimal" } : {}),
+  };
   // node:http with a keep-alive agent: fetch costs the client about 1.5 ms of CPU a request here, which on a
   // 2-core machine is taken from the server being measured.
   const agent = new http.Agent({ keepAlive: true, maxSockets: clients });
@@ -189,15 +196,16 @@ async function bench(kind: "pg" | "pglite"): Promise<void> {
   const { child, url, token } = server;
   try {
     let inQueue = 0;
-    const phases: [string, number, number, number][] = [
-      ["one at a time, 32 clients", Number(values.single), 1, 32],
-      ["batches of 1,000, 4 clients", Number(values.batched), 1000, 4],
+    const phases: [string, number, number, number, boolean][] = [
+      ["one at a time, 32 clients", Number(values.single), 1, 32, false],
+      ["batches of 1,000, 4 clients", Number(values.batched), 1000, 4, false],
+      ["same, return=minimal", Number(values.batched), 1000, 4, true],
     ];
-    for (const [name, total, per, clients] of phases) {
+    for (const [name, total, per, clients, minimal] of phases) {
       process.stderr.write(`bench:submit [${kind}] ${name}: ${total} bundles...\n`);
       if (total === 0) continue;
       const cpu0 = await askCpu(child);
-      const ms = await submit(url, token, total, per, clients);
+      const ms = await submit(url, token, total, per, clients, minimal);
       const lastAnswer = Date.now();
       inQueue += total;
       const lag = await queueCaughtUp(child, inQueue, lastAnswer);

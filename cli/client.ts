@@ -45,8 +45,13 @@ export class ApiClient {
     private readonly signal?: AbortSignal,
   ) {}
 
-  async request<T>(method: string, path: string, body?: unknown): Promise<T> {
-    const res = await this.send(method, path, body);
+  async request<T>(
+    method: string,
+    path: string,
+    body?: unknown,
+    headers: Record<string, string> = {},
+  ): Promise<T> {
+    const res = await this.send(method, path, body, headers);
     const text = await res.text();
     try {
       return (text === "" ? undefined : JSON.parse(text)) as T;
@@ -57,16 +62,22 @@ export class ApiClient {
 
   /** The response of a request whose answer is not (only) JSON, once its status says it succeeded. */
   async raw(method: string, path: string): Promise<Response> {
-    return this.send(method, path, undefined);
+    return this.send(method, path, undefined, {});
   }
 
-  private async send(method: string, path: string, body: unknown): Promise<Response> {
+  private async send(
+    method: string,
+    path: string,
+    body: unknown,
+    headers: Record<string, string>,
+  ): Promise<Response> {
     const url = new URL(path, this.opts.apiUrl.endsWith("/") ? this.opts.apiUrl : `${this.opts.apiUrl}/`);
     let res: Response;
     try {
       res = await fetch(url, {
         method,
         headers: {
+          ...headers,
           authorization: `Bearer ${this.opts.token}`,
           ...(body === undefined ? {} : { "content-type": "application/json" }),
         },

@@ -229,12 +229,22 @@ export function usersApiDocument(): Json {
           operationId: "createBundles",
           description:
             "Up to 10,000 bundles in one request, all or nothing; a bad field is named under its item " +
-            "(items[42].resources.ram). The answer lists the new bundles in the order given.",
+            "(items[42].resources.ram). The answer lists the new bundles in the order given: whole, or with " +
+            "`Prefer: return=minimal` only each one's uuid and state (and `Preference-Applied: return=minimal`).",
+          parameters: [
+            {
+              name: "prefer",
+              in: "header",
+              required: false,
+              schema: { type: "string" },
+              description: "`return=minimal`: answer each new bundle's uuid and state only.",
+            },
+          ],
           requestBody: body("BatchRequest"),
           responses: {
             "201": json(
               { type: "object", properties: { items: { type: "array", items: { type: "object" } } } },
-              "The new bundles, in the order of the request's items.",
+              "The new bundles, in the order of the request's items (with return=minimal: {uuid, state} each).",
             ),
             ...errors([
               ...common,

@@ -201,7 +201,8 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
     return reply.code(201).send(view(bundle));
   });
 
-  // Many bundles in one request, all or nothing (docs/api.md "Batch submission").
+  // Many bundles in one request, all or nothing (docs/api.md "Batch submission"). With `Prefer:
+  // return=minimal` each item of the answer is only the bundle's uuid and state.
   app.post(
     "/api/v1/bundles/batch",
     { onRequest, bodyLimit: ctx.maxBatchBodySize },
@@ -212,16 +213,26 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
         parseBatchRequest(request.body, caller.uuid, ctx.defaultMaxAttempts, ctx.bundleMinimums),
       );
       const items = bundles.map((bundle) => ({ uuid: newBundleUuid(ctx.clusterId), bundle }));
+      const minimal = prefersMinimal(request.headers.prefer);
       const result = await insertWithinLimits(db, {
         owner: caller,
         count: items.length,
         limits: ctx.submitLimits,
         nowMs: ctx.nowMs(),
-        insert: (tx) => insertBundles(tx, caller.uuid, items, "submitted"),
+        insert: (tx) =>
+          minimal
+            ? insertBundles(tx, caller.uuid, items, "submitted", "brief")
+            : insertBundles(tx, caller.uuid, items, "submitted"),
       });
       if (!result.ok) return sendRefusal(reply, result.refusal);
       request.log.info({ owner: caller.uuid, count: items.length }, "bundles created (batch)");
-      return reply.code(201).send({ items: result.value.map(view) });
+      if (minimal) {
+        return reply
+          .code(201)
+          .header("preference-applied", "return=minimal")
+          .send({ items: result.value.map((b) => ({ uuid: b.uuid, state: b.state })) });
+      }
+      return reply.code(201).send({ items: (result.value as Bundle[]).map(view) });
     },
   );
 
@@ -338,4 +349,18 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
     // The only time the token is ever shown; the database keeps its hash.
     return reply.code(201).send({ ...userView(user), token });
   });
+}
+
+/**
+ * Whether a request's Prefer header (RFC 7240: comma-separated preferences, names case-insensitive, a value
+ * maybe quoted; the header maybe repeated) asks for `return=minimal`.
+ */
+export function prefersMinimal(header: string | string[] | undefined): boolean {
+  const values = header === undefined ? [] : Array.isArray(header) ? header : [header];
+  return values.some((v) =>
+    v.split(",").some((pref) => {
+      const [name, value] = (pref.split(";")[0] ?? "").split("=", 2).map((x) => x.trim());
+      return name?.toLowerCase() === "return" && value?.replace(/^"(.*)"$/, "$1").toLowerCase() === "minimal";
+    }),
+  );
 }

@@ -99,6 +99,44 @@ describeEachDb("batch submission", (getDb) => {
       expect(rows).toEqual([{ dependency_uuid: dep.body.uuid, name: "in" }]);
     });
 
+    it("answers each bundle's uuid and state only when asked to with Prefer: return=minimal", async () => {
+      const u = await makeUser(getDb());
+      const dep = await api("POST", "/api/v1/bundles", u.token, item("dep2"));
+      const batch = {
+        items: [item("m1"), item("m2", { dependencies: [{ bundle: dep.body.uuid, name: "in" }] })],
+      };
+      for (const prefer of ["return=minimal", 'wait=5, RETURN="minimal"; x=y']) {
+        const res = await api("POST", "/api/v1/bundles/batch", u.token, batch, { prefer });
+        expect(res.status, JSON.stringify(res.body)).toBe(201);
+        expect(res.headers["preference-applied"]).toBe("return=minimal");
+        expect(res.body.items).toEqual([
+          { uuid: expect.stringMatching(/^zzzzz-bndl-/), state: "staged" },
+          { uuid: expect.stringMatching(/^zzzzz-bndl-/), state: "created" },
+        ]);
+        // The bundles are whole all the same: the same rows, events and dependencies as with a whole answer.
+        const [m1, m2] = res.body.items;
+        expect((await api("GET", `/api/v1/bundles/${m1.uuid}`, u.token)).body).toMatchObject({
+          name: "m1",
+          state: "staged",
+          command: ["echo", "m1"],
+        });
+        expect((await api("GET", `/api/v1/bundles/${m2.uuid}`, u.token)).body).toMatchObject({
+          name: "m2",
+          state: "created",
+          dependencies: [{ bundle: dep.body.uuid, name: "in" }],
+        });
+        const events = await api("GET", `/api/v1/bundles/${m1.uuid}/events`, u.token);
+        expect(events.body.items.map((e: { toState: string }) => e.toState)).toEqual(["created", "staged"]);
+      }
+      // Any other preference (or none) gets the whole bundles.
+      const whole = await api("POST", "/api/v1/bundles/batch", u.token, batch, {
+        prefer: "return=representation",
+      });
+      expect(whole.status).toBe(201);
+      expect(whole.headers["preference-applied"]).toBeUndefined();
+      expect(whole.body.items[0]).toMatchObject({ name: "m1", command: ["echo", "m1"], state: "staged" });
+    });
+
     it("refuses the whole batch on one bad field, naming it under its item, and keeps nothing", async () => {
       const u = await makeUser(getDb());
       const cases: [object, number, string, string][] = [

@@ -166,9 +166,15 @@ async function submitBatch(io: CliIo, flags: Parameters<typeof connect>[1], path
   const api = await connect(io, flags);
   for (let start = 0; start < items.length; start += BATCH_ITEMS) {
     const chunk = items.slice(start, start + BATCH_ITEMS);
-    let created: { items: ApiBundle[] };
+    let created: { items: { uuid: string }[] };
     try {
-      created = await api.request("POST", "api/v1/bundles/batch", { items: chunk.map((it) => it.body) });
+      // Only the uuids are printed: the answer need not echo every bundle whole (docs/api.md).
+      created = await api.request(
+        "POST",
+        "api/v1/bundles/batch",
+        { items: chunk.map((it) => it.body) },
+        { prefer: "return=minimal" },
+      );
     } catch (err) {
       throw err instanceof DispatchCloudError ? atLine(err, path, chunk) : err;
     }
