@@ -558,7 +558,7 @@ export async function insertUploadedBundle(
          limits, dependencies, allow_failed_dependencies, max_attempts, state, state_reason, finished_at,
          output_manifest, output_bytes)
        VALUES ($1, $2, $3, '[]'::jsonb, '', '{}'::jsonb, $4::jsonb, false, 0, $5::jsonb, '[]'::jsonb, false, 1,
-         'ready', 'uploaded', date_trunc('milliseconds', now()), $6, $7)
+         'ready', 'uploaded', ${NOW}, $6, $7)
        RETURNING *
      ), e AS (
        INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
@@ -985,10 +985,10 @@ export async function recordHeartbeat(
   status?: string | null,
 ): Promise<BundleState | null> {
   const { rows } = await db.query<{ state: BundleState }>(
-    `UPDATE bundles SET resource_usage = $3::jsonb, last_heartbeat_at = date_trunc('milliseconds', now()),
+    prepared(`UPDATE bundles SET resource_usage = $3::jsonb, last_heartbeat_at = ${NOW},
        scheduling_status = CASE WHEN $4::boolean THEN $5::text ELSE scheduling_status END
      WHERE uuid = $1 AND attempt = $2 AND state IN ('starting', 'running')
-     RETURNING state`,
+     RETURNING state`),
     [uuid, attempt, JSON.stringify(resourceUsage), status !== undefined, status ?? null],
   );
   return rows[0]?.state ?? null;

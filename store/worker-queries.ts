@@ -5,7 +5,7 @@
  */
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "./db.ts";
-import { type BundleRow, bundleFromRow } from "./queries.ts";
+import { type BundleRow, bundleFromRow, NOW } from "./queries.ts";
 import { type Bundle, WORKER_CHANNEL, type Worker, type WorkerResources, type WorkerState } from "./types.ts";
 
 interface WorkerRow {
@@ -111,7 +111,7 @@ export async function setWorkerDisabled(
   ownerUuid: string | null,
 ): Promise<Worker | null> {
   const { rows } = await db.query<WorkerRow>(
-    `UPDATE workers SET disabled_at = CASE WHEN $2 THEN coalesce(disabled_at, date_trunc('milliseconds', now()))
+    `UPDATE workers SET disabled_at = CASE WHEN $2 THEN coalesce(disabled_at, ${NOW})
        ELSE NULL END
      WHERE id = $1 AND ($3::text IS NULL OR owner_uuid = $3) RETURNING ${COLUMNS}`,
     [id, disabled, ownerUuid],
@@ -144,7 +144,7 @@ export async function recordCheckin(db: Db, id: string, c: CheckinRecord): Promi
      upd AS (
        UPDATE workers w SET state = $2, tags = $3::text[], resources = $4::jsonb, slots = $5, version = $6,
          artifact_sha256 = $7, cache = $8::jsonb, running = $9::jsonb,
-         checked_in_at = date_trunc('milliseconds', now())
+         checked_in_at = ${NOW}
        FROM old WHERE w.id = old.id
        RETURNING w.*, (old.state IS DISTINCT FROM w.state OR old.tags IS DISTINCT FROM w.tags
          OR old.resources IS DISTINCT FROM w.resources OR old.slots IS DISTINCT FROM w.slots
@@ -205,7 +205,7 @@ export async function deliverToWorker(
   runnerTokenHash: string,
 ): Promise<Bundle | null> {
   const { rows } = await db.query<BundleRow>(
-    `UPDATE bundles SET runner_token_hash = $4, worker_delivered_at = date_trunc('milliseconds', now())
+    `UPDATE bundles SET runner_token_hash = $4, worker_delivered_at = ${NOW}
      WHERE uuid = $1 AND attempt = $2 AND worker_id = $3 AND state = 'starting' AND worker_delivered_at IS NULL
      RETURNING *`,
     [uuid, attempt, workerId, runnerTokenHash],
@@ -270,7 +270,7 @@ export async function reportedBundles(db: Db, uuids: readonly string[]): Promise
 /** A worker checked out: state stopped, nothing running. NOTIFYs WORKER_CHANNEL. Null when it is gone. */
 export async function checkoutWorker(db: Db, id: string): Promise<Worker | null> {
   const { rows } = await db.query<WorkerRow>(
-    `UPDATE workers SET state = 'stopped', running = '[]'::jsonb, checked_in_at = date_trunc('milliseconds', now())
+    `UPDATE workers SET state = 'stopped', running = '[]'::jsonb, checked_in_at = ${NOW}
      WHERE id = $1 RETURNING ${COLUMNS}`,
     [id],
   );
