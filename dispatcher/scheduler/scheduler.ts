@@ -1220,7 +1220,10 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         const w = userWorkers.place(e.bundle);
         if (w !== null) {
           result.started.push(e.uuid);
-          e.status = say.startingOnWorker(w.name);
+          e.status = say.startingOnWorker(
+            w.name,
+            w.held > 0 ? { held: w.held, total: inputBytes(e.bundle) } : null,
+          );
           e.persist = false;
           e.reason = "";
           return true;
@@ -1317,4 +1320,11 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
     flushStatuses: () => exclusive(() => flush(Number.POSITIVE_INFINITY)),
     placementOf: (uuid) => placements.get(uuid),
   };
+}
+
+/** The bytes of a bundle's inputs (its input trees as the store measured them). */
+function inputBytes(b: Bundle): number {
+  let n = 0;
+  for (const m of b.inputManifests ?? []) n += m.bytes;
+  return n;
 }

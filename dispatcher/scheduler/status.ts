@@ -88,8 +88,14 @@ export const forCache = (held: number, total: number): string =>
 export const startingOnForCache = (instanceId: string, held: number, total: number): string =>
   `starting on ${instanceId} (${forCache(held, total)})`;
 
-/** Given to one of its owner's own workers (docs/workers.md). */
-export const startingOnWorker = (name: string): string => `starting on your worker ${name}`;
+/** Given to one of its owner's own workers (docs/workers.md), chosen for its cache when `cache` says so. */
+export const startingOnWorker = (
+  name: string,
+  cache: { held: number; total: number } | null = null,
+): string =>
+  cache === null
+    ? `starting on your worker ${name}`
+    : `starting on your worker ${name} (${forCache(cache.held, cache.total)})`;
 
 /**
  * It can run only on its owner's workers (a tag no instance type has, resources.workersOnly, or bigger than

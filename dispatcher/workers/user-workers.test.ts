@@ -186,6 +186,11 @@ describeEachDb("users' workers in the scheduler", (getDb) => {
     await h.pass();
     expect((await getBundle(h.db, withInputs.uuid))?.workerId).toBe(holder.id);
     expect((await getBundle(h.db, plain.uuid))?.workerId).toBe(roomy.id);
+    // "Why is my bundle there" says the cache, as for an instance chosen for its cache.
+    expect(h.scheduler.statusOf(withInputs.uuid)).toBe(
+      `starting on your worker ${holder.name} (placed for its cache: 5.0 GiB of 5.0 GiB of inputs held there)`,
+    );
+    expect(h.scheduler.statusOf(plain.uuid)).toBe(`starting on your worker ${roomy.name}`);
   });
 
   it("a worker that stops checking in is lost once and its bundle goes back to the queue once", async () => {
