@@ -127,14 +127,15 @@ export async function runCrunchRun(
 }
 
 /**
- * Supervises one bundle. The runner `start` call goes out while the supervisor's heavier modules load (a
- * spare has loaded them already).
+ * Supervises one bundle. The runner `start` call goes out first, while the supervisor's heavier modules load (a
+ * spare has loaded them already) and before `makeLogger` (a spare's log file; without it supervise() makes its
+ * own) sets up the log.
  */
 async function superviseBundle(
   doc: StartDocument,
   paths: RunnerPaths,
   env: NodeJS.ProcessEnv,
-  logger?: Logger,
+  makeLogger?: () => Logger,
 ): Promise<number> {
   // The last check against a start racing a spot interruption notice (--detach and the spare check first):
   // without `start`, the bundle stays starting and the dispatcher requeues it when this runner is not listed.
@@ -153,6 +154,9 @@ async function superviseBundle(
   });
   const started = client.start();
   started.catch(() => {}); // handled by supervise()
+  // The log's set-up (milliseconds of CPU) waits for the answer: nothing may delay the request on its way.
+  if (makeLogger !== undefined) await started.catch(() => {});
+  const logger = makeLogger?.();
   const { supervise } = await import("./supervisor.ts");
   const code = await supervise({
     doc,
@@ -174,6 +178,8 @@ async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv, io: CrunchRunIo
   }
   // Load what supervising needs now, so that a hand-off calls `start` at once.
   await Promise.all([import("./api-client.ts"), import("./supervisor.ts"), import("../lib/logger.ts")]);
+  // And run the hand-off's path once, so the real one does not pay its one-time set-up (spare-warmup.ts).
+  await (await import("./spare-warmup.ts")).warmUpSpare();
   // The title says it is ready (tests and the benchmark count ready spares by it).
   process.title = "crunch-run spare";
   let doc: StartDocument | null = null;
@@ -204,10 +210,13 @@ async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv, io: CrunchRunIo
     process.stderr.write(`crunch-run: ${work.uuid}: the lock never named this spare; not starting it\n`);
     return 1;
   }
-  mkdirSync(paths.logDir, { recursive: true });
   const { createLogger } = await import("../lib/logger.ts");
-  const destination = createWriteStream(logFile(paths, work.uuid), { flags: "a" });
-  return superviseBundle(doc, paths, env, createLogger({ level: "info", format: "json", destination }));
+  const uuid = work.uuid;
+  return superviseBundle(doc, paths, env, () => {
+    mkdirSync(paths.logDir, { recursive: true });
+    const destination = createWriteStream(logFile(paths, uuid), { flags: "a" });
+    return createLogger({ level: "info", format: "json", destination });
+  });
 }
 
 /** Waits (up to 3 s) until the lock file names `pid`. */
