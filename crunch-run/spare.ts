@@ -10,7 +10,8 @@
  *   socket `${ROOT}/var/run/cr-spare-<hash>.sock` (the hash of the command that starts this runner, so a newly
  *   deployed runner never hands work to an old one's pool; mode 0600: the document holds the runner token). It
  *   keeps K spare processes (`crunch-run --spare`, each in its own session, spoken to over a Node IPC channel):
- *   supervisors that have loaded their modules and wait for one start document. K is the start document's
+ *   supervisors that have loaded their modules, run their hand-off path once (spare-warmup.ts), and wait for one
+ *   start document. K is the start document's
  *   `warmSupervisors` (the dispatcher sends min(dispatcher.warmSupervisors, the instance's slots)); every
  *   hand-off updates it. Spares are started again in the background (REFILL_DELAY_MS after a hand-off), at most
  *   half the CPUs' worth at a time
