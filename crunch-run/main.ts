@@ -126,10 +126,15 @@ export async function runCrunchRun(
   }
 }
 
+/** How long a supervisor waits for its `start` call's answer before it sets up anyway (superviseBundle). */
+const ANSWER_WAIT_MS = 100;
+
 /**
- * Supervises one bundle. The runner `start` call goes out first, while the supervisor's heavier modules load (a
- * spare has loaded them already) and before `makeLogger` (a spare's log file; without it supervise() makes its
- * own) sets up the log.
+ * Supervises one bundle. The runner `start` call goes out first, and the supervisor's set-up (`makeLogger`, a
+ * spare's log; supervise() and its heavier modules) waits for its answer, at most ANSWER_WAIT_MS: on a small
+ * instance that set-up's CPU would otherwise slow the very call the bundle waits for (docs/performance.md).
+ * A stop signal meanwhile is passed on to supervise() once it has its handlers, and retries meanwhile are
+ * logged once it has its logger.
  */
 async function superviseBundle(
   doc: StartDocument,
@@ -146,25 +151,48 @@ async function superviseBundle(
   const { createRunnerClient } = await import("./api-client.ts");
   const abort = new AbortController();
   const retryHook: RetryHook = {};
+  const earlyRetries: [string, unknown, number][] = [];
   const client = createRunnerClient({
     apiUrl: doc.apiUrl,
     token: doc.token,
     signal: abort.signal,
-    onRetry: (what, err, delayMs) => retryHook.onRetry?.(what, err, delayMs),
+    onRetry: (what, err, delayMs) =>
+      retryHook.onRetry === undefined
+        ? earlyRetries.push([what, err, delayMs])
+        : retryHook.onRetry(what, err, delayMs),
   });
+  let stopSignal: NodeJS.Signals | null = null;
+  const stop = (sig: NodeJS.Signals) => {
+    stopSignal ??= sig;
+  };
+  process.on("SIGTERM", stop);
+  process.on("SIGINT", stop);
   const started = client.start();
-  started.catch(() => {}); // handled by supervise()
-  // The log's set-up (milliseconds of CPU) waits for the answer: nothing may delay the request on its way.
-  if (makeLogger !== undefined) await started.catch(() => {});
+  let waited: NodeJS.Timeout | undefined;
+  await Promise.race([
+    started.catch(() => {}), // the error is supervise()'s to handle
+    new Promise((resolve) => {
+      waited = setTimeout(resolve, ANSWER_WAIT_MS);
+    }),
+  ]);
+  clearTimeout(waited);
   const logger = makeLogger?.();
   const { supervise } = await import("./supervisor.ts");
-  const code = await supervise({
+  const supervising = supervise({
     doc,
     paths,
     env,
     ...(logger === undefined ? {} : { logger }),
     early: { client, abort, started, retryHook },
   });
+  // supervise() has its own signal handlers and the retry hook now (set before its first await).
+  process.off("SIGTERM", stop);
+  process.off("SIGINT", stop);
+  for (const [what, err, delayMs] of earlyRetries.splice(0)) retryHook.onRetry?.(what, err, delayMs);
+  // Straight to supervise()'s handler: a signal sent again could arrive after a refused start's clean-up has
+  // removed it, and kill the process before its lock is released.
+  if (stopSignal !== null) process.emit(stopSignal, stopSignal);
+  const code = await supervising;
   // Whatever a runtime left behind (a stuck socket) must not keep a finished supervisor alive.
   setTimeout(() => process.exit(code), 2000).unref();
   return code;

@@ -2,13 +2,14 @@
  * Warms a spare supervisor's hand-off path before it says it is ready (spare.ts, issue 21).
  *
  * A spare is a fresh process, and the first time it runs the code between a hand-off and its runner `start`
- * call (taking a lock file, Node's HTTP client and its first connection, our runner client, the retry loop,
- * reading a JSON answer) costs milliseconds of one-time set-up: lazily loaded Node internals, the libuv thread
- * pool, V8 compiling each function on its first call. Measured on a 2-core machine, that was about 15 ms of a
- * 35 ms submit -> running. So a spare goes through the same steps once with nothing at stake: a lock in a
- * directory of its own (never the instance's lock directory, which `--list` reads) and a `start` call to a
- * loopback HTTP server it runs itself for the purpose. Nothing here may stop a spare: a failure is ignored
- * (the real hand-off then pays the set-up, as before).
+ * call (taking a lock file, making the bundle's logger, Node's HTTP client and its first connection, our runner
+ * client, the retry loop, reading a JSON answer) costs milliseconds of one-time set-up: lazily loaded Node
+ * internals, the libuv thread pool, V8 compiling each function on its first call, pino compiling its redaction.
+ * Measured step by step on a 2-core machine, that was about 20 ms of a 35-44 ms submit -> start
+ * (docs/performance.md). So a spare goes through the same steps once with nothing at stake: a lock in a
+ * directory of its own (never the instance's lock directory, which `--list` reads), a logger that writes
+ * nowhere, and a `start` call to a loopback HTTP server it runs itself for the purpose. Nothing here may stop a
+ * spare: a failure is ignored (the real hand-off then pays the set-up, as before).
  */
 import { mkdtempSync, rmSync } from "node:fs";
 import http from "node:http";

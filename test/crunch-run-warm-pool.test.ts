@@ -4,10 +4,11 @@
  * over SSH (`start <uuid>\n<document>`).
  */
 import { readFileSync, statSync } from "node:fs";
+import http from "node:http";
 import net from "node:net";
 import { join } from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { findPids, readCmdline } from "../cloud-drivers/local/procs.ts";
+import { findPids, isAlive, readCmdline } from "../cloud-drivers/local/procs.ts";
 import { holderAlive, parseLock, readLockText } from "../crunch-run/lock.ts";
 import { lockFile, runnerPaths } from "../crunch-run/paths.ts";
 import { spareSocketPath } from "../crunch-run/spare.ts";
@@ -154,6 +155,29 @@ describe("crunch-run warm pool (process runtime)", () => {
     expect((await h.crunchRun(["--kill", "TERM", long.uuid])).code).toBe(0);
   });
 
+  it("a stop signal that comes while a handed spare waits for its start answer reaches the supervisor", async () => {
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length >= 1);
+    const socket = await socketOf();
+    // The server's answer to `start` comes 1 s late; the spare sets up only once it has it (at most 100 ms).
+    const slow = await delayingProxy(h.apiUrl, "/api/v1/runner/start", 1000);
+    try {
+      const x = await h.newStartingBundle({ command: ["sleep", "30"] });
+      const pid = await handOff(socket, "start", x.uuid, doc(x, { apiUrl: slow.url }));
+      expect(pid).toBeGreaterThan(0);
+      // Its `start` call has left: the spare now waits for the answer, with its stop handlers in place.
+      await slow.held;
+      process.kill(pid, "SIGTERM");
+      // Not lost (the bundle would run for 30 s) and not the default death (which leaves the lock behind): the
+      // supervisor stops the bundle and releases its lock.
+      await waitFor(async () => !isAlive(pid));
+      expect(await readLockText(lockFile(runnerPaths(h.env), x.uuid))).toBeNull();
+      const log = readFileSync(join(h.root, "var", "log", "crunch-run", `${x.uuid}.log`), "utf8");
+      expect(log).toContain("stop requested");
+    } finally {
+      await slow.close();
+    }
+  });
+
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
     const paths = runnerPaths({ DISPATCH_VM_ROOT: "/r" });
     const old = spareSocketPath(paths, ["/tmp/dispatch-cloud/crunch-run~aaaa"]);
@@ -191,6 +215,53 @@ function pidsTitled(root: string, title: string): number[] {
   return findPids({ env: ["DISPATCH_VM_ROOT", root] }).filter(
     (pid) => (readCmdline(pid) ?? []).join(" ") === title,
   );
+}
+
+/**
+ * A proxy to `target` that holds requests for `path` for `ms` before it passes them on; `held` resolves when
+ * the first such request comes.
+ */
+async function delayingProxy(
+  target: string,
+  path: string,
+  ms: number,
+): Promise<{ url: string; held: Promise<void>; close(): Promise<void> }> {
+  let holding = () => {};
+  const held = new Promise<void>((resolve) => {
+    holding = resolve;
+  });
+  const server = http.createServer((req, res) => {
+    if ((req.url ?? "").startsWith(path)) holding();
+    const body: Buffer[] = [];
+    req.on("data", (c: Buffer) => body.push(c));
+    req.on("end", () => {
+      setTimeout(
+        () => {
+          const out = http.request(
+            new URL(req.url ?? "/", target),
+            { method: req.method, headers: req.headers },
+            (answer) => {
+              res.writeHead(answer.statusCode ?? 502, answer.headers);
+              answer.pipe(res);
+            },
+          );
+          out.on("error", () => res.destroy());
+          out.end(Buffer.concat(body));
+        },
+        (req.url ?? "").startsWith(path) ? ms : 0,
+      );
+    });
+  });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const { port } = server.address() as net.AddressInfo;
+  return {
+    url: `http://127.0.0.1:${port}`,
+    held,
+    close: () => {
+      server.closeAllConnections();
+      return new Promise((resolve) => server.close(() => resolve()));
+    },
+  };
 }
 
 function kill(pid: number): void {
