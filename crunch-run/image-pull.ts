@@ -178,7 +178,7 @@ export async function pullImage(opts: PullOptions): Promise<void> {
       if (opts.signal.aborted) throw opts.signal.reason;
       if (await inspect()) return;
       const lockInfo: LockInfo & { image: string } = self;
-      if (await tryCreateLock(file, lockInfo)) {
+      if (tryCreateLock(file, lockInfo)) {
         try {
           // Another supervisor may have finished between the look and the lock.
           if (await inspect()) return;

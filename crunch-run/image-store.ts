@@ -174,7 +174,7 @@ async function lockOrWait(
 ): Promise<boolean> {
   const me = { uuid: "image-load", pid: process.pid, startTime: procStartTime(process.pid) ?? "" };
   for (let delay = 20; ; delay = Math.min(delay * 2, 500)) {
-    if (await tryCreateLock(file, me)) return true;
+    if (tryCreateLock(file, me)) return true;
     const text = await readLockText(file).catch(() => null);
     const info = text === null ? null : parseLock(text);
     if (text !== null && info !== null && procStartTime(info.pid) !== info.startTime) {

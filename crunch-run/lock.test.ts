@@ -79,8 +79,8 @@ describe("lock files", () => {
     const id = uuid();
     const file = lockFile(paths, id);
     const h = await holder();
-    expect(await tryCreateLock(file, infoOf(id, h))).toBe(true);
-    expect(await tryCreateLock(file, { uuid: id, pid: process.pid, startTime: "1" })).toBe(false);
+    expect(tryCreateLock(file, infoOf(id, h))).toBe(true);
+    expect(tryCreateLock(file, { uuid: id, pid: process.pid, startTime: "1" })).toBe(false);
     expect(JSON.parse((await readLockText(file)) as string)).toEqual(infoOf(id, h));
   });
 
@@ -99,7 +99,7 @@ describe("lock files", () => {
     const file = lockFile(paths, id);
     const judged = JSON.stringify({ uuid: id, pid: 1, startTime: "0" });
     const h = await holder();
-    expect(await tryCreateLock(file, infoOf(id, h))).toBe(true);
+    expect(tryCreateLock(file, infoOf(id, h))).toBe(true);
     expect(await removeDeadLock(file, judged)).toBe(false);
     expect(JSON.parse((await readLockText(file)) as string)).toEqual(infoOf(id, h));
   });
@@ -109,7 +109,7 @@ describe("--list", () => {
   it("lists live holders, marks stale ones, deletes dead ones, and reports broken", async () => {
     const live = uuid();
     const liveHolder = await holder();
-    await tryCreateLock(lockFile(paths, live), infoOf(live, liveHolder));
+    tryCreateLock(lockFile(paths, live), infoOf(live, liveHolder));
 
     // Dead supervisor, but the bundle's process group still runs: stale, lock kept.
     const stale = uuid();
@@ -121,7 +121,7 @@ describe("--list", () => {
     };
     deadSupervisor.kill("SIGKILL");
     await exited(deadSupervisor);
-    await tryCreateLock(lockFile(paths, stale), staleInfo);
+    tryCreateLock(lockFile(paths, stale), staleInfo);
 
     // Dead supervisor and nothing runs (docker unreachable here): removed.
     const dead = uuid();
@@ -129,10 +129,10 @@ describe("--list", () => {
     const deadInfo = infoOf(dead, deadOne);
     deadOne.kill("SIGKILL");
     await exited(deadOne);
-    await tryCreateLock(lockFile(paths, dead), deadInfo);
+    tryCreateLock(lockFile(paths, dead), deadInfo);
     // A pid reused by another process (start time differs): also dead.
     const reused = uuid();
-    await tryCreateLock(lockFile(paths, reused), { uuid: reused, pid: process.pid, startTime: "1" });
+    tryCreateLock(lockFile(paths, reused), { uuid: reused, pid: process.pid, startTime: "1" });
     // Garbage in a lock file: dead.
     const garbage = uuid();
     writeFileSync(lockFile(paths, garbage), "not json");
@@ -166,14 +166,14 @@ describe("--kill", () => {
   it("exits 0 once the holder is gone, 1 if it survives the signal, 0 when there is nothing", async () => {
     const id = uuid();
     const h = await holder();
-    await tryCreateLock(lockFile(paths, id), infoOf(id, h));
+    tryCreateLock(lockFile(paths, id), infoOf(id, h));
     expect((await crunchRun(["--kill", "15", id])).code).toBe(0);
     await exited(h);
     expect(h.signalCode).toBe("SIGTERM");
 
     const stubborn = uuid();
     const s = await holder({ ignoreTerm: true });
-    await tryCreateLock(lockFile(paths, stubborn), infoOf(stubborn, s));
+    tryCreateLock(lockFile(paths, stubborn), infoOf(stubborn, s));
     const res = await crunchRun(["--kill", "SIGTERM", stubborn]);
     expect(res.code).toBe(1);
     expect(res.err.join("\n")).toContain("still running");

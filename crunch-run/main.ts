@@ -359,7 +359,7 @@ async function takeLock(uuid: string, paths: RunnerPaths, env: NodeJS.ProcessEnv
   mkdirSync(paths.lockDir, { recursive: true });
   const file = lockFile(paths, uuid);
   const self: LockInfo = { uuid, pid: process.pid, startTime: procStartTime(process.pid) ?? "" };
-  if (await tryCreateLock(file, self)) return null;
+  if (tryCreateLock(file, self)) return null;
   const held = await readLockText(file);
   const info = held === null ? null : parseLock(held);
   if (info !== null && holderAlive(info))
@@ -367,7 +367,7 @@ async function takeLock(uuid: string, paths: RunnerPaths, env: NodeJS.ProcessEnv
   if (await bundleStillRuns(info, uuid, paths, env))
     return `bundle ${uuid} is stale: its supervisor is gone but it still runs`;
   if (held !== null) await removeDeadLock(file, held);
-  if (await tryCreateLock(file, self)) return null;
+  if (tryCreateLock(file, self)) return null;
   return `bundle ${uuid} is already running (lock taken meanwhile)`;
 }
 

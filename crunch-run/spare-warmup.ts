@@ -37,7 +37,7 @@ export async function warmUpSpare(): Promise<void> {
     dir = mkdtempSync(path.join(tmpdir(), "crunch-run-warm-"));
     const file = path.join(dir, `crunch-run-${WARM_UUID}.lock`);
     const self = { uuid: WARM_UUID, pid: process.pid, startTime: procStartTime(process.pid) ?? "" };
-    if (await tryCreateLock(file, self)) {
+    if (tryCreateLock(file, self)) {
       await readLockText(file);
       await releaseLock(file, process.pid);
     }

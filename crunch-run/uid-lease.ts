@@ -44,12 +44,12 @@ export async function leaseUid(dir: string, range: UidRange, uuid: string): Prom
     const offset = (start + i) % range.count;
     const uid = range.first + offset;
     const file = path.join(dir, String(uid));
-    if (!(await tryCreateLock(file, info))) {
+    if (!tryCreateLock(file, info)) {
       const text = await readLockText(file).catch(() => null);
       const held = text === null ? null : parseLock(text);
       if (text === null || (held !== null && holderAlive(held)) || uidPids(uid).length > 0) continue;
       // A dead supervisor's lease with nothing left running: take it over (unless someone just did).
-      if (!(await removeDeadLock(file, text)) || !(await tryCreateLock(file, info))) continue;
+      if (!(await removeDeadLock(file, text)) || !tryCreateLock(file, info)) continue;
     }
     if (uidPids(uid).length > 0) {
       // Free by the leases, yet something runs as it (another instance root on this machine): not this one.
