@@ -25,9 +25,14 @@ export interface Executor {
   /**
    * Sends `payload` to the unix socket `socketPath` on the instance and resolves to everything the socket
    * answers until it closes (over SSH: a streamlocal channel on the same connection). Optional: an executor
-   * without it makes the pool start runners with `crunch-run --detach` only.
+   * without it makes the pool start runners with `crunch-run --detach` only. A promised payload is sent once it
+   * is made, the channel opening meanwhile; a payload of null closes the channel unused and resolves to nothing.
    */
-  exchange?(socketPath: string, payload: string, opts?: { timeoutMs?: number }): Promise<Buffer>;
+  exchange?(
+    socketPath: string,
+    payload: string | Promise<string | null>,
+    opts?: { timeoutMs?: number },
+  ): Promise<Buffer>;
   /**
    * Opens the connection now if it is not open (and proves the instance's identity); resolves once commands can
    * be sent without a handshake. Optional: an executor without it has nothing to set up. A caller that waits

@@ -10,7 +10,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { Readable } from "node:stream";
 import ssh2 from "ssh2";
-import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { lookupUser } from "../cloud-drivers/local/procs.ts";
 import {
   generateKeyPair,
@@ -209,6 +209,58 @@ export function sshExecutorSuite(kind: ServerKind): void {
         // The connection stays usable, and it is still the only one.
         expect((await exec.execute("true")).exitCode).toBe(0);
         expect(exec.stats().connections).toBe(1);
+      } finally {
+        server.close();
+      }
+    });
+
+    it("opens an exchange's channel before its promised payload is made; null closes it unused", async () => {
+      const sock = vm.file("var/run/later.sock");
+      const connected: Array<() => void> = [];
+      const received: string[] = [];
+      const server = net.createServer({ allowHalfOpen: true }, (c) => {
+        let text = "";
+        connected.shift()?.();
+        c.on("error", () => {}); // the unused channel closes without reading an answer (EPIPE)
+        c.on("data", (d: Buffer) => {
+          text += d.toString();
+        });
+        c.on("end", () => {
+          received.push(text);
+          c.end(text === "" ? "" : `got ${text}`);
+        });
+      });
+      await new Promise<void>((ok) => server.listen(sock, ok));
+      chmodSync(sock, 0o777);
+      try {
+        const exec = executor();
+        await exec.connect();
+        const reached = () => new Promise<void>((ok) => connected.push(ok));
+        let give: (p: string | null) => void = () => {};
+        const payload = new Promise<string | null>((ok) => {
+          give = ok;
+        });
+        const first = reached();
+        const answer = exec.exchange(sock, payload);
+        // The socket is connected while the payload is still being made.
+        await first;
+        expect(received).toEqual([]);
+        give("the document");
+        expect((await answer).toString()).toBe("got the document");
+
+        let cancel: (p: string | null) => void = () => {};
+        const second = reached();
+        const unused = exec.exchange(
+          sock,
+          new Promise<string | null>((ok) => {
+            cancel = ok;
+          }),
+        );
+        await second;
+        cancel(null);
+        expect((await unused).length).toBe(0);
+        await vi.waitFor(() => expect(received).toEqual(["the document", ""]));
+        expect(exec.stats()).toMatchObject({ connections: 1, openChannels: 0, running: 0 });
       } finally {
         server.close();
       }

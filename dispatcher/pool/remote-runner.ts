@@ -146,6 +146,13 @@ export class RemoteRunner implements RunnerView {
       this.dropStarting("the instance is shutting down");
       return;
     }
+    // The channel to the warm spare opens while the claim runs, which takes its round trip off the start's path.
+    let sendHandOff: (payload: string | null) => void = () => {};
+    const handed = this.handToSpare(
+      new Promise<string | null>((resolve) => {
+        sendHandOff = resolve;
+      }),
+    );
     let claim: Awaited<ReturnType<typeof ctx.transitions.claim>>;
     try {
       claim = await ctx.transitions.claim(uuid, {
@@ -154,11 +161,13 @@ export class RemoteRunner implements RunnerView {
         gpuDevices: [...this.gpuDevices],
       });
     } catch (err) {
+      sendHandOff(null);
       log.error({ err }, "start transition failed");
       this.dropStarting("the start transition failed");
       return;
     }
     if (!claim.ok) {
+      sendHandOff(null);
       log.info({ reason: claim.reason }, "start lost: the bundle changed meanwhile");
       this.dropStarting(`the bundle could not be started (${claim.reason})`);
       return;
@@ -194,8 +203,12 @@ export class RemoteRunner implements RunnerView {
     let failure: string | null = null;
     let via: "spare" | "detach" = "spare";
     try {
-      if (w.gone) throw new Error("the instance is shutting down");
-      if (!(await this.handToSpare(doc))) {
+      if (w.gone) {
+        sendHandOff(null);
+        throw new Error("the instance is shutting down");
+      }
+      sendHandOff(formatHandOff({ mode: "start", uuid, doc: `${JSON.stringify(doc)}\n` }));
+      if (!(await handed)) {
         via = "detach";
         const res = await w.executor().execute(ctx.cmds.detach(uuid), {
           stdin: `${JSON.stringify(doc)}\n`,
@@ -230,11 +243,13 @@ export class RemoteRunner implements RunnerView {
   }
 
   /**
-   * Hands the start document straight to the instance's warm spare supervisor (crunch-run/spare.ts) over the
-   * SSH connection, which skips starting a `crunch-run --detach` process. True when the spare took it;
-   * false (no spare known, the executor cannot, the spare is gone or busy or refused) means use --detach.
+   * Hands a start document straight to the instance's warm spare supervisor (crunch-run/spare.ts) over the
+   * SSH connection, which skips starting a `crunch-run --detach` process. The channel opens at once; the
+   * hand-off (`payload`, which never rejects) is sent once made, and null closes the channel unused. True when
+   * the spare took it; false (no hand-off, no spare known, the executor cannot, the spare is gone or busy or
+   * refused) means use --detach.
    */
-  private async handToSpare(doc: StartDocumentSent): Promise<boolean> {
+  private async handToSpare(payload: Promise<string | null>): Promise<boolean> {
     const w = this.worker;
     const socket = w.spareSocket;
     const executor = w.executor();
@@ -242,19 +257,15 @@ export class RemoteRunner implements RunnerView {
     const log = w.log.child({ uuid: this.uuid });
     const t0 = w.ctx.clock.now();
     try {
-      const answer = (
-        await executor.exchange(
-          socket,
-          formatHandOff({ mode: "start", uuid: doc.uuid, doc: `${JSON.stringify(doc)}\n` }),
-          { timeoutMs: 5000 },
-        )
-      ).toString("utf8");
+      const answer = (await executor.exchange(socket, payload, { timeoutMs: 5000 })).toString("utf8");
+      if ((await payload) === null) return false;
       if (parsePidAnswer(answer) !== null) {
         log.debug({ ms: w.ctx.clock.now() - t0 }, "handed to the spare supervisor");
         return true;
       }
       log.debug({ answer: answer.slice(0, 200) }, "the spare supervisor refused the bundle; using --detach");
     } catch (err) {
+      if ((await payload) === null) return false;
       log.debug(
         { err: err instanceof Error ? err.message : String(err) },
         "no spare supervisor; using --detach",

@@ -103,7 +103,11 @@ export interface SshExecutorStats {
 export interface SshExecutor extends Executor {
   connect(): Promise<void>;
   execute(command: string, opts?: ExecOptions): Promise<SshExecResult>;
-  exchange(socketPath: string, payload: string, opts?: { timeoutMs?: number }): Promise<Buffer>;
+  exchange(
+    socketPath: string,
+    payload: string | Promise<string | null>,
+    opts?: { timeoutMs?: number },
+  ): Promise<Buffer>;
   stats(): SshExecutorStats;
 }
 
@@ -303,7 +307,11 @@ class SshExecutorImpl implements SshExecutor {
     }
   }
 
-  async exchange(socketPath: string, payload: string, opts: { timeoutMs?: number } = {}): Promise<Buffer> {
+  async exchange(
+    socketPath: string,
+    payload: string | Promise<string | null>,
+    opts: { timeoutMs?: number } = {},
+  ): Promise<Buffer> {
     this.checkUsable();
     const slot = await this.slots.acquire();
     const timeoutMs = opts.timeoutMs ?? this.commandTimeoutMs;
@@ -320,8 +328,8 @@ class SshExecutorImpl implements SshExecutor {
       const stream = await abortable(openStreamLocal(conn.client, socketPath), deadline.signal, (late) =>
         late.close(),
       );
-      return await abortable(
-        new Promise<Buffer>((resolve, reject) => {
+      try {
+        const answered = new Promise<Buffer>((resolve, reject) => {
           const chunks: Buffer[] = [];
           let size = 0;
           stream.on("data", (chunk: Buffer) => {
@@ -330,10 +338,16 @@ class SshExecutorImpl implements SshExecutor {
           });
           stream.on("error", (err: Error) => reject(new SshError("ssh.closed", err.message)));
           stream.on("close", () => resolve(Buffer.concat(chunks)));
-          stream.end(payload);
-        }),
-        deadline.signal,
-      ).finally(() => stream.close());
+        });
+        answered.catch(() => {}); // unread when the payload is null or late
+        // The channel opened while the payload was being made; null means there is nothing to send after all.
+        const text = await abortable(Promise.resolve(payload), deadline.signal);
+        if (text === null) return Buffer.alloc(0);
+        stream.end(text);
+        return await abortable(answered, deadline.signal);
+      } finally {
+        stream.close();
+      }
     } catch (err) {
       throw this.noteError(
         err instanceof SshError
