@@ -6,6 +6,7 @@ import { type ChildProcess, fork } from "node:child_process";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import { createUser } from "../store/queries.ts";
+import type { Bundle } from "../store/types.ts";
 import { openTestDb, type TestDb } from "../test/db.ts";
 
 export interface BenchServer {
@@ -20,6 +21,8 @@ export async function startBenchServer(opts: {
   db: "pg" | "pglite";
   dataDir: string;
   maxRequestBodySize: number;
+  /** As `serve` passes new bundles to its dispatcher's queue (RestServerOptions.onBundlesCreated). */
+  onBundlesCreated?: (bundles: readonly Bundle[]) => void;
 }): Promise<BenchServer> {
   const db = await openTestDb(opts.db);
   const token = newUserToken();
@@ -36,6 +39,7 @@ export async function startBenchServer(opts: {
     maxRequestBodySize: opts.maxRequestBodySize,
     defaultMaxAttempts: 3,
     dataDir: opts.dataDir,
+    ...(opts.onBundlesCreated === undefined ? {} : { onBundlesCreated: opts.onBundlesCreated }),
   });
   const url = await app.listen({ host: "127.0.0.1", port: 0 });
   return { db, app, url, token };

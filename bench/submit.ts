@@ -18,7 +18,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { parseArgs } from "node:util";
 import { pino } from "pino";
-import { createBundleQueue } from "../dispatcher/queue/queue.ts";
+import { type BundleQueue, createBundleQueue } from "../dispatcher/queue/queue.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createBundleManager } from "../rest-server/bundle-manager.ts";
 import type { openTestDb } from "../test/db.ts";
@@ -68,13 +68,18 @@ async function cpuSoFar(
 async function serve(kind: "pg" | "pglite"): Promise<void> {
   const logger = pino({ level: "silent" });
   const dir = mkdtempSync(path.join(tmpdir(), "dc-bench-submit-"));
+  // As in `serve`, the queue is told of new bundles by the REST server as well as by their NOTIFY.
+  let queue: BundleQueue | null = null;
   const { db, app, url, token } = await startBenchServer({
     db: kind,
     dataDir: dir,
     maxRequestBodySize: 2 ** 20,
+    onBundlesCreated: (bundles) => {
+      for (const b of bundles) queue?.apply(b);
+    },
   });
   const manager = createBundleManager({ db, logger, pollInterval: 10_000, batchSize: 5000 });
-  const queue = createBundleQueue({ db, clock: systemClock, logger, pollInterval: 1000 });
+  queue = createBundleQueue({ db, clock: systemClock, logger, pollInterval: 1000 });
   await manager.start();
   await queue.start();
   const send = (m: ToParent) => process.send?.(m);

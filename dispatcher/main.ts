@@ -22,6 +22,7 @@ import type { Clock } from "../lib/clock.ts";
 import type { Executor } from "../lib/executor.ts";
 import type { Logger } from "../lib/logger.ts";
 import type { AdvisoryLock, Db } from "../store/db.ts";
+import type { Bundle } from "../store/types.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
 import { createDispatcherMetrics } from "./metrics.ts";
 import { loadDispatcherKey } from "./pool/bootstrap.ts";
@@ -83,6 +84,12 @@ export interface Dispatcher {
   kill(): Promise<void>;
   /** One queue refresh, scheduler pass and sync pass, now (serialised with the loops). */
   runOnce(): Promise<void>;
+  /**
+   * Committed rows of new bundles, from a REST server in the same process: applied to the queue at once (while
+   * active), so the scheduler need not wait for their NOTIFY and the read it wakes. That read still comes and
+   * changes nothing (rows are applied by change_seq).
+   */
+  bundlesCreated(bundles: readonly Bundle[]): void;
   /** Resolves when this dispatcher becomes active. */
   whenActive(): Promise<void>;
   readonly active: boolean;
@@ -406,6 +413,11 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
         await p.scheduler.runOnce();
         await p.sync.syncOnce();
       });
+    },
+    bundlesCreated(bundles) {
+      const q = parts?.queue;
+      if (q === undefined) return;
+      for (const b of bundles) q.apply(b);
     },
     whenActive: () => activeOnce,
     get active() {

@@ -15,7 +15,7 @@ import type { Bundle, BundleState } from "../store/types.ts";
 import { createTestBundle, createTestUser, startWithRunnerToken } from "../test/db.ts";
 import { stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
 import { FakeClock, flushMicrotasks } from "../test/fake-clock.ts";
-import { silentLogger as logger } from "../test/fixtures.ts";
+import { silentLogger as logger, restServerBasics } from "../test/fixtures.ts";
 import { injectClient } from "../test/rest-client.ts";
 import { MemoryQueue, testBundle } from "../test/stub-pool.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
@@ -357,12 +357,7 @@ describe("per-bundle cost at finish (runner API)", () => {
     const db = getDb();
     const config = stubConfig();
     const app = await createRestServer({
-      db,
-      logger: false,
-      clusterId: "zzzzz",
-      maxRequestBodySize: 2 ** 20,
-      defaultMaxAttempts: 3,
-      dataDir: join(tmpdir(), "dispatch-cloud-metrics-test"),
+      ...restServerBasics(db, join(tmpdir(), "dispatch-cloud-metrics-test")),
       instancePrice: instancePriceLookup(config),
     });
     try {

@@ -3,6 +3,7 @@
  * createRestServer (server.ts), which registers the routes.
  */
 import type { Db } from "../store/db.ts";
+import type { Bundle } from "../store/types.ts";
 import type { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { BlobBackend } from "./cas/backend.ts";
@@ -38,6 +39,8 @@ export interface RouteContext {
   submitLimits: SubmitLimits;
   /** Groups single submissions that no limit applies to into multi-row inserts. */
   submitCoalescer: SubmitCoalescer;
+  /** Told of bundles a submission created, once committed (RestServerOptions.onBundlesCreated). */
+  bundlesCreated(bundles: readonly Bundle[]): void;
   /** Live tokens looked up in the last second (auth.ts); cleared when a token is revoked. */
   tokenCache: TokenCache;
   /** Largest body of a batch submission (restServer.maxBatchRequestBodySize). */

@@ -167,6 +167,7 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
           insert: (tx) => insertBundle(tx, uuid, newBundle, "submitted"),
         });
     if (!result.ok) return sendRefusal(reply, result.refusal);
+    ctx.bundlesCreated([result.value]);
     request.log.info(
       { bundleUuid: result.value.uuid, owner: caller.uuid, image: result.value.image },
       "bundle created",
@@ -232,6 +233,7 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
           .header("preference-applied", "return=minimal")
           .send({ items: result.value.map((b) => ({ uuid: b.uuid, state: b.state })) });
       }
+      ctx.bundlesCreated(result.value as Bundle[]);
       return reply.code(201).send({ items: (result.value as Bundle[]).map(view) });
     },
   );

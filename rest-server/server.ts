@@ -31,6 +31,7 @@ import {
 import { type Logger, REDACTED_PATHS } from "../lib/logger.ts";
 import type { RuntimeEngine } from "../lib/runner-protocol.ts";
 import type { Db } from "../store/db.ts";
+import type { Bundle } from "../store/types.ts";
 import { TokenCache } from "./auth.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { BlobBackend } from "./cas/backend.ts";
@@ -97,6 +98,11 @@ export interface RestServerOptions {
    * submitted: a registry resolver pins tags to digests (docs/images.md "Pinning"). Default none.
    */
   imageResolvers?: ImageResolver[];
+  /**
+   * Told of the bundles a submission created, once committed (whole rows): `serve` hands them to its own
+   * dispatcher's queue, which then need not wait for the NOTIFY and its read. Default: nobody.
+   */
+  onBundlesCreated?: (bundles: readonly Bundle[]) => void;
   /** containers.unavailableImageRequeues (default its default). */
   unavailableImageRequeues?: number;
   /** Users' own workers (docs/workers.md). */
@@ -172,6 +178,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     },
     submitLimits: opts.quotas ?? NO_SUBMIT_LIMITS,
     submitCoalescer: createSubmitCoalescer(opts.db),
+    bundlesCreated: opts.onBundlesCreated ?? (() => {}),
     tokenCache: new TokenCache(),
     maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,

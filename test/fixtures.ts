@@ -6,6 +6,8 @@ import type { InstanceType } from "../cloud-drivers/types.ts";
 import { parseConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
 import { createLogger, type Logger } from "../lib/logger.ts";
+import type { RestServerOptions } from "../rest-server/server.ts";
+import type { Db } from "../store/db.ts";
 
 export const GiB = 2 ** 30;
 
@@ -65,4 +67,16 @@ export function configFrom(yaml: string): Config {
     throw new Error(`test config: ${problems.map((p) => `${p.path}: ${p.message}`).join("; ")}`);
   }
   return config;
+}
+
+/** The options every test's REST server starts from: no logging, cluster zzzzz, 1 MiB bodies, 3 attempts. */
+export function restServerBasics(db: Db, dataDir: string): RestServerOptions {
+  return {
+    db,
+    logger: false,
+    clusterId: "zzzzz",
+    maxRequestBodySize: 2 ** 20,
+    defaultMaxAttempts: 3,
+    dataDir,
+  };
 }

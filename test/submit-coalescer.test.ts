@@ -14,6 +14,7 @@ import { createSubmitCoalescer } from "../rest-server/submit-coalescer.ts";
 import { listEvents } from "../store/queries.ts";
 import { BUNDLE_CHANNEL } from "../store/types.ts";
 import { createTestUserWithToken, describeEachDb, testNewBundle, testUserUuid } from "./db.ts";
+import { restServerBasics } from "./fixtures.ts";
 import { injectClient } from "./rest-client.ts";
 
 describeEachDb("submit coalescer", (getDb) => {
@@ -86,12 +87,7 @@ describeEachDb("submit coalescer", (getDb) => {
   it("through the REST server: POSTs without dependencies or limits are grouped, the others are not", async () => {
     const db = getDb();
     const app = await createRestServer({
-      db,
-      logger: false,
-      clusterId: "zzzzz",
-      maxRequestBodySize: 2 ** 20,
-      defaultMaxAttempts: 3,
-      dataDir: join(dir, "data"),
+      ...restServerBasics(db, join(dir, "data")),
       quotas: {
         maxQueuedBundlesPerUser: 100,
         submissionsPerSecond: 0,

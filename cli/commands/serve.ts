@@ -24,6 +24,7 @@ import type { Db } from "../../store/db.ts";
 import { openDb } from "../../store/db.ts";
 import { migrate } from "../../store/migrate.ts";
 import { countUsers, createUser } from "../../store/queries.ts";
+import type { Bundle } from "../../store/types.ts";
 import { parse } from "../args.ts";
 import { type CliIo, EXIT_OK } from "../io.ts";
 import { loadRunnerArtifact, runningFromSources } from "../runner-artifact.ts";
@@ -211,9 +212,12 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
               log: logger,
             }),
           ];
+    // The dispatcher `serve` starts below learns of new bundles from the REST server at once (no NOTIFY wait).
+    let bundlesCreated: ((bundles: readonly Bundle[]) => void) | null = null;
     const app = await createRestServer({
       db,
       logger,
+      onBundlesCreated: (bundles) => bundlesCreated?.(bundles),
       clusterId: config.clusterId,
       maxRequestBodySize: config.restServer.maxRequestBodySize,
       maxBatchRequestBodySize: config.restServer.maxBatchRequestBodySize,
@@ -278,6 +282,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
         runnerApiUrl: config.restServer.publicUrl !== "" ? config.restServer.publicUrl : address,
       });
       opened.push({ what: "the dispatcher", close: () => dispatcher.stop() });
+      bundlesCreated = (bundles) => dispatcher.bundlesCreated(bundles);
       const m = await listenManagement(config, { dispatcher, db, registry, logger, env: io.env });
       management = m;
       opened.push({ what: "the management API", close: () => m.app.close() });
