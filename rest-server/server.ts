@@ -178,7 +178,14 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     },
     submitLimits: opts.quotas ?? NO_SUBMIT_LIMITS,
     submitCoalescer: createSubmitCoalescer(opts.db),
-    bundlesCreated: opts.onBundlesCreated ?? (() => {}),
+    bundlesCreated: (bundles) => {
+      // The submission is committed whatever the listener does: its failure is logged, never answered.
+      try {
+        opts.onBundlesCreated?.(bundles);
+      } catch (err) {
+        logger.error({ err, count: bundles.length }, "telling of new bundles failed");
+      }
+    },
     tokenCache: new TokenCache(),
     maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,

@@ -23,10 +23,12 @@ for (const kind of ["pg", "pglite"] as const)
     it("the REST server tells of committed rows of single and batch submissions (not of brief answers)", async () => {
       const db = getDb();
       const told: Bundle[][] = [];
+      let failing = false;
       const app = await createRestServer({
         ...restServerBasics(db, join(tmpdir(), "dispatch-cloud-bundles-created")),
         onBundlesCreated: (bundles) => {
           told.push([...bundles]);
+          if (failing) throw new Error("the listener broke");
         },
       });
       try {
@@ -72,6 +74,11 @@ for (const kind of ["pg", "pglite"] as const)
         });
         expect(bad.statusCode).toBe(400);
         expect(told).toHaveLength(2);
+        // A listener that throws does not fail a submission that is committed.
+        failing = true;
+        const still = await app.inject({ method: "POST", url: "/api/v1/bundles", headers, payload: body });
+        expect(still.statusCode).toBe(201);
+        expect(told).toHaveLength(3);
       } finally {
         await app.close();
       }
