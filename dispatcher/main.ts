@@ -415,9 +415,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
       });
     },
     bundlesCreated(bundles) {
-      const q = parts?.queue;
-      if (q === undefined) return;
-      for (const b of bundles) q.apply(b);
+      parts?.queue.applyAll(bundles);
     },
     whenActive: () => activeOnce,
     get active() {

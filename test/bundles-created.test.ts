@@ -91,21 +91,26 @@ for (const kind of ["pg", "pglite"] as const)
         expect(d.active).toBe(true);
         await settle();
         // Inserted without a NOTIFY (and FakeClock holds the poll): the queue has no way to know of it.
-        const uuid = testBundleUuid();
-        const [row] = await insertBundleRows(
+        const uuids = [testBundleUuid(), testBundleUuid(), testBundleUuid()];
+        const rows = await insertBundleRows(
           h.db,
-          [{ uuid, bundle: testNewBundle(h.owner, { command: ["sleep", "1"] }) }],
+          uuids.map((uuid) => ({ uuid, bundle: testNewBundle(h.owner, { command: ["sleep", "1"] }) })),
           false,
           "submitted",
         );
         await settle();
-        expect(d.parts?.queue.get(uuid)).toBeUndefined();
-        d.bundlesCreated([row!]);
-        expect(d.parts?.queue.get(uuid)?.state).toBe("staged");
-        await h.drive(async () => (await h.states([uuid])).get(uuid) === "ready");
+        expect(uuids.map((u) => d.parts?.queue.get(u))).toEqual([undefined, undefined, undefined]);
+        const told: number[] = [];
+        const unsubscribe = d.parts!.queue.subscribe((changes) => told.push(changes.length));
+        d.bundlesCreated(rows);
+        unsubscribe();
+        expect(uuids.map((u) => d.parts?.queue.get(u)?.state)).toEqual(["staged", "staged", "staged"]);
+        // The listeners (the scheduler's wake-up among them) hear of a batch once.
+        expect(told).toEqual([3]);
+        await h.drive(async () => [...(await h.states(uuids)).values()].every((s) => s === "ready"));
         // A standby (or stopped) dispatcher has no queue: it ignores them.
         await d.stop();
-        expect(() => d.bundlesCreated([row!])).not.toThrow();
+        expect(() => d.bundlesCreated(rows)).not.toThrow();
       } finally {
         await h.close();
       }

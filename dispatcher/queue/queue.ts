@@ -39,6 +39,8 @@ export interface QueueChange {
 export interface BundleQueue extends QueueView {
   /** Incremental read by change_seq; returns the number of rows applied (that changed the queue). */
   refresh(): Promise<number>;
+  /** apply() of many rows, the listeners told once for them all (a batch's rows from the REST server). */
+  applyAll(bundles: readonly Bundle[]): void;
   /** Initial load (active bundles only, paged) + LISTEN + the fallback poll loop. */
   start(): Promise<void>;
   stop(): Promise<void>;
@@ -304,15 +306,20 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     wake?.abort();
   };
 
+  const applyAll = (rows: readonly Bundle[]) => {
+    for (const b of rows) {
+      touched?.add(b.uuid);
+      applyRow(b);
+    }
+    notify();
+  };
+
   return {
     all: () => bundles.values(),
     get: (uuid) => bundles.get(uuid),
     ended: (uuid) => ended.has(uuid),
-    apply(bundle) {
-      touched?.add(bundle.uuid);
-      applyRow(bundle);
-      notify();
-    },
+    apply: (bundle) => applyAll([bundle]),
+    applyAll,
     refresh,
     async start() {
       if (started) throw new Error("queue already started");
