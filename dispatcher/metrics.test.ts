@@ -67,7 +67,7 @@ function worker(init: {
   const types = new Map(instanceTypesFromConfig(stubConfig()).map((t) => [t.name, t]));
   const runners = new Map<string, RunnerView>();
   for (let i = 0; i < (init.runners ?? 0); i++) {
-    runners.set(`r${i}`, { uuid: `r${i}`, state: "running", gpuDevices: [], since: 0 });
+    runners.set(`r${i}`, { uuid: `r${i}`, state: "running", gpuDevices: [], since: 0, detachedAt: 0 });
   }
   return {
     id: init.id,

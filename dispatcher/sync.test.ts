@@ -68,8 +68,12 @@ class FakePool implements SyncPool {
   }
 }
 
-function runner(uuid: string, state: RunnerView["state"] = "running"): RunnerView {
-  return { uuid, state, gpuDevices: [], since: 0 };
+function runner(
+  uuid: string,
+  state: RunnerView["state"] = "running",
+  detachedAt: number | null = 0,
+): RunnerView {
+  return { uuid, state, gpuDevices: [], since: 0, detachedAt };
 }
 
 describe("sync", () => {
@@ -151,6 +155,35 @@ describe("sync", () => {
     expect(queue.get(missing.uuid)?.state).toBe("staged");
     expect((await getBundle(db, listed.uuid))?.state).toBe("starting");
     expect(pool.kills).toEqual([]);
+  });
+
+  it("does not requeue a starting bundle while the pool's start of it is under way, nor on lists sent before it returned", async () => {
+    const { clock, pool, queue, sync } = setup();
+    const w = pool.add("i-1", clock.now());
+    const b = await bundleIn("starting");
+    queue.apply(b);
+    // A slow hand-off or --detach: the claim is made, the start has not returned, probes go on.
+    const r = runner(b.uuid, "starting", null);
+    w.runners.set(b.uuid, r);
+    for (let i = 0; i < 5; i++) {
+      await sync.syncOnce();
+      await clock.advance(PROBE);
+      w.probedAt = clock.now();
+    }
+    expect((await getBundle(db, b.uuid))?.state).toBe("starting");
+    // The start returns: from then on, as for any start (the grace, then two lists that miss it).
+    w.runners.set(b.uuid, { ...r, detachedAt: clock.now() });
+    await sync.syncOnce();
+    for (let i = 0; i < 2; i++) {
+      await clock.advance(PROBE);
+      w.probedAt = clock.now();
+      await sync.syncOnce();
+    }
+    expect((await getBundle(db, b.uuid))?.state).toBe("starting");
+    await clock.advance(PROBE);
+    w.probedAt = clock.now();
+    await sync.syncOnce();
+    expect((await getBundle(db, b.uuid))?.state).toBe("staged");
   });
 
   it("does not requeue a starting bundle while its worker is not probed again", async () => {

@@ -108,6 +108,9 @@ export function createSync(opts: SyncOptions): Sync {
       return;
     }
     if (b.state === "starting") {
+      // The pool is still starting it (the claim, the hand-off or --detach): no list can show it yet, and a list
+      // sent before its start returned may have missed it, as the pool's own reconciling knows (keepStarting).
+      if (r !== undefined && r.detachedAt === null) return;
       let seen = startingSeen.get(key);
       if (seen === undefined) {
         seen = now;
@@ -116,7 +119,8 @@ export function createSync(opts: SyncOptions): Sync {
       const gone =
         w === undefined
           ? id === null || instanceLost(id, now)
-          : now >= seen + 2 * probeInterval && confirmedMissing(key, w, seen);
+          : now >= seen + 2 * probeInterval &&
+            confirmedMissing(key, w, Math.max(seen, r?.detachedAt ?? seen));
       if (!gone) return;
       const reason =
         w === undefined

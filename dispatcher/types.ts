@@ -24,6 +24,11 @@ export interface RunnerView {
   gpuDevices: readonly number[];
   /** When the pool first knew of it (ms since the epoch). */
   since: number;
+  /**
+   * When the pool's start of it returned (the warm spare or `--detach` answered; a runner found by `--list`
+   * counts from when it was found); null while that start is under way, when no list can show it yet.
+   */
+  readonly detachedAt: number | null;
 }
 
 /** One instance as the pool sees it; placeholders for creates in flight have ids `creating-<n>`. */

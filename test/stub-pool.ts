@@ -249,6 +249,8 @@ export class StubSchedulerPool implements SchedulerPool {
       state: typeof r === "string" ? state : (r.state ?? state),
       gpuDevices: runner.gpuDevices ?? [],
       since: this.clock.now(),
+      // The stub's starts return at once.
+      detachedAt: this.clock.now(),
     });
     w.lastBusy = this.clock.now();
   }
