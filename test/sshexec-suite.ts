@@ -266,6 +266,36 @@ export function sshExecutorSuite(kind: ServerKind): void {
       }
     });
 
+    it("gives each leg of an exchange its own deadline; a payload never made is not the instance's error", async () => {
+      const sock = vm.file("var/run/slow.sock");
+      const server = net.createServer({ allowHalfOpen: true }, (c) => {
+        let text = "";
+        c.on("error", () => {});
+        c.on("data", (d: Buffer) => {
+          text += d.toString();
+        });
+        // Answers 700 ms after the payload, which itself comes 700 ms after the channel: 1.4 s in all.
+        c.on("end", () => setTimeout(() => c.end(`late ${text}`), 700));
+      });
+      await new Promise<void>((ok) => server.listen(sock, ok));
+      chmodSync(sock, 0o777);
+      try {
+        const exec = executor();
+        await exec.connect();
+        const slowPayload = new Promise<string>((ok) => setTimeout(() => ok("doc"), 700));
+        expect((await exec.exchange(sock, slowPayload, { timeoutMs: 1000 })).toString()).toBe("late doc");
+
+        const never = new Promise<string | null>(() => {});
+        await expect(exec.exchange(sock, never, { timeoutMs: 300 })).rejects.toMatchObject({
+          code: "ssh.timeout",
+          message: expect.stringContaining("nothing to send in 300 ms"),
+        });
+        expect(exec.stats()).toMatchObject({ lastError: null, openChannels: 0, running: 0, connections: 1 });
+      } finally {
+        server.close();
+      }
+    });
+
     it("returns output and exit status; a non-zero exit or a signal is not an error", async () => {
       const exec = executor();
       const r = await exec.execute('echo out; echo err >&2; echo "root=$DISPATCH_VM_ROOT"; exit 3');

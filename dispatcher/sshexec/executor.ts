@@ -315,17 +315,28 @@ class SshExecutorImpl implements SshExecutor {
     this.checkUsable();
     const slot = await this.slots.acquire();
     const timeoutMs = opts.timeoutMs ?? this.commandTimeoutMs;
-    const deadline = new AbortController();
-    this.clock.sleep(timeoutMs, deadline.signal).then(
-      () =>
-        deadline.abort(
-          new SshError("ssh.timeout", `${socketPath} on ${this.name}: no answer in ${timeoutMs} ms`),
-        ),
-      () => {},
-    );
+    // timeoutMs applies to each leg on its own: opening the channel, waiting for the payload, and the answer
+    // after it was sent. A promised payload's wait (the dispatcher's claim) is the caller's, not the instance's:
+    // running out of it is not noted as the instance's last error.
+    let deadline = new AbortController();
+    const arm = (message: string): AbortSignal => {
+      deadline.abort(DONE);
+      const leg = new AbortController();
+      deadline = leg;
+      this.clock.sleep(timeoutMs, leg.signal).then(
+        () =>
+          leg.abort(
+            new SshError("ssh.timeout", `${socketPath} on ${this.name}: ${message} in ${timeoutMs} ms`),
+          ),
+        () => {},
+      );
+      return leg.signal;
+    };
+    let waitingForPayload = false;
     try {
-      const conn = await abortable(this.connection(), deadline.signal);
-      const stream = await abortable(openStreamLocal(conn.client, socketPath), deadline.signal, (late) =>
+      const opening = arm("no channel");
+      const conn = await abortable(this.connection(), opening);
+      const stream = await abortable(openStreamLocal(conn.client, socketPath), opening, (late) =>
         late.close(),
       );
       try {
@@ -341,19 +352,26 @@ class SshExecutorImpl implements SshExecutor {
         });
         answered.catch(() => {}); // unread when the payload is null or late
         // The channel opened while the payload was being made; null means there is nothing to send after all.
-        const text = await abortable(Promise.resolve(payload), deadline.signal);
+        let text: string | null;
+        if (typeof payload === "string") text = payload;
+        else {
+          waitingForPayload = true;
+          text = await abortable(payload, arm("nothing to send"));
+          waitingForPayload = false;
+        }
         if (text === null) return Buffer.alloc(0);
+        const answering = arm("no answer");
         stream.end(text);
-        return await abortable(answered, deadline.signal);
+        return await abortable(answered, answering);
       } finally {
         stream.close();
       }
     } catch (err) {
-      throw this.noteError(
+      const failure =
         err instanceof SshError
           ? err
-          : new SshError("ssh.closed", `${socketPath} on ${this.name}: ${errMessage(err)}`),
-      );
+          : new SshError("ssh.closed", `${socketPath} on ${this.name}: ${errMessage(err)}`);
+      throw waitingForPayload ? failure : this.noteError(failure);
     } finally {
       deadline.abort(DONE);
       slot.release();
