@@ -18,6 +18,8 @@ import {
   PROBE_COUNTS_FOR_MS,
   type WorkerPool,
 } from "../dispatcher/pool/pool.ts";
+import { CLAIM_TIMEOUT_MS } from "../dispatcher/pool/remote-runner.ts";
+import { type BundleTransitions, createBundleTransitions } from "../dispatcher/queue/transitions.ts";
 import type { QueueView } from "../dispatcher/types.ts";
 import type { Executor } from "../lib/executor.ts";
 import { hashToken } from "../lib/tokens.ts";
@@ -93,6 +95,8 @@ function harness(
     instanceSet?: (set: InstanceSet) => InstanceSet;
     /** Wraps each executor the pool opens (to watch or delay what it does). */
     executor?: (exec: Executor, instance: Instance) => Executor;
+    /** Wraps the pool's bundle transitions (to delay what they do). */
+    transitions?: (t: BundleTransitions) => BundleTransitions;
   } = {},
 ): Harness {
   const clock = opts.reuse?.clock ?? new FakeClock();
@@ -117,6 +121,9 @@ function harness(
     runner: RUNNER,
     runnerApiUrl: API_URL,
     dispatcherPublicKey: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPoolTestKey pool@test",
+    ...(opts.transitions
+      ? { transitions: opts.transitions(createBundleTransitions({ db, queue, logger: silentLogger })) }
+      : {}),
   });
   const events: PoolEvent[] = [];
   pool.subscribe((e) => events.push(e));
@@ -1019,6 +1026,41 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
     expect(commandsTo(h, id).some((c) => c.includes("--detach"))).toBe(false);
     expect(h.events.at(-1)).toMatchObject({ type: "runner:start_failed", uuid: notStaged.uuid });
     expect((await getBundle(getDb(), notStaged.uuid))?.state).toBe("created");
+  });
+
+  it("gives a start up when its claim does not return in CLAIM_TIMEOUT_MS, sending nothing", async () => {
+    let claims = 0;
+    const h = harness(getDb(), {
+      transitions: (t) => ({
+        ...t,
+        claim: () => {
+          claims++;
+          return new Promise<never>(() => {}); // a claim that never comes back
+        },
+      }),
+    });
+    const [id = ""] = await h.ready();
+    const bundle = await stagedBundle(getDb());
+    h.pool.startBundle(id, bundle, []);
+    await h.clock.advance(CLAIM_TIMEOUT_MS - 1);
+    // Still under way: sync leaves such a bundle alone (detachedAt null).
+    expect(claims).toBe(1);
+    expect(h.pool.worker(id)?.runners.get(bundle.uuid)).toMatchObject({
+      state: "starting",
+      detachedAt: null,
+    });
+    await h.clock.advance(1);
+    await h.pool.settled();
+    expect(h.pool.worker(id)?.runners.size).toBe(0);
+    expect(h.pool.worker(id)?.state).toBe("idle");
+    expect(commandsTo(h, id).some((c) => c.includes("--detach"))).toBe(false);
+    expect(h.events.at(-1)).toEqual({
+      type: "runner:start_failed",
+      workerId: id,
+      uuid: bundle.uuid,
+      reason: "the start transition failed",
+    });
+    expect((await getBundle(getDb(), bundle.uuid))?.state).toBe("staged");
   });
 
   it("keeps a started runner `starting` (same since) while --list does not show it", async () => {

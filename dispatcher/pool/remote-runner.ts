@@ -155,11 +155,14 @@ export class RemoteRunner implements RunnerView {
     );
     let claim: Awaited<ReturnType<typeof ctx.transitions.claim>>;
     try {
-      claim = await ctx.transitions.claim(uuid, {
-        instanceId: w.id,
-        instanceType: w.instanceType.name,
-        gpuDevices: [...this.gpuDevices],
-      });
+      claim = await withinClaimTimeout(
+        ctx.clock,
+        ctx.transitions.claim(uuid, {
+          instanceId: w.id,
+          instanceType: w.instanceType.name,
+          gpuDevices: [...this.gpuDevices],
+        }),
+      );
     } catch (err) {
       sendHandOff(null);
       log.error({ err }, "start transition failed");
@@ -255,7 +258,11 @@ export class RemoteRunner implements RunnerView {
     const executor = w.executor();
     if (socket === null || executor.exchange === undefined) return false;
     const log = w.log.child({ uuid: this.uuid });
-    const t0 = w.ctx.clock.now();
+    // From the moment the hand-off is made (the claim is back), not from the channel's opening.
+    let t0 = w.ctx.clock.now();
+    void payload.then(() => {
+      t0 = w.ctx.clock.now();
+    });
     try {
       const answer = (await executor.exchange(socket, payload, { timeoutMs: 5000 })).toString("utf8");
       if ((await payload) === null) return false;
@@ -366,6 +373,23 @@ export function reconcileRunners(
     if (w.preempted) loseUnreported(w, r.uuid);
     emit({ type: "runner:gone", workerId: w.id, uuid: r.uuid, reason: "no longer listed" });
   }
+}
+
+/**
+ * How long a start waits for its claim (one guarded UPDATE) before it gives the start up. Every other step of a
+ * start has a deadline of its own, so a start always returns: sync leaves a starting bundle alone while its start
+ * is under way, and a claim that commits after this is a starting bundle with no runner, which sync requeues.
+ */
+export const CLAIM_TIMEOUT_MS = 30_000;
+
+function withinClaimTimeout<T>(clock: WorkerContext["clock"], claim: Promise<T>): Promise<T> {
+  const timer = new AbortController();
+  claim.catch(() => {}); // a claim given up on may still fail later
+  const late = clock.sleep(CLAIM_TIMEOUT_MS, timer.signal).then(() => {
+    throw new Error(`the claim did not return in ${CLAIM_TIMEOUT_MS} ms`);
+  });
+  late.catch(() => {});
+  return Promise.race([claim, late]).finally(() => timer.abort());
 }
 
 /**
