@@ -936,19 +936,22 @@ export async function activeBundlesPage(db: Db, afterUuid: string, limit: number
 }
 
 /**
- * Bundles changed after sequence `seq` except those whose change_seq is in `except` (rows the caller has
- * already read), in change order.
+ * Bundles whose change_seq is above `after` or one of `seqs` (sequences below it the caller has not read yet),
+ * in change order. Both parts are ranges of the change_seq index, so a read costs what it returns, however many
+ * rows the caller has already read.
  */
-export async function bundlesChangedSinceExcept(
+export async function bundlesChangedAfterOrIn(
   db: Db,
-  seq: number,
-  except: readonly number[],
+  after: number,
+  seqs: readonly number[],
   limit: number,
 ): Promise<Bundle[]> {
   const { rows } = await db.query<BundleRow>(
-    `SELECT * FROM bundles WHERE change_seq > $1 AND change_seq <> ALL($2::bigint[])
-     ORDER BY change_seq LIMIT $3`,
-    [seq, except, limit],
+    seqs.length === 0
+      ? "SELECT * FROM bundles WHERE change_seq > $1 ORDER BY change_seq LIMIT $2"
+      : `SELECT * FROM bundles WHERE change_seq > $1 OR change_seq = ANY($3::bigint[])
+         ORDER BY change_seq LIMIT $2`,
+    seqs.length === 0 ? [after, limit] : [after, limit, seqs],
   );
   return rows.map(bundleFromRow);
 }

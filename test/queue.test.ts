@@ -417,6 +417,100 @@ describe("bundle queue: late-committing transactions [pg]", () => {
     }
   });
 
+  it("reads a late commit at the next read, asking only for the rows above the last one read and the holes", async () => {
+    if (!db) throw setupError;
+    const real = db;
+    await clearBundles(real);
+    const owner = await createTestUser(real);
+    const a = await stagedBundle(real, owner, 1);
+    const b = await stagedBundle(real, owner, 1);
+    // The incremental reads' parameters: [after, limit, holes?].
+    const reads: unknown[][] = [];
+    const spy: Db = {
+      kind: real.kind,
+      query: (sql, params) => {
+        if (sql.startsWith("SELECT * FROM bundles WHERE change_seq >")) reads.push([...(params ?? [])]);
+        return real.query(sql, params);
+      },
+      transaction: (fn) => real.transaction(fn),
+      listen: (channel, onPayload) => real.listen(channel, onPayload),
+      tryAdvisoryLock: (key) => real.tryAdvisoryLock(key),
+      close: () => real.close(),
+    };
+    const clock = new FakeClock();
+    const q = createBundleQueue({ db: spy, clock, logger, pollInterval: HOUR, watermarkDelay: 2000 });
+    const other = new pg.Client({ connectionString: real.url });
+    await other.connect();
+    try {
+      await q.start();
+      await clock.advance(3000);
+      await q.refresh(); // the load's window, read whole
+      await insertMany(real, owner, 30);
+      await q.refresh();
+      const top = (await getBundle(real, b.uuid))!.changeSeq;
+      await clock.advance(3000);
+      await q.refresh();
+      reads.length = 0;
+
+      // A takes its number, B a higher one and commits first.
+      await other.query("BEGIN");
+      await other.query("UPDATE bundles SET priority = 7 WHERE uuid = $1", [a.uuid]);
+      await real.query("UPDATE bundles SET priority = 8 WHERE uuid = $1", [b.uuid]);
+      await q.refresh();
+      const seqB = q.get(b.uuid)!.changeSeq;
+      expect(q.get(b.uuid)?.priority).toBe(8);
+      await other.query("COMMIT");
+      const seqA = (await getBundle(real, a.uuid))!.changeSeq;
+      expect(seqA).toBe(seqB - 1);
+      // The next read, with no time passed, asks for A's number and the rows above B's, and gets A.
+      await q.refresh();
+      expect(q.get(a.uuid)?.priority).toBe(7);
+      expect(reads.length).toBe(2);
+      expect(Number(reads[0]![0])).toBeGreaterThanOrEqual(top);
+      expect(reads[0]!.length).toBe(2); // no holes: nothing else asked for
+      expect(reads[1]).toEqual([seqB, 5000, [seqA]]);
+      // Once filled, the hole is asked for no more.
+      await q.refresh();
+      expect(reads[2]).toEqual([seqB, 5000]);
+    } finally {
+      await q.stop();
+      await other.end();
+    }
+  });
+
+  it("with more holes than it names, reads every row above the safe sequence until they are safe", async () => {
+    if (!db) throw setupError;
+    await clearBundles(db);
+    const owner = await createTestUser(db);
+    const a = await stagedBundle(db, owner, 1);
+    const b = await stagedBundle(db, owner, 1);
+    const clock = new FakeClock();
+    const q = createBundleQueue({ db, clock, logger, pollInterval: HOUR, watermarkDelay: 2000 });
+    const other = new pg.Client({ connectionString: db.url });
+    await other.connect();
+    try {
+      await q.start();
+      await clock.advance(3000);
+      await q.refresh();
+      await clock.advance(3000);
+      await q.refresh();
+      await other.query("BEGIN");
+      await other.query("UPDATE bundles SET priority = 9 WHERE uuid = $1", [a.uuid]);
+      // 25,000 numbers nobody writes, then B: the gap is more than the queue names one by one.
+      await db.query("SELECT nextval('bundle_change_seq') FROM generate_series(1, 25000)");
+      await db.query("UPDATE bundles SET priority = 10 WHERE uuid = $1", [b.uuid]);
+      await q.refresh();
+      expect(q.get(b.uuid)?.priority).toBe(10);
+      await other.query("COMMIT");
+      await clock.advance(1000);
+      await q.refresh();
+      expect(q.get(a.uuid)?.priority).toBe(9);
+    } finally {
+      await q.stop();
+      await other.end();
+    }
+  });
+
   it("does not miss a row whose transaction commits after the initial load", async () => {
     if (!db) throw setupError;
     const owner = await createTestUser(db);

@@ -4,19 +4,20 @@
  * BUNDLE_CHANNEL with `pollInterval` as the fallback, plus a slow full re-read as a safety net.
  *
  * Late commits: change_seq values are taken before commit, so a transaction can commit after a reader has
- * already seen a higher number. The queue therefore never reads from the highest sequence it has seen, but
- * from `safeSeq`: the highest sequence S such that every row with change_seq <= S has been read. A sequence
- * seen at time t becomes safe after a read that started at least `watermarkDelay` after t (every transaction
- * is assumed to commit within that delay of taking its number). Rows already read above safeSeq are excluded
- * by their change_seq, so the re-read window costs little. Every row is applied idempotently: only when its
- * change_seq is higher than the one known for its uuid.
+ * already seen a higher number. `safeSeq` is the highest sequence S such that every row with change_seq <= S
+ * has been read: a sequence seen at time t becomes safe after a read that started at least `watermarkDelay`
+ * after t (every transaction is assumed to commit within that delay of taking its number). Each read asks for
+ * the rows above the highest sequence read and, by number, for the unread sequences between safeSeq and it (the
+ * holes), so a read costs what it returns, however busy the window. After the load, and with more than
+ * MAX_HOLES holes, a read takes every row above safeSeq until those sequences are safe. Every row is applied
+ * idempotently: only when its change_seq is higher than the one known for its uuid.
  */
 import type { Clock } from "../../lib/clock.ts";
 import type { Logger } from "../../lib/logger.ts";
 import type { Db } from "../../store/db.ts";
 import {
   activeBundlesPage,
-  bundlesChangedSinceExcept,
+  bundlesChangedAfterOrIn,
   changeSeqOlderThan,
   getBundle,
   maxChangeSeq,
@@ -68,6 +69,8 @@ export interface BundleQueueOptions {
 
 const ACTIVE: ReadonlySet<BundleState> = new Set(["staged", "starting", "running"]);
 const FINAL: ReadonlySet<BundleState> = new Set(["ready", "failed", "killed"]);
+/** Unread sequences the queue asks for by number; with more, it reads every row above safeSeq until safe. */
+const MAX_HOLES = 20_000;
 /** How many recently ended bundles the queue remembers (for ended()). */
 const MAX_ENDED = 100_000;
 
@@ -93,11 +96,17 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   let pending: QueueChange[] = [];
   /** Every row with change_seq <= safeSeq has been read. */
   let safeSeq = 0;
-  /** Sequences already read above safeSeq (excluded from the next reads). */
-  const readSeqs = new Set<number>();
+  /** The highest sequence read; every later read asks for the rows above it. */
+  let maxSeen = 0;
+  /**
+   * Sequences in (safeSeq, maxSeen] not read yet: a transaction that took its number may not have committed
+   * (or its row changed again, or it rolled back). Each read asks for them by number, until they are safe.
+   */
+  const holes = new Set<number>();
+  /** While safeSeq is below it, sequences up to it may be unread without being in `holes`: read all above safeSeq. */
+  let rescanTo = 0;
   /** (time, highest sequence seen by then): each becomes safe `delay` after its time. */
   let history: { at: number; seq: number }[] = [];
-  let maxSeen = 0;
 
   let tail: Promise<unknown> = Promise.resolve();
   let reading = false;
@@ -210,7 +219,9 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
       const lower = Math.min(top, await changeSeqOlderThan(db, 2 * delay));
       const [applied] = await readActive();
       safeSeq = lower;
-      readSeqs.clear();
+      // The rows of (lower, top] were read only if active: read them all again until they are safe.
+      holes.clear();
+      rescanTo = top;
       maxSeen = top;
       history = [{ at: clock.now(), seq: top }];
       nextFullReload = clock.now() + fullReloadInterval;
@@ -249,30 +260,42 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     });
   }
 
+  /** Notes a sequence read: no longer a hole; above maxSeen, the numbers it skipped are holes now. */
+  function sawSeq(seq: number): void {
+    holes.delete(seq);
+    if (seq <= maxSeen) return;
+    if (seq - maxSeen - 1 + holes.size > MAX_HOLES) rescanTo = Math.max(rescanTo, seq - 1);
+    else for (let s = maxSeen + 1; s < seq; s++) holes.add(s);
+    maxSeen = seq;
+  }
+
   function refresh(): Promise<number> {
     return serial(async () => {
       const start = clock.now();
+      const seenBefore = maxSeen;
       let applied = 0;
-      let cursor = safeSeq;
-      const except = [...readSeqs];
+      // The rows above maxSeen and the holes below it; all above safeSeq while too many holes to name.
+      const rescan = rescanTo > safeSeq;
+      let after = rescan ? safeSeq : maxSeen;
+      let wanted = rescan ? [] : [...holes];
       for (;;) {
-        const rows = await bundlesChangedSinceExcept(db, cursor, except, pageSize);
+        const rows = await bundlesChangedAfterOrIn(db, after, wanted, pageSize);
         for (const row of rows) {
           if (applyRow(row)) applied++;
-          readSeqs.add(row.changeSeq);
-          cursor = row.changeSeq;
+          sawSeq(row.changeSeq);
         }
-        if (rows.length < pageSize) break;
+        const last = rows[rows.length - 1]?.changeSeq;
+        if (last === undefined || rows.length < pageSize) break;
+        after = Math.max(after, last);
+        wanted = wanted.filter((seq) => seq > last);
       }
       // Sequences seen at least `delay` before this read started are now safe: see the file comment.
+      const safeBefore = safeSeq;
       while (history[0] !== undefined && history[0].at <= start - delay) {
         safeSeq = Math.max(safeSeq, history.shift()!.seq);
       }
-      for (const seq of readSeqs) if (seq <= safeSeq) readSeqs.delete(seq);
-      if (cursor > maxSeen) {
-        maxSeen = cursor;
-        history.push({ at: clock.now(), seq: cursor });
-      }
+      if (safeSeq > safeBefore) for (const seq of holes) if (seq <= safeSeq) holes.delete(seq);
+      if (maxSeen > seenBefore) history.push({ at: clock.now(), seq: maxSeen });
       notify();
       return applied;
     });
