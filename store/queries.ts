@@ -796,13 +796,9 @@ export async function listEvents(db: Db, uuid: string): Promise<BundleEvent[]> {
   return rows.map(eventFromRow);
 }
 
-/** Bundles written after change sequence `seq`, in change order (the dispatcher queue's incremental read). */
-export async function bundlesChangedSince(db: Db, seq: number, limit: number): Promise<Bundle[]> {
-  const { rows } = await db.query<BundleRow>(
-    "SELECT * FROM bundles WHERE change_seq > $1 ORDER BY change_seq LIMIT $2",
-    [seq, limit],
-  );
-  return rows.map(bundleFromRow);
+/** Bundles written after change sequence `seq`, in change order. */
+export function bundlesChangedSince(db: Db, seq: number, limit: number): Promise<Bundle[]> {
+  return bundlesChangedAfterOrIn(db, seq, [], limit);
 }
 
 export async function maxChangeSeq(db: Db): Promise<number> {
@@ -935,10 +931,23 @@ export async function activeBundlesPage(db: Db, afterUuid: string, limit: number
   return rows.map(bundleFromRow);
 }
 
+/** bigint's largest value: `change_seq > $1` alone is, to a planner without statistics, a third of the table. */
+const CHANGE_SEQ_MAX = "9223372036854775807";
+
+/** The text of bundlesChangedAfterOrIn's statement ($1 after, $2 limit, $3 the sequences when withSeqs). */
+export function changedAfterOrInSql(withSeqs: boolean): string {
+  const above = `change_seq > $1 AND change_seq <= ${CHANGE_SEQ_MAX}`;
+  return withSeqs
+    ? `SELECT * FROM bundles WHERE (${above}) OR change_seq = ANY($3::bigint[]) ORDER BY change_seq LIMIT $2`
+    : `SELECT * FROM bundles WHERE ${above} ORDER BY change_seq LIMIT $2`;
+}
+
 /**
  * Bundles whose change_seq is above `after` or one of `seqs` (sequences below it the caller has not read yet),
  * in change order. Both parts are ranges of the change_seq index, so a read costs what it returns, however many
- * rows the caller has already read.
+ * rows the caller has already read. The range has an upper bound so that the planner takes the index before
+ * the table has statistics (a table filled since the last ANALYZE): `change_seq > $1` alone it estimates at a
+ * third of the table and reads by a full scan (4.7 ms at 20,000 rows, against 0.05 ms by the index).
  */
 export async function bundlesChangedAfterOrIn(
   db: Db,
@@ -947,10 +956,7 @@ export async function bundlesChangedAfterOrIn(
   limit: number,
 ): Promise<Bundle[]> {
   const { rows } = await db.query<BundleRow>(
-    seqs.length === 0
-      ? "SELECT * FROM bundles WHERE change_seq > $1 ORDER BY change_seq LIMIT $2"
-      : `SELECT * FROM bundles WHERE change_seq > $1 OR change_seq = ANY($3::bigint[])
-         ORDER BY change_seq LIMIT $2`,
+    changedAfterOrInSql(seqs.length > 0),
     seqs.length === 0 ? [after, limit] : [after, limit, seqs],
   );
   return rows.map(bundleFromRow);

@@ -429,7 +429,7 @@ describe("bundle queue: late-committing transactions [pg]", () => {
     const spy: Db = {
       kind: real.kind,
       query: (sql, params) => {
-        if (sql.startsWith("SELECT * FROM bundles WHERE change_seq >")) reads.push([...(params ?? [])]);
+        if (/^SELECT \* FROM bundles WHERE \(?change_seq >/.test(sql)) reads.push([...(params ?? [])]);
         return real.query(sql, params);
       },
       transaction: (fn) => real.transaction(fn),

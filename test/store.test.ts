@@ -3,7 +3,9 @@ import { DispatchCloudError } from "../lib/errors.ts";
 import type { Db } from "../store/db.ts";
 import { listMigrations, migrate } from "../store/migrate.ts";
 import {
+  bundlesChangedAfterOrIn,
   bundlesChangedSince,
+  changedAfterOrInSql,
   countUsers,
   createdBundlesReady,
   createUser,
@@ -316,6 +318,32 @@ describeEachDb("store", (getDb) => {
       expect(await maxChangeSeq(db())).toBe(changed[1]!.changeSeq);
       expect((await bundlesChangedSince(db(), seq0, 1)).map((x) => x.uuid)).toEqual([b.uuid]);
       expect(await bundlesChangedSince(db(), await maxChangeSeq(db()), 100)).toEqual([]);
+    });
+
+    it("reads changes by the change_seq index, also from a table filled since its last ANALYZE", async () => {
+      await setup();
+      // 5,000 rows the planner has no statistics for (no ANALYZE since they went in).
+      await db().query(
+        `INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority, limits,
+           dependencies, allow_failed_dependencies, max_attempts, state)
+         SELECT 'zzzzz-bndl-p' || lpad(i::text, 14, '0'), $1, 'b' || i, '["true"]', 'busybox', '{}',
+           '{"vcpus": 1, "ram": 1048576, "scratch": 0, "gpu": null}', false, 1,
+           '{"time": null, "disk": null, "network": true}', '[]', false, 3, 'staged'
+         FROM generate_series(1, 5000) AS i`,
+        [owner],
+      );
+      const top = await maxChangeSeq(db());
+      for (const [sql, params] of [
+        [changedAfterOrInSql(false), [top - 2, 5000]],
+        [changedAfterOrInSql(true), [top - 2, 5000, [top - 100, top - 50]]],
+      ] as const) {
+        const { rows } = await db().query<{ "QUERY PLAN": string }>(`EXPLAIN ${sql}`, [...params]);
+        const plan = rows.map((r) => r["QUERY PLAN"]).join("\n");
+        expect(plan).toMatch(/Index|Bitmap/);
+        expect(plan).not.toMatch(/Seq Scan/);
+      }
+      const read = await bundlesChangedAfterOrIn(db(), top - 2, [top - 100], 10);
+      expect(read.map((b) => b.changeSeq)).toEqual([top - 100, top - 1, top]);
     });
 
     it("setSchedulingStatus bumps change_seq without an event, and only when the status changes", async () => {
