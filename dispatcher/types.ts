@@ -114,7 +114,10 @@ export interface QueueView {
    * runner still listed for it only cleans up, so it takes no room on its instance.
    */
   ended(uuid: string): boolean;
-  /** Applies a row this process just wrote (newer changeSeq wins), so a pass need not wait for NOTIFY. */
+  /**
+   * Applies a committed row this process just wrote or read (newer changeSeq wins), so a pass need not wait for
+   * NOTIFY; the queue's reads do not ask for its sequence again. Never a row of a transaction still open.
+   */
   apply(bundle: Bundle): void;
 }
 

@@ -41,6 +41,21 @@ async function insertMany(db: Db, owner: User, n: number): Promise<number> {
   return n - Math.floor((n + 1) / 4);
 }
 
+/** `db`, noting the parameters of each of the queue's incremental reads ([after, limit, holes?]) in `reads`. */
+function spyOnReads(real: TestDb, reads: unknown[][]): Db {
+  return {
+    kind: real.kind,
+    query: (sql, params) => {
+      if (/^SELECT \* FROM bundles WHERE \(?change_seq >/.test(sql)) reads.push([...(params ?? [])]);
+      return real.query(sql, params);
+    },
+    transaction: (fn) => real.transaction(fn),
+    listen: (channel, onPayload) => real.listen(channel, onPayload),
+    tryAdvisoryLock: (key) => real.tryAdvisoryLock(key),
+    close: () => real.close(),
+  };
+}
+
 /** Resolves once pred() holds after a queue change (checked at once, then after each notification). */
 function when(queue: BundleQueue, pred: () => boolean): Promise<void> {
   return new Promise((resolve) => {
@@ -426,17 +441,7 @@ describe("bundle queue: late-committing transactions [pg]", () => {
     const b = await stagedBundle(real, owner, 1);
     // The incremental reads' parameters: [after, limit, holes?].
     const reads: unknown[][] = [];
-    const spy: Db = {
-      kind: real.kind,
-      query: (sql, params) => {
-        if (/^SELECT \* FROM bundles WHERE \(?change_seq >/.test(sql)) reads.push([...(params ?? [])]);
-        return real.query(sql, params);
-      },
-      transaction: (fn) => real.transaction(fn),
-      listen: (channel, onPayload) => real.listen(channel, onPayload),
-      tryAdvisoryLock: (key) => real.tryAdvisoryLock(key),
-      close: () => real.close(),
-    };
+    const spy = spyOnReads(real, reads);
     const clock = new FakeClock();
     const q = createBundleQueue({ db: spy, clock, logger, pollInterval: HOUR, watermarkDelay: 2000 });
     const other = new pg.Client({ connectionString: real.url });
@@ -475,6 +480,43 @@ describe("bundle queue: late-committing transactions [pg]", () => {
     } finally {
       await q.stop();
       await other.end();
+    }
+  });
+
+  it("does not read again the rows applied to it, and asks for the sequences they skipped", async () => {
+    if (!db) throw setupError;
+    await clearBundles(db);
+    const owner = await createTestUser(db);
+    const a = await stagedBundle(db, owner, 1);
+    const b = await stagedBundle(db, owner, 1);
+    const reads: unknown[][] = [];
+    const clock = new FakeClock();
+    const q = createBundleQueue({ db: spyOnReads(db, reads), clock, logger, pollInterval: HOUR });
+    try {
+      await q.start();
+      await clock.advance(3000);
+      await q.refresh();
+      await clock.advance(3000);
+      await q.refresh();
+      // A changes (not applied), then B's change is applied as the REST server or a transition does.
+      await db.query("UPDATE bundles SET priority = 5 WHERE uuid = $1", [a.uuid]);
+      const changed = await db.query<{ change_seq: string }>(
+        "UPDATE bundles SET priority = 6 WHERE uuid = $1 RETURNING change_seq",
+        [b.uuid],
+      );
+      const row = (await getBundle(db, b.uuid))!;
+      expect(row.changeSeq).toBe(Number(changed.rows[0]!.change_seq));
+      q.apply(row);
+      expect(q.get(b.uuid)?.priority).toBe(6);
+      reads.length = 0;
+      await q.refresh();
+      // Only A's sequence, skipped by the applied row, is asked for; nothing above B's.
+      expect(reads).toEqual([[row.changeSeq, 5000, [row.changeSeq - 1]]]);
+      expect(q.get(a.uuid)?.priority).toBe(5);
+      await q.refresh();
+      expect(reads[1]).toEqual([row.changeSeq, 5000]);
+    } finally {
+      await q.stop();
     }
   });
 

@@ -40,7 +40,7 @@ export interface QueueChange {
 export interface BundleQueue extends QueueView {
   /** Incremental read by change_seq; returns the number of rows applied (that changed the queue). */
   refresh(): Promise<number>;
-  /** apply() of many rows, the listeners told once for them all (a batch's rows from the REST server). */
+  /** apply() of many committed rows, the listeners told once for them all (a batch's rows from the REST server). */
   applyAll(bundles: readonly Bundle[]): void;
   /** Initial load (active bundles only, paged) + LISTEN + the fallback poll loop. */
   start(): Promise<void>;
@@ -330,10 +330,14 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   };
 
   const applyAll = (rows: readonly Bundle[]) => {
+    const seenBefore = maxSeen;
     for (const b of rows) {
       touched?.add(b.uuid);
       applyRow(b);
+      // Committed: a read need not bring it again (the sequences it skipped are holes, as for a read row).
+      sawSeq(b.changeSeq);
     }
+    if (maxSeen > seenBefore) history.push({ at: clock.now(), seq: maxSeen });
     notify();
   };
 
