@@ -395,20 +395,41 @@ describe("bundle queue: late-committing transactions [pg]", () => {
     await db?.close();
   });
 
-  it("does not miss a row whose transaction commits after a higher change_seq was read", async () => {
-    if (!db) throw setupError;
+  /**
+   * Two staged bundles (a, b), a second connection for transactions that commit late, and a started queue on a
+   * FakeClock (noting its reads' parameters in `reads` when given) that has read the load's window and is past it.
+   */
+  async function lateCommitQueue(db: TestDb, reads?: unknown[][]) {
+    await clearBundles(db);
     const owner = await createTestUser(db);
     const a = await stagedBundle(db, owner, 1);
     const b = await stagedBundle(db, owner, 1);
     const clock = new FakeClock();
-    const q = createBundleQueue({ db, clock, logger, pollInterval: HOUR, watermarkDelay: 2000 });
+    const q = createBundleQueue({
+      db: reads === undefined ? db : spyOnReads(db, reads),
+      clock,
+      logger,
+      pollInterval: HOUR,
+      watermarkDelay: 2000,
+    });
     const other = new pg.Client({ connectionString: db.url });
     await other.connect();
-    try {
-      await q.start();
+    await q.start();
+    for (let i = 0; i < 2; i++) {
       await clock.advance(3000);
       await q.refresh();
+    }
+    const end = async () => {
+      await q.stop();
+      await other.end();
+    };
+    return { owner, a, b, clock, q, other, end };
+  }
 
+  it("does not miss a row whose transaction commits after a higher change_seq was read", async () => {
+    if (!db) throw setupError;
+    const { a, b, clock, q, other, end } = await lateCommitQueue(db);
+    try {
       for (const round of [1, 2]) {
         await other.query("BEGIN");
         await other.query("UPDATE bundles SET priority = $2 WHERE uuid = $1", [a.uuid, 100 + round]);
@@ -427,32 +448,19 @@ describe("bundle queue: late-committing transactions [pg]", () => {
         expect(q.get(a.uuid)?.changeSeq).toBe(seqA);
       }
     } finally {
-      await q.stop();
-      await other.end();
+      await end();
     }
   });
 
   it("reads a late commit at the next read, asking only for the rows above the last one read and the holes", async () => {
     if (!db) throw setupError;
-    const real = db;
-    await clearBundles(real);
-    const owner = await createTestUser(real);
-    const a = await stagedBundle(real, owner, 1);
-    const b = await stagedBundle(real, owner, 1);
     // The incremental reads' parameters: [after, limit, holes?].
     const reads: unknown[][] = [];
-    const spy = spyOnReads(real, reads);
-    const clock = new FakeClock();
-    const q = createBundleQueue({ db: spy, clock, logger, pollInterval: HOUR, watermarkDelay: 2000 });
-    const other = new pg.Client({ connectionString: real.url });
-    await other.connect();
+    const { owner, a, b, clock, q, other, end } = await lateCommitQueue(db, reads);
     try {
-      await q.start();
-      await clock.advance(3000);
-      await q.refresh(); // the load's window, read whole
-      await insertMany(real, owner, 30);
+      await insertMany(db, owner, 30);
       await q.refresh();
-      const top = (await getBundle(real, b.uuid))!.changeSeq;
+      const top = (await getBundle(db, b.uuid))!.changeSeq;
       await clock.advance(3000);
       await q.refresh();
       reads.length = 0;
@@ -460,12 +468,12 @@ describe("bundle queue: late-committing transactions [pg]", () => {
       // A takes its number, B a higher one and commits first.
       await other.query("BEGIN");
       await other.query("UPDATE bundles SET priority = 7 WHERE uuid = $1", [a.uuid]);
-      await real.query("UPDATE bundles SET priority = 8 WHERE uuid = $1", [b.uuid]);
+      await db.query("UPDATE bundles SET priority = 8 WHERE uuid = $1", [b.uuid]);
       await q.refresh();
       const seqB = q.get(b.uuid)!.changeSeq;
       expect(q.get(b.uuid)?.priority).toBe(8);
       await other.query("COMMIT");
-      const seqA = (await getBundle(real, a.uuid))!.changeSeq;
+      const seqA = (await getBundle(db, a.uuid))!.changeSeq;
       expect(seqA).toBe(seqB - 1);
       // The next read, with no time passed, asks for A's number and the rows above B's, and gets A.
       await q.refresh();
@@ -478,26 +486,15 @@ describe("bundle queue: late-committing transactions [pg]", () => {
       await q.refresh();
       expect(reads[2]).toEqual([seqB, 5000]);
     } finally {
-      await q.stop();
-      await other.end();
+      await end();
     }
   });
 
   it("does not read again the rows applied to it, and asks for the sequences they skipped", async () => {
     if (!db) throw setupError;
-    await clearBundles(db);
-    const owner = await createTestUser(db);
-    const a = await stagedBundle(db, owner, 1);
-    const b = await stagedBundle(db, owner, 1);
     const reads: unknown[][] = [];
-    const clock = new FakeClock();
-    const q = createBundleQueue({ db: spyOnReads(db, reads), clock, logger, pollInterval: HOUR });
+    const { a, b, q, end } = await lateCommitQueue(db, reads);
     try {
-      await q.start();
-      await clock.advance(3000);
-      await q.refresh();
-      await clock.advance(3000);
-      await q.refresh();
       // A changes (not applied), then B's change is applied as the REST server or a transition does.
       await db.query("UPDATE bundles SET priority = 5 WHERE uuid = $1", [a.uuid]);
       const changed = await db.query<{ change_seq: string }>(
@@ -516,26 +513,14 @@ describe("bundle queue: late-committing transactions [pg]", () => {
       await q.refresh();
       expect(reads[1]).toEqual([row.changeSeq, 5000]);
     } finally {
-      await q.stop();
+      await end();
     }
   });
 
   it("with more holes than it names, reads every row above the safe sequence until they are safe", async () => {
     if (!db) throw setupError;
-    await clearBundles(db);
-    const owner = await createTestUser(db);
-    const a = await stagedBundle(db, owner, 1);
-    const b = await stagedBundle(db, owner, 1);
-    const clock = new FakeClock();
-    const q = createBundleQueue({ db, clock, logger, pollInterval: HOUR, watermarkDelay: 2000 });
-    const other = new pg.Client({ connectionString: db.url });
-    await other.connect();
+    const { a, b, clock, q, other, end } = await lateCommitQueue(db);
     try {
-      await q.start();
-      await clock.advance(3000);
-      await q.refresh();
-      await clock.advance(3000);
-      await q.refresh();
       await other.query("BEGIN");
       await other.query("UPDATE bundles SET priority = 9 WHERE uuid = $1", [a.uuid]);
       // 25,000 numbers nobody writes, then B: the gap is more than the queue names one by one.
@@ -548,8 +533,7 @@ describe("bundle queue: late-committing transactions [pg]", () => {
       await q.refresh();
       expect(q.get(a.uuid)?.priority).toBe(9);
     } finally {
-      await q.stop();
-      await other.end();
+      await end();
     }
   });
 
