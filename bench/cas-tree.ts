@@ -9,17 +9,20 @@ import { randomBytes } from "node:crypto";
 import { mkdirSync, mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { loadavg, tmpdir } from "node:os";
 import path from "node:path";
-import { parseArgs } from "node:util";
 import { CasCache } from "../crunch-run/cas-cache.ts";
 import { removeStagedTree, stageTree } from "../crunch-run/cas-stage.ts";
 import { digestBytes } from "../lib/cas/digest.ts";
 import { canonicalManifest } from "../lib/cas/manifest.ts";
 import { manifestOfTree } from "../lib/cas/tree.ts";
 import { dirReader } from "../test/cas-cache-worker.ts";
+import { benchArgs } from "./args.ts";
 
-const { values } = parseArgs({
-  options: { files: { type: "string", default: "10000" }, size: { type: "string", default: "1024" } },
-});
+const { values } = benchArgs(
+  "Usage: node --import tsx bench/cas-tree.ts [-- --files N] [--size BYTES]   (defaults 10,000 files of 1 KiB)",
+  {
+    options: { files: { type: "string", default: "10000" }, size: { type: "string", default: "1024" } },
+  },
+);
 const files = Number(values.files);
 const size = Number(values.size);
 const root = mkdtempSync(path.join(tmpdir(), "bench-cas-tree-"));

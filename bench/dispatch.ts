@@ -30,7 +30,6 @@ import {
 import net from "node:net";
 import { availableParallelism, cpus, loadavg, tmpdir, totalmem } from "node:os";
 import path from "node:path";
-import { parseArgs } from "node:util";
 import ssh2 from "ssh2";
 import { destroyLocalVms, withLocalVms } from "../cloud-drivers/local/driver.ts";
 import { findPids, readCmdline } from "../cloud-drivers/local/procs.ts";
@@ -39,15 +38,19 @@ import { openDb } from "../store/db.ts";
 import { insertBundle } from "../store/queries.ts";
 import { stageBundle } from "../store/transitions.ts";
 import { openTestDb, testBundleUuid, testNewBundle } from "../test/db.ts";
+import { benchArgs } from "./args.ts";
 
-const { values } = parseArgs({
-  options: {
-    bundles: { type: "string", default: "200" },
-    bursts: { type: "string", default: "5" },
-    runner: { type: "string", default: "sea" },
-    db: { type: "string", default: "pglite" },
+const { values } = benchArgs(
+  "Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs] [--db pglite|pg]",
+  {
+    options: {
+      bundles: { type: "string", default: "200" },
+      bursts: { type: "string", default: "5" },
+      runner: { type: "string", default: "sea" },
+      db: { type: "string", default: "pglite" },
+    },
   },
-});
+);
 if (values.runner !== "sea" && values.runner !== "cjs") throw new Error("--runner is sea or cjs");
 if (values.db !== "pglite" && values.db !== "pg") throw new Error("--db is pglite or pg");
 const COUNT = Number(values.bundles);

@@ -13,11 +13,11 @@ import { randomBytes } from "node:crypto";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { loadavg, tmpdir } from "node:os";
 import path from "node:path";
-import { parseArgs } from "node:util";
 import { esc, GahpProcess } from "../test/gahp-client.ts";
+import { benchArgs } from "./args.ts";
 import { forkBenchServer, startBenchServer } from "./rest-server.ts";
 
-const { values } = parseArgs({
+const { values } = benchArgs("Usage: npm run bench:gahp [-- --jobs N] [--input-size BYTES]", {
   options: {
     jobs: { type: "string", default: "1000" },
     "input-size": { type: "string", default: String(4 * 2 ** 20) },

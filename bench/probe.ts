@@ -22,7 +22,6 @@
  */
 import { type ChildProcess, fork } from "node:child_process";
 import { once } from "node:events";
-import { parseArgs } from "node:util";
 import { pino } from "pino";
 import { Registry } from "prom-client";
 import ssh2 from "ssh2";
@@ -37,9 +36,10 @@ import { systemClock } from "../lib/clock.ts";
 import type { Executor } from "../lib/executor.ts";
 import { generateKeyPair } from "../lib/ssh-keys.ts";
 import { MemoryQueue } from "../test/stub-pool.ts";
+import { benchArgs } from "./args.ts";
 import { benchBundle, benchConfig, nullDb, openStubFleet, peakRssMiB } from "./stub-fleet.ts";
 
-const { values } = parseArgs({
+const { values } = benchArgs("Usage: npm run bench:probe [-- --instances N] [--ssh N]", {
   options: {
     instances: { type: "string", default: "10000" },
     ssh: { type: "string", default: "500" },

@@ -20,23 +20,26 @@ import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync
 import { link, mkdir } from "node:fs/promises";
 import { loadavg, tmpdir } from "node:os";
 import path from "node:path";
-import { parseArgs } from "node:util";
 import { CasCache } from "../crunch-run/cas-cache.ts";
 import { removeStagedTree, stageTree } from "../crunch-run/cas-stage.ts";
 import { createCasClient } from "../lib/cas/client.ts";
 import { formatDigest } from "../lib/cas/digest.ts";
 import { formatSize, parseSize } from "../lib/units.ts";
+import { benchArgs } from "./args.ts";
 import { forkBenchServer, startBenchServer } from "./rest-server.ts";
 
-const { values, positionals } = parseArgs({
-  allowPositionals: true,
-  options: {
-    serve: { type: "boolean", default: false },
-    files: { type: "string", default: "10000" },
-    bytes: { type: "string", default: "2GB" },
-    db: { type: "string", default: "pglite" },
+const { values, positionals } = benchArgs(
+  "Usage: npm run bench:staging [-- --files N] [--bytes SIZE] [--db pglite|pg] [--keep-tree]",
+  {
+    allowPositionals: true,
+    options: {
+      serve: { type: "boolean", default: false },
+      files: { type: "string", default: "10000" },
+      bytes: { type: "string", default: "2GB" },
+      db: { type: "string", default: "pglite" },
+    },
   },
-});
+);
 if (values.serve) {
   // The server process (forkBenchServer): PGlite or PostgreSQL, data in the given directory.
   const { db, app, url, token } = await startBenchServer({

@@ -16,15 +16,15 @@ import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import http from "node:http";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { parseArgs } from "node:util";
 import { pino } from "pino";
 import { type BundleQueue, createBundleQueue } from "../dispatcher/queue/queue.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createBundleManager } from "../rest-server/bundle-manager.ts";
 import type { openTestDb } from "../test/db.ts";
+import { benchArgs } from "./args.ts";
 import { forkBenchServer, startBenchServer } from "./rest-server.ts";
 
-const { values } = parseArgs({
+const { values } = benchArgs("Usage: npm run bench:submit [-- --single N] [--batched N] [--db pg,pglite]", {
   options: {
     single: { type: "string", default: "20000" },
     batched: { type: "string", default: "100000" },
