@@ -18,7 +18,7 @@
  * every probe. The supervisor's heavier modules are imported only in `--supervise`.
  */
 import { spawn } from "node:child_process";
-import { closeSync, createWriteStream, existsSync, mkdirSync, openSync } from "node:fs";
+import { closeSync, createWriteStream, existsSync, mkdirSync, openSync, type WriteStream } from "node:fs";
 import { readdir } from "node:fs/promises";
 import { constants as osConstants } from "node:os";
 import { formatDigest } from "../lib/cas/digest.ts";
@@ -41,7 +41,19 @@ import {
   tryCreateLock,
 } from "./lock.ts";
 import { BUNDLE_UUID_RE, lockFile, logFile, type RunnerPaths, runnerPaths } from "./paths.ts";
-import { handToSpare, runWarmPool, spareSocketPath, startWarmPool, waitForWork } from "./spare.ts";
+import {
+  handToSpare,
+  ipcChannel,
+  MAX_BUNDLES_PER_SUPERVISOR,
+  MAX_RETURN_RSS,
+  RETURN_QUIET_MS,
+  rejoinPool,
+  runWarmPool,
+  type SpareChannel,
+  spareSocketPath,
+  startWarmPool,
+  waitForWork,
+} from "./spare.ts";
 import { parseStartDocument, type StartDocument } from "./start-doc.ts";
 import type { RetryHook } from "./supervisor.ts";
 
@@ -102,7 +114,7 @@ export async function runCrunchRun(
         if (rest.length !== 1 || uuid === null) return usage("--supervise needs one bundle uuid");
         process.title = `crunch-run ${uuid}`;
         const doc = parseStartDocument(await readStdin(io.stdin), uuid);
-        return await superviseBundle(doc, paths, env);
+        return exitSoon(await superviseBundle(doc, paths, env));
       }
       case "--spare":
         if (rest.length > 0) return usage("--spare takes no arguments");
@@ -192,15 +204,24 @@ async function superviseBundle(
   // Straight to supervise()'s handler: a signal sent again could arrive after a refused start's clean-up has
   // removed it, and kill the process before its lock is released.
   if (stopSignal !== null) process.emit(stopSignal, stopSignal);
-  const code = await supervising;
-  // Whatever a runtime left behind (a stuck socket) must not keep a finished supervisor alive.
+  return await supervising;
+}
+
+/** Whatever a runtime left behind (a stuck socket) must not keep a finished supervisor alive. */
+function exitSoon(code: number): number {
   setTimeout(() => process.exit(code), 2000).unref();
   return code;
 }
 
-/** `--spare`: a warm supervisor waiting for the warm pool to hand it a bundle (spare.ts). */
+/**
+ * `--spare`: a warm supervisor waiting for the warm pool to hand it a bundle (spare.ts). Once the bundle has
+ * ended it goes back to the pool (RETURN_QUIET_MS later, over the pool's socket) as a spare again, so that a
+ * bundle does not cost a new process: at most MAX_BUNDLES_PER_SUPERVISOR bundles and while its memory stays
+ * under MAX_RETURN_RSS. A supervisor stopped by a signal exits.
+ */
 async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv, io: CrunchRunIo): Promise<number> {
-  if (process.send === undefined) {
+  let channel = ipcChannel();
+  if (channel === null) {
     io.err("crunch-run: --spare runs only under the warm pool (--warm-pool)");
     return 2;
   }
@@ -208,11 +229,34 @@ async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv, io: CrunchRunIo
   await Promise.all([import("./api-client.ts"), import("./supervisor.ts"), import("../lib/logger.ts")]);
   // And run the hand-off's path once, so the real one does not pay its one-time set-up (spare-warmup.ts).
   await (await import("./spare-warmup.ts")).warmUpSpare();
+  const socketPath = spareSocketPath(paths, selfCommand());
+  for (let served = 1; ; served++) {
+    const result = await spareOnce(channel, paths, env);
+    if (result.code === null) return exitSoon(0);
+    const { code, signalled } = result;
+    if (signalled || served >= MAX_BUNDLES_PER_SUPERVISOR || process.memoryUsage().rss > MAX_RETURN_RSS)
+      return exitSoon(code);
+    process.title = "crunch-run returning";
+    await new Promise((r) => setTimeout(r, RETURN_QUIET_MS));
+    channel = socketPath === null || !existsSync(socketPath) ? null : await rejoinPool(socketPath);
+    if (channel === null) return exitSoon(code);
+  }
+}
+
+/**
+ * One bundle of a spare: waits on `channel` for a hand-off, then supervises it. `code` is null when no bundle
+ * came (the pool went, or could not pass the pid on); `signalled` says a stop signal came while supervising.
+ */
+async function spareOnce(
+  channel: SpareChannel,
+  paths: RunnerPaths,
+  env: NodeJS.ProcessEnv,
+): Promise<{ code: number | null; signalled: boolean }> {
   // The title says it is ready (tests and the benchmark count ready spares by it).
   process.title = "crunch-run spare";
   let doc: StartDocument | null = null;
   let locked: string | null = null;
-  const work = await waitForWork(async (w) => {
+  const work = await waitForWork(channel, async (w) => {
     if (!BUNDLE_UUID_RE.test(w.uuid)) return "not a bundle uuid";
     try {
       doc = parseStartDocument(w.doc, w.uuid);
@@ -229,22 +273,37 @@ async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv, io: CrunchRunIo
   if (work === null || doc === null) {
     // The pool could not pass our pid on: the bundle is not ours.
     if (locked !== null) await releaseLock(lockFile(paths, locked), process.pid);
-    return 0;
+    return { code: null, signalled: false };
   }
   process.title = `crunch-run ${work.uuid}`;
   // From --detach: supervise only once the lock names this process (--detach writes it on our answer; if its
   // sender gave up meanwhile, it started a supervisor of its own instead).
   if (work.mode === "detach" && !(await lockNames(lockFile(paths, work.uuid), process.pid))) {
     process.stderr.write(`crunch-run: ${work.uuid}: the lock never named this spare; not starting it\n`);
-    return 1;
+    return { code: 1, signalled: false };
   }
+  let signalled = false;
+  const onSignal = () => {
+    signalled = true;
+  };
+  // Beside supervise()'s own handlers (which stop the bundle): only notes that this process is to end.
+  process.on("SIGTERM", onSignal);
+  process.on("SIGINT", onSignal);
   const { createLogger } = await import("../lib/logger.ts");
   const uuid = work.uuid;
-  return superviseBundle(doc, paths, env, () => {
-    mkdirSync(paths.logDir, { recursive: true });
-    const destination = createWriteStream(logFile(paths, uuid), { flags: "a" });
-    return createLogger({ level: "info", format: "json", destination });
-  });
+  let destination: WriteStream | null = null;
+  try {
+    const code = await superviseBundle(doc, paths, env, () => {
+      mkdirSync(paths.logDir, { recursive: true });
+      destination = createWriteStream(logFile(paths, uuid), { flags: "a" });
+      return createLogger({ level: "info", format: "json", destination });
+    });
+    return { code, signalled };
+  } finally {
+    process.off("SIGTERM", onSignal);
+    process.off("SIGINT", onSignal);
+    (destination as WriteStream | null)?.end();
+  }
 }
 
 /** Waits (up to 3 s) until the lock file names `pid`. */
@@ -451,14 +510,18 @@ async function kill(
   const file = lockFile(paths, uuid);
   const text = await readLockText(file);
   const info = text === null ? null : parseLock(text);
-  if (info !== null && holderAlive(info)) {
+  // A supervisor outlives its bundle (it goes back to the warm pool for the next one, spare.ts): its pid is
+  // this bundle's only while the lock is the one read here. So the lock is read again right before the signal,
+  // and a supervisor that released it has let the bundle go.
+  const holding = async (held: LockInfo) => holderAlive(held) && (await readLockText(file)) === text;
+  if (info !== null && (await holding(info))) {
     try {
       process.kill(info.pid, signal);
     } catch (err) {
       if ((err as NodeJS.ErrnoException).code !== "ESRCH") throw err;
     }
-    for (let i = 0; i < 20 && holderAlive(info); i++) await new Promise((r) => setTimeout(r, 50));
-    if (holderAlive(info)) {
+    for (let i = 0; i < 20 && (await holding(info)); i++) await new Promise((r) => setTimeout(r, 50));
+    if (await holding(info)) {
       io.err(`crunch-run: bundle ${uuid}'s supervisor (pid ${info.pid}) is still running after ${signal}`);
       return 1;
     }

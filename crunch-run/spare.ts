@@ -25,6 +25,11 @@
  *   answered, it leaves the IPC channel and is that bundle's supervisor, in its own session: the warm pool's
  *   death (or a restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
  *   lock and writes the spare's pid into it), the spare supervises only once the lock names it.
+ * - A supervisor whose bundle has ended comes back (RETURN_QUIET_MS later, main.ts): it connects to the socket,
+ *   sends `spare <pid>`, and then speaks the IPC channel's messages as lines of JSON on that connection. The
+ *   pool takes it as a spare, or closes the connection (the supervisor exits) when it has the spares it wants.
+ *   So a back-to-back bundle costs no new process: the replacement's start-up (hundreds of ms of CPU) no longer
+ *   runs beside the next bundles' starts.
  * - A spare holds no lock while it waits; `--list` prints `spare <socket>` while the pool's socket exists. An
  *   idle spare exits when the pool goes (its IPC channel closes). The pool exits after SPARE_IDLE_MS without a
  *   hand-off, or as soon as its socket file is gone (the VM root was removed). A second pool for the same socket
@@ -36,6 +41,7 @@
  */
 import { type ChildProcess, spawn } from "node:child_process";
 import { createHash } from "node:crypto";
+import { EventEmitter } from "node:events";
 import { chmodSync, closeSync, existsSync, mkdirSync, openSync, unlinkSync } from "node:fs";
 import net from "node:net";
 import { availableParallelism } from "node:os";
@@ -55,8 +61,23 @@ export const SPARE_IDLE_MS = 10 * 60_000;
 const HAND_OFF_TIMEOUT_MS = 1000;
 /** How long a hand-off may wait on the socket for a spare to be ready before it is refused. */
 const PENDING_MAX_MS = 3000;
-/** How long after a hand-off the warm pool starts the spares that replace those handed out. */
-const REFILL_DELAY_MS = 250;
+/**
+ * How long after a hand-off the warm pool starts the spares that replace those handed out: long enough for a
+ * short bundle's supervisor to come back (RETURN_QUIET_MS after its bundle ended) and be the replacement.
+ */
+const REFILL_DELAY_MS = 3000;
+/** A supervisor comes back to the pool after at most this many bundles (then it exits; a new spare replaces it). */
+export const MAX_BUNDLES_PER_SUPERVISOR = 100;
+/** ... or once its resident memory is above this. */
+export const MAX_RETURN_RSS = 256 * 1024 * 1024;
+/**
+ * How long a supervisor waits after its bundle ended before it comes back to the pool: `--kill` for that bundle
+ * checks the lock right before it signals the pid, and a signal still in flight after this long is not aimed at
+ * the next bundle.
+ */
+export const RETURN_QUIET_MS = 1000;
+/** The first line a supervisor coming back sends on the pool's socket: `spare <pid>`. */
+const RETURN_LINE = /^spare (\d{1,10})$/;
 /** How long a spare may take to answer a hand-off before it is killed and the hand-off refused. */
 const ANSWER_MAX_MS = 3000;
 /** sun_path holds 108 bytes with its NUL (so a local VM's root may be up to 74 bytes long for spares). */
@@ -149,8 +170,14 @@ function warmCountOf(doc: string): number | null {
   }
 }
 
+/** What the pool needs of a spare: a process it started (IPC channel) or a supervisor come back (ReturnedSpare). */
+interface SpareProc extends EventEmitter {
+  send(message: ToSpare, callback: (err: Error | null) => void): boolean;
+  kill(signal: NodeJS.Signals): boolean;
+}
+
 interface Spare {
-  proc: ChildProcess;
+  proc: SpareProc;
   ready: boolean;
   /** Holds a hand-off it has not answered yet. */
   busy: boolean;
@@ -234,20 +261,36 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     } finally {
       closeSync(out);
     }
+    adopt(proc as SpareProc, false);
+  };
+
+  /**
+   * Takes a spare in: one it started, or a supervisor come back after its bundle (`returned`), which is let go
+   * when the pool already has what it wants ready.
+   */
+  const adopt = (proc: SpareProc, returned: boolean) => {
     const spare: Spare = { proc, ready: false, busy: false };
     spares.add(spare);
     proc.on("error", () => {});
     proc.on("message", (m: FromSpare) => {
-      if (m?.type === "ready" && spares.has(spare)) {
-        spare.ready = true;
-        earlyExits = 0;
-        dispatch();
-        fill();
+      if (m?.type !== "ready" || !spares.has(spare) || spare.ready) return;
+      if (returned && count((s) => s.ready && !s.busy) >= target + pending.length) {
+        spares.delete(spare);
+        proc.kill("SIGTERM");
+        return;
       }
+      spare.ready = true;
+      earlyExits = 0;
+      dispatch();
+      fill();
     });
     proc.once("exit", () => {
       if (!spares.delete(spare)) return;
       // A spare that died while it held a hand-off answered nothing: the hand-off's own listener refuses it.
+      if (returned) {
+        fill();
+        return;
+      }
       // Spares that die before they are ready are started again later and later (1 s, doubling, at most 1 min).
       if (!spare.ready) earlyExits++;
       setTimeout(fill, Math.min(60_000, 1000 * 2 ** Math.min(6, earlyExits))).unref();
@@ -344,10 +387,24 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     let text = "";
     sock.setEncoding("utf8");
     sock.on("error", () => {});
-    sock.on("data", (chunk: string) => {
+    const onData = (chunk: string) => {
       text += chunk;
       if (text.length > 128 * 1024) sock.destroy();
-    });
+      // A supervisor coming back (`spare <pid>`, then messages as lines of JSON) rather than a hand-off.
+      const nl = text.indexOf("\n");
+      const pid = nl < 0 ? null : RETURN_LINE.exec(text.slice(0, nl))?.[1];
+      if (pid === undefined || pid === null) return;
+      sock.off("data", onData);
+      sock.removeAllListeners("end");
+      if (closing) {
+        sock.destroy();
+        return;
+      }
+      const rest = text.slice(nl + 1);
+      text = "";
+      adopt(new ReturnedSpare(sock, Number(pid), rest), true);
+    };
+    sock.on("data", onData);
     sock.on("end", () => {
       const work = parseHandOff(text);
       if (closing || work === null) {
@@ -384,21 +441,179 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
 }
 
 /**
+ * A supervisor that came back to the pool after its bundle, spoken to over its connection to the pool's socket:
+ * messages are lines of JSON both ways. Its process is not the pool's child: SIGTERM closes the connection (the
+ * supervisor then exits, as a spare does when its pool goes); SIGKILL also kills it by pid.
+ */
+class ReturnedSpare extends EventEmitter implements SpareProc {
+  readonly #sock: net.Socket;
+  readonly #pid: number;
+  #gone = false;
+
+  constructor(sock: net.Socket, pid: number, buffered: string) {
+    super();
+    this.#sock = sock;
+    this.#pid = pid;
+    readLines(sock, buffered, MAX_LINE, (line) => {
+      let m: unknown;
+      try {
+        m = JSON.parse(line);
+      } catch {
+        sock.destroy();
+        return;
+      }
+      this.emit("message", m);
+    });
+    sock.on("close", () => {
+      this.#gone = true;
+      this.emit("exit");
+    });
+  }
+
+  send(message: ToSpare, callback: (err: Error | null) => void): boolean {
+    if (this.#gone) {
+      queueMicrotask(() => callback(new Error("the supervisor is gone")));
+      return false;
+    }
+    return this.#sock.write(`${JSON.stringify(message)}\n`, (err) => callback(err ?? null));
+  }
+
+  kill(signal: NodeJS.Signals): boolean {
+    if (signal === "SIGKILL" && !this.#gone) {
+      try {
+        process.kill(this.#pid, "SIGKILL");
+      } catch {
+        // Gone already.
+      }
+    }
+    this.#sock.destroy();
+    return true;
+  }
+}
+
+/** The longest line either side sends on a returned supervisor's connection (a hand-off is at most 128 KiB). */
+const MAX_LINE = 160 * 1024;
+
+/** Calls `onLine` for each line read from `sock` (after `buffered`); a line longer than `max` ends it. */
+function readLines(sock: net.Socket, buffered: string, max: number, onLine: (line: string) => void): void {
+  let text = buffered;
+  const drain = () => {
+    for (let nl = text.indexOf("\n"); nl >= 0; nl = text.indexOf("\n")) {
+      const line = text.slice(0, nl);
+      text = text.slice(nl + 1);
+      onLine(line);
+    }
+    if (text.length > max) sock.destroy();
+  };
+  sock.setEncoding("utf8");
+  sock.on("data", (chunk: string) => {
+    text += chunk;
+    drain();
+  });
+  // What came with the first line is read once the caller has its listeners in place.
+  process.nextTick(drain);
+}
+
+/** A spare's side of its channel to the pool: the IPC channel it was started with, or its socket come back. */
+export interface SpareChannel {
+  send(message: FromSpare, callback?: (err: Error | null) => void): void;
+  onMessage(listener: (message: ToSpare) => void): void;
+  /** `listener` runs once when the pool is gone (the channel closed without a `leave`). */
+  onClose(listener: () => void): void;
+  /** Leaves the channel: this process is a bundle's supervisor now. */
+  leave(): void;
+}
+
+/** The IPC channel of a spare the pool started; null when there is none. */
+export function ipcChannel(): SpareChannel | null {
+  const send = process.send?.bind(process);
+  if (send === undefined) return null;
+  let left = false;
+  return {
+    send: (message, callback) => {
+      send(message, callback ?? (() => {}));
+    },
+    onMessage: (listener) => {
+      process.on("message", listener);
+    },
+    onClose: (listener) => {
+      process.once("disconnect", () => {
+        if (!left) listener();
+      });
+    },
+    leave: () => {
+      left = true;
+      process.removeAllListeners("message");
+      process.disconnect();
+    },
+  };
+}
+
+/**
+ * A finished supervisor's way back to the pool: connects to its socket and says so (`spare <pid>`). Null when
+ * there is no pool to go back to.
+ */
+export function rejoinPool(socketPath: string): Promise<SpareChannel | null> {
+  return new Promise((resolve) => {
+    const sock = net.connect(socketPath);
+    sock.once("error", () => resolve(null));
+    sock.once("connect", () => {
+      sock.on("error", () => {});
+      sock.write(`spare ${process.pid}\n`);
+      let left = false;
+      const listeners: ((m: ToSpare) => void)[] = [];
+      readLines(sock, "", MAX_LINE, (line) => {
+        let m: ToSpare;
+        try {
+          m = JSON.parse(line) as ToSpare;
+        } catch {
+          sock.destroy();
+          return;
+        }
+        for (const l of listeners) l(m);
+      });
+      resolve({
+        send: (message, callback) => {
+          sock.write(`${JSON.stringify(message)}\n`, (err) => callback?.(err ?? null));
+        },
+        onMessage: (listener) => {
+          listeners.push(listener);
+        },
+        onClose: (listener) => {
+          sock.once("close", () => {
+            if (!left) listener();
+          });
+        },
+        leave: () => {
+          left = true;
+          listeners.length = 0;
+          sock.end();
+        },
+      });
+    });
+  });
+}
+
+/**
  * A spare's wait (the child side): tells the pool it is ready, then takes the first hand-off that `accept`
  * takes (it resolves to null, or to why it refuses) and resolves to it once the pool has its pid; resolves to
  * null when the pool goes first. Refused hand-offs leave the spare waiting.
  */
-export function waitForWork(accept: (work: SpareWork) => Promise<string | null>): Promise<SpareWork | null> {
-  const send = process.send?.bind(process);
-  if (send === undefined) return Promise.resolve(null);
+export function waitForWork(
+  channel: SpareChannel,
+  accept: (work: SpareWork) => Promise<string | null>,
+): Promise<SpareWork | null> {
   return new Promise((resolve) => {
     let taken = false;
     let busy = false;
-    const onDisconnect = () => {
-      if (!taken) resolve(null);
+    let settled = false;
+    const settle = (work: SpareWork | null) => {
+      if (settled) return;
+      settled = true;
+      resolve(work);
     };
-    process.once("disconnect", onDisconnect);
-    process.on("message", (m: ToSpare) => {
+    channel.onClose(() => settle(null));
+    channel.onMessage((m: ToSpare) => {
       if (taken || busy || m?.type !== "work") return;
       busy = true;
       const work = m.work;
@@ -406,29 +621,27 @@ export function waitForWork(accept: (work: SpareWork) => Promise<string | null>)
         (refusal) => {
           busy = false;
           if (refusal !== null) {
-            send({ type: "refused", why: refusal } satisfies FromSpare);
+            channel.send({ type: "refused", why: refusal });
             return;
           }
           taken = true;
-          send({ type: "took", pid: process.pid } satisfies FromSpare, (err: Error | null) => {
+          channel.send({ type: "took", pid: process.pid }, (err: Error | null) => {
             if (err) {
               // The pool cannot pass the pid on: whoever handed the bundle over falls back; not this process.
-              resolve(null);
+              settle(null);
               return;
             }
-            process.removeAllListeners("message");
-            process.off("disconnect", onDisconnect);
-            process.disconnect();
-            resolve(work);
+            channel.leave();
+            settle(work);
           });
         },
         (err: unknown) => {
           busy = false;
-          send({ type: "refused", why: String(err) } satisfies FromSpare);
+          channel.send({ type: "refused", why: String(err) });
         },
       );
     });
-    send({ type: "ready" } satisfies FromSpare);
+    channel.send({ type: "ready" });
   });
 }
 

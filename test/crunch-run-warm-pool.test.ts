@@ -178,6 +178,59 @@ describe("crunch-run warm pool (process runtime)", () => {
     }
   });
 
+  it("a supervisor whose bundle ended goes back to the pool and supervises the next bundle; one stopped by a signal exits", async () => {
+    await poolOf(1);
+    // The pool's one spare, once no supervisor of an earlier bundle is still on its way back (they are let go).
+    let first: number | undefined;
+    await waitFor(async () => {
+      const before = pidsTitled(h.root, "crunch-run spare");
+      await new Promise((r) => setTimeout(r, 1500));
+      const after = pidsTitled(h.root, "crunch-run spare");
+      first = after[0];
+      return before.length === 1 && after.length === 1 && before[0] === first;
+    });
+    const socket = await socketOf();
+    const a = await h.newStartingBundle({ command: ["sh", "-c", 'echo a > "$DISPATCH_OUTPUT_DIR/x"'] });
+    expect(await handOff(socket, "start", a.uuid, doc(a, { warmSupervisors: 1 }))).toBe(first);
+    expect((await h.waitFinal(a.uuid)).state).toBe("ready");
+    // RETURN_QUIET_MS after its bundle, before the pool's refill (REFILL_DELAY_MS after the hand-off): the same
+    // process is the pool's one spare again, and no other was started.
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").includes(first as number));
+    expect(await readLockText(lockFile(runnerPaths(h.env), a.uuid))).toBeNull();
+    await new Promise((r) => setTimeout(r, 3500));
+    expect(pidsTitled(h.root, "crunch-run spare")).toEqual([first]);
+
+    // It supervises the next bundle as a fresh spare would: its lock, its own output, its own log.
+    const b = await h.newStartingBundle({ command: ["sh", "-c", 'echo b > "$DISPATCH_OUTPUT_DIR/x"'] });
+    expect(await handOff(socket, "start", b.uuid, doc(b, { warmSupervisors: 1 }))).toBe(first);
+    expect((await h.waitFinal(b.uuid)).state).toBe("ready");
+    expect(await h.output(b.uuid, "x")).toEqual({ status: 200, body: "b\n" });
+    const logB = readFileSync(join(h.root, "var", "log", "crunch-run", `${b.uuid}.log`), "utf8");
+    expect(logB).not.toContain(a.uuid);
+    expect(logB).not.toContain(b.token);
+
+    // A bundle that outlasts the refill: the pool starts a new spare meanwhile, and lets the supervisor go when
+    // it comes back to a pool that has what it wants.
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").includes(first as number));
+    const c = await h.newStartingBundle({ command: ["sleep", "4"] });
+    expect(await handOff(socket, "start", c.uuid, doc(c, { warmSupervisors: 1 }))).toBe(first);
+    // --kill of a bundle that has ended signals nobody: its supervisor is another bundle's now.
+    expect((await h.crunchRun(["--kill", "TERM", b.uuid])).code).toBe(0);
+    expect((await h.waitFinal(c.uuid)).state).toBe("ready");
+    await waitFor(async () => !isAlive(first as number));
+    const [second] = pidsTitled(h.root, "crunch-run spare");
+    expect(second).toBeDefined();
+    expect(second).not.toBe(first);
+
+    // Stopped by --kill, the supervisor stops its bundle and exits instead of coming back.
+    const d = await h.newStartingBundle({ command: ["sleep", "30"] });
+    expect(await handOff(socket, "start", d.uuid, doc(d, { warmSupervisors: 1 }))).toBe(second);
+    await h.waitState(d.uuid, ["running"]);
+    expect((await h.crunchRun(["--kill", "TERM", d.uuid])).code).toBe(0);
+    await waitFor(async () => !isAlive(second as number));
+    expect(await readLockText(lockFile(runnerPaths(h.env), d.uuid))).toBeNull();
+  });
+
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
     const paths = runnerPaths({ DISPATCH_VM_ROOT: "/r" });
     const old = spareSocketPath(paths, ["/tmp/dispatch-cloud/crunch-run~aaaa"]);
