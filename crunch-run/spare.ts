@@ -75,7 +75,7 @@ export const MAX_RETURN_RSS = 256 * 1024 * 1024;
  * checks the lock right before it signals the pid, and a signal still in flight after this long is not aimed at
  * the next bundle.
  */
-export const RETURN_QUIET_MS = 1000;
+export const RETURN_QUIET_MS = 250;
 /** The first line a supervisor coming back sends on the pool's socket: `spare <pid>`. */
 const RETURN_LINE = /^spare (\d{1,10})$/;
 /** How long a spare may take to answer a hand-off before it is killed and the hand-off refused. */
@@ -221,29 +221,59 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
 
   const count = (pred: (s: Spare) => boolean) => [...spares].filter(pred).length;
 
-  /** Spawns spares: the background refill up to `target` free ones, and one at once per waiting hand-off. */
+  /**
+   * Supervisors handed a bundle within the last REFILL_DELAY_MS, by pid: the refill counts them as spares on their
+   * way back (a short bundle's supervisor is back within about RETURN_QUIET_MS of its end), so that back-to-back
+   * bundles cost no new process. One still away after that is taken to run a long bundle, and replaced.
+   */
+  const lent = new Map<number, number>();
+  /** How many supervisors are on their way back; forgets those too long away, and refills again when they are. */
+  const comingBack = (): number => {
+    const now = Date.now();
+    let oldest = Number.POSITIVE_INFINITY;
+    for (const [pid, at] of lent) {
+      if (now - at >= REFILL_DELAY_MS) lent.delete(pid);
+      else oldest = Math.min(oldest, at);
+    }
+    if (lent.size > 0) refillIn(oldest + REFILL_DELAY_MS - now);
+    return lent.size;
+  };
+
+  /**
+   * Spawns spares: one at once per waiting hand-off that has none, and the background refill up to `target` free
+   * ones (counting supervisors on their way back).
+   */
   const fill = () => {
     if (closing) return;
     const free = count((s) => !s.busy);
     const warming = count((s) => !s.ready);
-    const want = target + pending.length - free;
+    const want = Math.max(pending.length - free, target + pending.length - free - comingBack());
     const now = Math.max(pending.length - warming, parallel - warming);
     for (let i = 0; i < Math.min(want, now); i++) spawnSpare();
   };
 
   /**
    * The background refill after a hand-off, REFILL_DELAY_MS later: a spare's start-up (a new Node process, hundreds
-   * of ms of CPU) would otherwise compete with the supervisor just handed its bundle, whose `start` call is what
-   * the bundle waits for.
+   * of ms of CPU) would otherwise compete with the supervisors just handed their bundles, whose `start` calls are
+   * what the bundles wait for, and the supervisors of short bundles are back by then.
    */
   let refillTimer: NodeJS.Timeout | null = null;
-  const refillSoon = () => {
-    if (refillTimer !== null) return;
-    refillTimer = setTimeout(() => {
-      refillTimer = null;
-      fill();
-    }, REFILL_DELAY_MS);
+  let refillDue = Number.POSITIVE_INFINITY;
+  const refillIn = (ms: number) => {
+    const due = Date.now() + Math.max(0, ms);
+    if (refillTimer !== null && refillDue <= due) return;
+    if (refillTimer !== null) clearTimeout(refillTimer);
+    refillDue = due;
+    refillTimer = setTimeout(
+      () => {
+        refillTimer = null;
+        refillDue = Number.POSITIVE_INFINITY;
+        fill();
+      },
+      Math.max(0, ms),
+    );
   };
+  const refillSoon = () => refillIn(REFILL_DELAY_MS);
 
   const spawnSpare = () => {
     const out = openSpareLog(paths);
@@ -330,6 +360,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
         spare.proc.removeAllListeners("message");
         spare.proc.removeAllListeners("exit");
         settle(pidAnswer(m.pid));
+        lent.set(m.pid, Date.now());
         refillSoon();
       } else if (m?.type === "refused") {
         spare.busy = false;
@@ -402,6 +433,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       }
       const rest = text.slice(nl + 1);
       text = "";
+      lent.delete(Number(pid));
       adopt(new ReturnedSpare(sock, Number(pid), rest), true);
     };
     sock.on("data", onData);

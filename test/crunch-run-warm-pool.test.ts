@@ -193,7 +193,7 @@ describe("crunch-run warm pool (process runtime)", () => {
     const a = await h.newStartingBundle({ command: ["sh", "-c", 'echo a > "$DISPATCH_OUTPUT_DIR/x"'] });
     expect(await handOff(socket, "start", a.uuid, doc(a, { warmSupervisors: 1 }))).toBe(first);
     expect((await h.waitFinal(a.uuid)).state).toBe("ready");
-    // RETURN_QUIET_MS after its bundle, before the pool's refill (REFILL_DELAY_MS after the hand-off): the same
+    // RETURN_QUIET_MS after its bundle (the refill counts it as on its way back meanwhile): the same
     // process is the pool's one spare again, and no other was started.
     await waitFor(async () => pidsTitled(h.root, "crunch-run spare").includes(first as number));
     expect(await readLockText(lockFile(runnerPaths(h.env), a.uuid))).toBeNull();
@@ -229,6 +229,30 @@ describe("crunch-run warm pool (process runtime)", () => {
     expect((await h.crunchRun(["--kill", "TERM", d.uuid])).code).toBe(0);
     await waitFor(async () => !isAlive(second as number));
     expect(await readLockText(lockFile(runnerPaths(h.env), d.uuid))).toBeNull();
+  });
+
+  it("the refill counts a supervisor on its way back as a spare: back-to-back bundles start no new process", async () => {
+    await poolOf(2);
+    let two: number[] = [];
+    await waitFor(async () => {
+      const before = pidsTitled(h.root, "crunch-run spare");
+      await new Promise((r) => setTimeout(r, 1000));
+      two = pidsTitled(h.root, "crunch-run spare");
+      return before.length === 2 && two.length === 2 && before.every((p) => two.includes(p));
+    });
+    const socket = await socketOf();
+    // The first hand-off sets the refill 3 s later; the second bundle is still running then (its supervisor
+    // away), and comes back 1 s after: without counting it, the pool would start a third process at 3 s.
+    const a = await h.newStartingBundle({ command: ["true"] });
+    const pidA = await handOff(socket, "start", a.uuid, doc(a, { warmSupervisors: 2 }));
+    await new Promise((r) => setTimeout(r, 2500));
+    const b = await h.newStartingBundle({ command: ["sleep", "1.5"] });
+    const pidB = await handOff(socket, "start", b.uuid, doc(b, { warmSupervisors: 2 }));
+    expect(new Set([pidA, pidB])).toEqual(new Set(two));
+    expect((await h.waitFinal(b.uuid)).state).toBe("ready");
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 2);
+    await new Promise((r) => setTimeout(r, 1500));
+    expect(new Set(pidsTitled(h.root, "crunch-run spare"))).toEqual(new Set(two));
   });
 
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
