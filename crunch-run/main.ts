@@ -322,7 +322,8 @@ async function warmPool(count: number, paths: RunnerPaths, env: NodeJS.ProcessEn
   const command = selfCommand();
   const socketPath = spareSocketPath(paths, command);
   if (socketPath === null) return 0;
-  await runWarmPool({ socketPath, paths, command, env, count });
+  const list = async () => (await listBundles(paths, env)).map((line) => `${line}\n`).join("");
+  await runWarmPool({ socketPath, paths, command, env, count, list });
   return 0;
 }
 

@@ -48,6 +48,7 @@ import { availableParallelism } from "node:os";
 import path from "node:path";
 import {
   formatHandOff,
+  LIST_REQUEST,
   MAX_WARM_SUPERVISORS,
   parseHandOff,
   parsePidAnswer,
@@ -198,6 +199,8 @@ export interface WarmPoolOptions {
   env: NodeJS.ProcessEnv;
   /** Spares to keep ready until a hand-off says otherwise. */
   count: number;
+  /** What `crunch-run --list` prints, for a probe's LIST_REQUEST on the socket. */
+  list?: () => Promise<string>;
   idleMs?: number;
 }
 
@@ -438,6 +441,14 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     };
     sock.on("data", onData);
     sock.on("end", () => {
+      // A probe's listing: answered from this process (no `--list` process), and no reason to stay up.
+      if (text === LIST_REQUEST && opts.list !== undefined && !closing) {
+        opts.list().then(
+          (listing) => sock.end(listing),
+          () => sock.destroy(),
+        );
+        return;
+      }
       const work = parseHandOff(text);
       if (closing || work === null) {
         sock.end(refusedAnswer(work === null ? "not a hand-off" : "the warm pool is closing"));

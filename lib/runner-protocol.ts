@@ -314,6 +314,12 @@ export interface SpareHandOff {
   doc: string;
 }
 
+/**
+ * What a probe sends on the spare's socket instead of running `crunch-run --list`: the warm pool answers with
+ * what `--list` would print (no process is started on the instance). A pool that does not know it refuses it.
+ */
+export const LIST_REQUEST = "list\n";
+
 /** What a hand-off sends on the spare's socket: `<mode> <uuid>\n<start document>`. */
 export const formatHandOff = (h: SpareHandOff): string => `${h.mode} ${h.uuid}\n${h.doc}`;
 

@@ -12,7 +12,10 @@ import { findPids, isAlive, readCmdline } from "../cloud-drivers/local/procs.ts"
 import { holderAlive, parseLock, readLockText } from "../crunch-run/lock.ts";
 import { lockFile, runnerPaths } from "../crunch-run/paths.ts";
 import { spareSocketPath } from "../crunch-run/spare.ts";
-import { formatHandOff, parsePidAnswer } from "../lib/runner-protocol.ts";
+import { probeList } from "../dispatcher/pool/probe.ts";
+import { runnerCommands } from "../dispatcher/pool/runner-commands.ts";
+import type { Executor } from "../lib/executor.ts";
+import { formatHandOff, LIST_REQUEST, parsePidAnswer } from "../lib/runner-protocol.ts";
 import { type RunnerHarness, startRunnerHarness } from "./crunch-run-harness.ts";
 import { useTestDb } from "./db.ts";
 
@@ -253,6 +256,72 @@ describe("crunch-run warm pool (process runtime)", () => {
     await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 2);
     await new Promise((r) => setTimeout(r, 1500));
     expect(new Set(pidsTitled(h.root, "crunch-run spare"))).toEqual(new Set(two));
+  });
+
+  it("answers a probe's listing as --list does, so a probe starts no process; a probe whose pool does not answer runs --list", async () => {
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length >= 1);
+    const socket = await socketOf();
+    const x = await h.newStartingBundle({ command: ["sleep", "30"] });
+    expect(await handOff(socket, "start", x.uuid, doc(x))).toBeGreaterThan(0);
+    await h.waitState(x.uuid, ["running"]);
+    // The instance's side as the dispatcher's executor reaches it, without SSH: commands run crunch-run itself
+    // (`--list` is the only one a probe of a booted instance sends), socket exchanges go to the real socket.
+    const commands: string[] = [];
+    const exec: Executor = {
+      async execute(command) {
+        commands.push(command);
+        const r = await h.crunchRun(["--list"]);
+        return {
+          exitCode: r.code,
+          signal: null,
+          stdout: Buffer.from(r.stdout),
+          stderr: Buffer.from(r.stderr),
+        };
+      },
+      exchange: async (path, payload) => Buffer.from(await exchange(path, (await payload) ?? "")),
+      close: async () => {},
+    };
+    const target = {
+      exec,
+      cmds: runnerCommands("/tmp/dispatch-cloud", "0".repeat(64)),
+      runner: { content: Buffer.alloc(0), sha256: "0".repeat(64) },
+      bootProbeCommand: "",
+      spareSocket: socket,
+      now: () => Date.now(),
+    };
+    const byPool = await probeList(target);
+    expect(commands).toEqual([]);
+    expect(byPool.ok && byPool.listed.runners.get(x.uuid)).toBe("running");
+    expect(byPool.ok && byPool.listed.spare).toBe(socket);
+    // Line for line what --list prints.
+    const lines = (t: string) =>
+      t
+        .split("\n")
+        .filter((l) => l !== "")
+        .sort();
+    expect(lines(await exchange(socket, LIST_REQUEST))).toEqual(
+      lines((await h.crunchRun(["--list"])).stdout),
+    );
+
+    // No pool on that socket (it went, or was never there): the probe runs --list, and learns the same.
+    const fallback = await probeList({
+      ...target,
+      spareSocket: join(h.root, "var", "run", "cr-spare-none.sock"),
+    });
+    expect(commands).toHaveLength(1);
+    expect(fallback.ok && fallback.listed.runners.get(x.uuid)).toBe("running");
+    // A pool that does not know the request (an older runner) refuses it: --list again.
+    const refusing = net.createServer((sock) => sock.end("refused not a hand-off"));
+    const other = join(h.root, "var", "run", "cr-spare-old.sock");
+    await new Promise<void>((resolve) => refusing.listen(other, resolve));
+    try {
+      const old = await probeList({ ...target, spareSocket: other });
+      expect(commands).toHaveLength(2);
+      expect(old.ok && old.listed.runners.get(x.uuid)).toBe("running");
+    } finally {
+      refusing.close();
+    }
+    expect((await h.crunchRun(["--kill", "TERM", x.uuid])).code).toBe(0);
   });
 
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {

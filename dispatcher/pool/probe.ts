@@ -5,7 +5,7 @@
  * ssh.not_ready (still booting) or ssh.host_mismatch (not our instance). Probes only report; the pool decides.
  */
 import type { Executor } from "../../lib/executor.ts";
-import { type ListedRunners, parseList, VERSION_LINE } from "../../lib/runner-protocol.ts";
+import { LIST_REQUEST, type ListedRunners, parseList, VERSION_LINE } from "../../lib/runner-protocol.ts";
 import { checksumMatches, type RunnerCommands } from "./runner-commands.ts";
 
 /** Bounds on one command of a probe (the real SSH executor also bounds connecting). */
@@ -41,6 +41,8 @@ export type ProbeResult =
 
 export interface ProbeTarget {
   exec: Executor;
+  /** The warm pool's socket from the last `--list` (its `spare` line): a booted instance's probe asks it first. */
+  spareSocket?: string | null;
   cmds: RunnerCommands;
   runner: { content: Buffer; sha256: string };
   bootProbeCommand: string;
@@ -130,9 +132,18 @@ export async function probeBooting(
   }
 }
 
-/** Probes a booted instance: `--list`. */
+/** How long a probe waits for the warm pool's listing before it runs `--list` instead. */
+const POOL_LIST_TIMEOUT_MS = 5000;
+
+/**
+ * Probes a booted instance: `--list`. When the last one named the instance's warm pool, the pool is asked for the
+ * same listing over the connection (LIST_REQUEST), which starts no process on the instance; a pool that is gone,
+ * slow, refuses, or answers what is not a listing of itself falls back to running `--list`.
+ */
 export async function probeList(t: ProbeTarget): Promise<ProbeResult> {
   const listSentAt = t.now();
+  const fromPool = await listFromPool(t);
+  if (fromPool !== null) return { ok: true, listed: fromPool, listSentAt, deployed: false, booted: true };
   try {
     const res = await t.exec.execute(t.cmds.list, { timeoutMs: PROBE_COMMAND_TIMEOUT_MS });
     if (res.exitCode !== 0) {
@@ -154,6 +165,23 @@ export async function probeList(t: ProbeTarget): Promise<ProbeResult> {
   } catch (err) {
     return probeFailure(err, false);
   }
+}
+
+/** The warm pool's listing, or null when there is no pool to ask or its answer is not one (then `--list`). */
+async function listFromPool(t: ProbeTarget): Promise<ListedRunners | null> {
+  const socket = t.spareSocket ?? null;
+  if (socket === null || t.exec.exchange === undefined) return null;
+  let answer: string;
+  try {
+    answer = (await t.exec.exchange(socket, LIST_REQUEST, { timeoutMs: POOL_LIST_TIMEOUT_MS })).toString(
+      "utf8",
+    );
+  } catch {
+    return null;
+  }
+  const listed = parseList(answer);
+  // A listing of a live pool names its own socket; anything else (a refusal, an old runner) is not one.
+  return listed.unknown.length === 0 && listed.spare === socket ? listed : null;
 }
 
 /** A probe that ended in `err` (a stage's failure, or the executor's error: connect, timeout, mismatch). */

@@ -348,6 +348,7 @@ export class Worker implements WorkerView {
           cmds: this.ctx.cmds,
           runner: this.ctx.runner,
           bootProbeCommand: this.ctx.config.cloud.bootProbeCommand,
+          spareSocket: this.spareSocket,
           now: () => this.ctx.clock.now(),
         };
         result = booting
