@@ -437,7 +437,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       const rest = text.slice(nl + 1);
       text = "";
       lent.delete(Number(pid));
-      adopt(new ReturnedSpare(sock, Number(pid), rest), true);
+      adopt(new ReturnedSpare(sock, rest), true);
     };
     sock.on("data", onData);
     sock.on("end", () => {
@@ -485,18 +485,17 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
 
 /**
  * A supervisor that came back to the pool after its bundle, spoken to over its connection to the pool's socket:
- * messages are lines of JSON both ways. Its process is not the pool's child: SIGTERM closes the connection (the
- * supervisor then exits, as a spare does when its pool goes); SIGKILL also kills it by pid.
+ * messages are lines of JSON both ways. Its process is not the pool's child, and the pid it names is only its
+ * word: the pool never signals it. Any kill closes the connection (the supervisor then exits, as a spare does
+ * when its pool goes).
  */
 class ReturnedSpare extends EventEmitter implements SpareProc {
   readonly #sock: net.Socket;
-  readonly #pid: number;
   #gone = false;
 
-  constructor(sock: net.Socket, pid: number, buffered: string) {
+  constructor(sock: net.Socket, buffered: string) {
     super();
     this.#sock = sock;
-    this.#pid = pid;
     readLines(sock, buffered, MAX_LINE, (line) => {
       let m: unknown;
       try {
@@ -521,14 +520,7 @@ class ReturnedSpare extends EventEmitter implements SpareProc {
     return this.#sock.write(`${JSON.stringify(message)}\n`, (err) => callback(err ?? null));
   }
 
-  kill(signal: NodeJS.Signals): boolean {
-    if (signal === "SIGKILL" && !this.#gone) {
-      try {
-        process.kill(this.#pid, "SIGKILL");
-      } catch {
-        // Gone already.
-      }
-    }
+  kill(): boolean {
     this.#sock.destroy();
     return true;
   }

@@ -3,6 +3,7 @@
  * from sources with its own DISPATCH_VM_ROOT, hand-offs sent to the pool's socket as the dispatcher sends them
  * over SSH (`start <uuid>\n<document>`).
  */
+import { spawn } from "node:child_process";
 import { readFileSync, statSync } from "node:fs";
 import http from "node:http";
 import net from "node:net";
@@ -322,6 +323,46 @@ describe("crunch-run warm pool (process runtime)", () => {
       refusing.close();
     }
     expect((await h.crunchRun(["--kill", "TERM", x.uuid])).code).toBe(0);
+  });
+
+  it("a peer that says it is a supervisor coming back is never trusted with a signal, and one that speaks garbage is dropped", async () => {
+    await poolOf(1);
+    const socket = await socketOf();
+    // Nonsense after the return line: the pool drops the connection and goes on.
+    const garbage = net.connect(socket);
+    await new Promise<void>((resolve) => garbage.on("connect", resolve));
+    const dropped = new Promise<void>((resolve) => garbage.on("close", () => resolve()));
+    garbage.on("error", () => {});
+    garbage.write("spare 1\nnot json\n");
+    await dropped;
+
+    // A hand-off to a "supervisor" that never answers: refused after ANSWER_MAX_MS, and the process it named
+    // (here a bystander of the test's own) is left alone.
+    const bystander = spawn("sleep", ["60"], { stdio: "ignore" });
+    try {
+      const busy = await h.newStartingBundle({ command: ["sleep", "30"] });
+      expect(await handOff(socket, "start", busy.uuid, doc(busy, { warmSupervisors: 1 }))).toBeGreaterThan(0);
+      const liar = net.connect(socket);
+      await new Promise<void>((resolve) => liar.on("connect", resolve));
+      liar.on("error", () => {});
+      const closed = new Promise<void>((resolve) => liar.on("close", () => resolve()));
+      let got = "";
+      liar.setEncoding("utf8");
+      liar.on("data", (d: string) => {
+        got += d;
+      });
+      liar.write(`spare ${bystander.pid}\n${JSON.stringify({ type: "ready" })}\n`);
+      const x = await h.newStartingBundle({ command: ["true"] });
+      expect(await handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 1 }))).toBe(-1);
+      expect(got).toContain(x.uuid);
+      await closed;
+      await new Promise((r) => setTimeout(r, 300));
+      expect(bystander.signalCode).toBeNull();
+      expect(bystander.exitCode).toBeNull();
+      expect((await h.crunchRun(["--kill", "TERM", busy.uuid])).code).toBe(0);
+    } finally {
+      bystander.kill("SIGKILL");
+    }
   });
 
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
