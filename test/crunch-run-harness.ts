@@ -10,6 +10,7 @@ import http from "node:http";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
+import { findPids, terminate } from "../cloud-drivers/local/procs.ts";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import type { Db } from "../store/db.ts";
@@ -194,11 +195,24 @@ export async function startRunnerHarness(db: Db, limits: HarnessLimits = {}): Pr
           // gone
         }
       }
+      // Supervisors outlive their bundles (they go back to the warm pool), and the pool and its spares write
+      // under the root: stop every process of this root before removing it.
+      const left = await stopProcessesOf(root);
       await app.close();
       await rm(dataDir, { recursive: true, force: true });
-      await rm(root, { recursive: true, force: true });
+      await rm(root, { recursive: true, force: true, maxRetries: 5 });
+      if (left.length > 0) throw new Error(`processes of ${root} outlived SIGKILL: ${left.join(" ")}`);
     },
   };
+}
+
+/**
+ * SIGKILLs every process whose environment says DISPATCH_VM_ROOT=root (the warm pool, its spares, supervisors)
+ * and waits for them to go; returns the pids of any still there.
+ */
+export async function stopProcessesOf(root: string): Promise<number[]> {
+  await terminate(findPids({ env: ["DISPATCH_VM_ROOT", root] }), 0);
+  return findPids({ env: ["DISPATCH_VM_ROOT", root] });
 }
 
 /** The supervisor's own log (its stdout and stderr), for failure messages. */

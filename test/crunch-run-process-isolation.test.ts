@@ -17,6 +17,7 @@ import {
   type RunnerHarness,
   type RunResult,
   startRunnerHarness,
+  stopProcessesOf,
   supervisorLog,
 } from "./crunch-run-harness.ts";
 import { useTestDb } from "./db.ts";
@@ -156,8 +157,11 @@ describe("crunch-run (process runtime): a uid of its own per bundle", () => {
       await chmod(root, 0o755);
     });
     afterAll(async () => {
-      // Removing the root also sends the warm spare away (its socket is gone).
-      if (root !== "") await rm(root, { recursive: true, force: true });
+      if (root === "") return;
+      // The warm pool, its spare and a supervisor gone back to it write under the root: stop them first.
+      const left = await stopProcessesOf(root);
+      await rm(root, { recursive: true, force: true, maxRetries: 5 });
+      expect(left, "processes of the runner's root that outlived SIGKILL").toEqual([]);
     });
 
     it("runs the bundle as the runner's own user and says in its stderr what that leaves open", async () => {
