@@ -44,6 +44,8 @@ export interface ProcessRuntimeOptions {
   workRoot: string;
   /** Where the uid leases are (paths.uidLeaseDir). */
   uidLeaseDir: string;
+  /** The path of a bundle's supervisor lock (paths.lockFile): a lease is held while its supervisor holds it. */
+  bundleLock?: (uuid: string) => string;
   /** What planIsolation decides on; default: this process's. */
   facts?: IsolationFacts;
 }
@@ -166,7 +168,10 @@ export function createProcessRuntime(opts: ProcessRuntimeOptions): ContainerRunt
     warnings: [isolationWarning(plan)],
     async prepare() {},
     async start(config: ContainerConfig): Promise<RunningContainer> {
-      const lease = plan.kind === "own-uid" ? await leaseUid(opts.uidLeaseDir, plan.uids, config.uuid) : null;
+      const lease =
+        plan.kind === "own-uid"
+          ? await leaseUid(opts.uidLeaseDir, plan.uids, config.uuid, opts.bundleLock)
+          : null;
       try {
         if (lease !== null) await handOver(config, lease.uid);
         return await spawnCommand(config, lease);

@@ -813,6 +813,7 @@ async function chooseRuntime(
       uids: { first: doc.processUidFirst, count: doc.processUidCount },
       workRoot: paths.workRoot,
       uidLeaseDir: paths.uidLeaseDir,
+      bundleLock: (uuid) => lockFile(paths, uuid),
     });
   if (engine === "process") return processRuntime();
   const docker = createDockerClient(env);

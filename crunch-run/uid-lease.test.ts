@@ -8,6 +8,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { procStartTime } from "./lock.ts";
 import { killUidProcesses, leasedUids, leaseUid, uidPids } from "./uid-lease.ts";
 
 const RANGE = { first: 1_900_100_000 + (process.pid % 1000) * 10, count: 3 };
@@ -79,6 +80,36 @@ describe("uid leases", () => {
     expect(uidPids(RANGE.first + 1)).toEqual([]);
     await a.release();
     await b.release();
+  });
+
+  it("takes over a live supervisor's lease once it no longer holds that bundle's lock", async () => {
+    // Supervisors go back to the warm pool after a bundle: a lease one could not give back names a live pid.
+    writeFileSync(path.join(dir, "next"), "0\n");
+    const self = { pid: process.pid, startTime: procStartTime(process.pid) ?? "" };
+    const lockOf = (uuid: string) => path.join(base, "var", "lock", `crunch-run-${uuid}.lock`);
+    const [ended, running] = ["zzzzz-bndl-endedendedended", "zzzzz-bndl-runningrunningru"];
+    writeFileSync(path.join(dir, String(RANGE.first)), JSON.stringify({ uuid: ended, ...self }));
+    writeFileSync(path.join(dir, String(RANGE.first + 1)), JSON.stringify({ uuid: running, ...self }));
+    writeFileSync(lockOf(running), JSON.stringify({ uuid: running, ...self }));
+    // A lock of the ended bundle taken since by another supervisor does not make the lease held either.
+    writeFileSync(lockOf(ended), JSON.stringify({ uuid: ended, pid: 1, startTime: procStartTime(1) ?? "" }));
+    // Without the locks to look at, both leases are held (a live pid), as before.
+    const blind = await leaseUid(dir, RANGE, UUID);
+    expect(blind.uid).toBe(RANGE.first + 2);
+    await blind.release();
+    writeFileSync(path.join(dir, "next"), "0\n");
+    // This test's process supervises UUID, the bundle it leases for.
+    writeFileSync(lockOf(UUID), JSON.stringify({ uuid: UUID, ...self }));
+    const a = await leaseUid(dir, RANGE, UUID, lockOf);
+    expect(a.uid, "the ended bundle's lease is taken over").toBe(RANGE.first);
+    const b = await leaseUid(dir, RANGE, UUID, lockOf);
+    expect(b.uid, "the running bundle's lease is left alone").toBe(RANGE.first + 2);
+    const full = await leaseUid(dir, RANGE, UUID, lockOf).catch((e: unknown) => e);
+    expect((full as DispatchCloudError).code).toBe("crunchrun.runtime_failed");
+    for (const l of [a, b]) await l.release();
+    rmSync(path.join(dir, String(RANGE.first + 1)));
+    for (const uuid of [ended, running, UUID]) rmSync(lockOf(uuid));
+    expect(leasedUids(dir)).toEqual([]);
   });
 
   it("refuses a lease directory that someone else could have made or changed", async () => {

@@ -1,7 +1,8 @@
 /**
  * Leases of the process runtime's uids: while a bundle runs as uid N, `${ROOT}/var/lock/crunch-run-uids/<N>`
  * holds its supervisor's {uuid, pid, startTime} (lock.ts's format, taken the same exclusive way). A uid is free
- * when it has no lease, or its lease's supervisor is dead, and no process runs as it (a dead supervisor's
+ * when it has no lease, or its lease's supervisor is dead or no longer holds that bundle's lock, and no process
+ * runs as it (a dead supervisor's
  * bundle may still run; a local VM sharing the machine may use the uid under another root). Leases are handed
  * out round robin from `next` (a new directory starts at a random place, so local VMs sharing a machine seldom
  * meet), and a uid comes back to a bundle only after the whole range went round: files a bundle left in /tmp
@@ -17,6 +18,7 @@ import { unlink } from "node:fs/promises";
 import path from "node:path";
 import {
   holderAlive,
+  type LockInfo,
   parseLock,
   procStartTime,
   readLockText,
@@ -36,8 +38,26 @@ export interface UidLease {
   release(): Promise<void>;
 }
 
-export async function leaseUid(dir: string, range: UidRange, uuid: string): Promise<UidLease> {
+/**
+ * Leases a free uid for bundle `uuid`. With `bundleLock` (the path of a bundle's supervisor lock, paths.lockFile),
+ * a lease counts as held only while its supervisor still holds the lock of the lease's bundle: a supervisor goes
+ * back to the warm pool after its bundle, so a lease it could not give back (something ran on as the uid) must
+ * not stay taken for the rest of that process's life.
+ */
+export async function leaseUid(
+  dir: string,
+  range: UidRange,
+  uuid: string,
+  bundleLock?: (uuid: string) => string,
+): Promise<UidLease> {
   openLeaseDir(dir);
+  const stillHeld = async (held: LockInfo): Promise<boolean> => {
+    if (!holderAlive(held)) return false;
+    if (bundleLock === undefined) return true;
+    const text = await readLockText(bundleLock(held.uuid)).catch(() => null);
+    const lock = text === null ? null : parseLock(text);
+    return lock !== null && lock.pid === held.pid && lock.startTime === held.startTime;
+  };
   const info = { uuid, pid: process.pid, startTime: procStartTime(process.pid) ?? "" };
   const start = nextOffset(dir, range);
   for (let i = 0; i < range.count; i++) {
@@ -47,8 +67,9 @@ export async function leaseUid(dir: string, range: UidRange, uuid: string): Prom
     if (!tryCreateLock(file, info)) {
       const text = await readLockText(file).catch(() => null);
       const held = text === null ? null : parseLock(text);
-      if (text === null || (held !== null && holderAlive(held)) || uidPids(uid).length > 0) continue;
-      // A dead supervisor's lease with nothing left running: take it over (unless someone just did).
+      if (text === null || (held !== null && (await stillHeld(held))) || uidPids(uid).length > 0) continue;
+      // A lease of a dead supervisor, or of one that no longer supervises its bundle, with nothing left running
+      // as the uid: take it over (unless someone just did).
       if (!(await removeDeadLock(file, text)) || !tryCreateLock(file, info)) continue;
     }
     if (uidPids(uid).length > 0) {
