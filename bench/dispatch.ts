@@ -5,7 +5,8 @@
  *
  * 1. back to back: N bundles (default 200) submitted one after another, each once the previous one has ended;
  * 2. bursts: B times (default 5), 20 bundles submitted at once (one batch request) to the two idle VMs, each
- *    burst once both VMs are idle again with their warm spares ready.
+ *    burst once both VMs are quiet again: their warm spares ready and no other runner process (each phase starts
+ *    so, after the warm-up too).
  *
  * For each phase it prints p50/p99 of the time from the submit request to crunch-run's `start` call (the
  * bundle's runningAt), the stages in between, and how many starts went to a warm spare; then, measured in the
@@ -229,33 +230,53 @@ async function sshRoundTrips(n: number): Promise<number[]> {
   return times;
 }
 
-/** Ready warm spares (crunch-run titles a spare `crunch-run spare` once it has loaded) per VM root. */
-function readySpares(): number[] {
+/**
+ * Per VM root: its ready warm spares (crunch-run titles a spare `crunch-run spare` once it has loaded), and its
+ * other processes besides the warm pool and the local VM's own (vm-main): a spare still loading, a supervisor on its
+ * way back to the pool or being let go, a `--list`.
+ */
+function vmProcesses(): { ready: number; busy: number }[] {
   const vmsDir = `${dir}/vms`;
   const roots = existsSync(vmsDir)
     ? readdirSync(vmsDir)
         .map((id) => path.join(vmsDir, id, "root"))
         .filter((r) => existsSync(r))
     : [];
-  return roots.map(
-    (root) =>
-      findPids({ env: ["DISPATCH_VM_ROOT", root] }).filter(
-        (pid) => (readCmdline(pid) ?? []).join(" ") === "crunch-run spare",
+  return roots.map((root) => {
+    const titles = findPids({ env: ["DISPATCH_VM_ROOT", root] }).map((pid) =>
+      (readCmdline(pid) ?? []).join(" "),
+    );
+    return {
+      ready: titles.filter((t) => t === "crunch-run spare").length,
+      busy: titles.filter(
+        (t) => t !== "crunch-run spare" && t !== "crunch-run warm-pool" && t !== "" && !t.includes("vm-main"),
       ).length,
-  );
+    };
+  });
 }
 
-/** Waits (up to 60 s) until both VMs have their warm spares ready; says so if they do not. */
+/**
+ * Waits (up to 60 s) until both VMs are quiet: their warm spares ready and no other crunch-run process (a spare
+ * still starting takes hundreds of ms of CPU) in two looks 200 ms apart. Says so if they do not get there.
+ */
 async function sparesReady(): Promise<void> {
-  const deadline = Date.now() + 60_000;
+  const t0 = Date.now();
+  const deadline = t0 + 60_000;
+  let quietBefore = false;
   for (;;) {
-    const ready = readySpares();
-    if (ready.length >= 2 && ready.every((n) => n >= WARM)) return;
-    if (Date.now() > deadline) {
-      progress(`bench:dispatch: warm spares ready per VM: ${ready.join(", ")} (wanted ${WARM}); going on`);
+    const vms = vmProcesses();
+    const quiet = vms.length >= 2 && vms.every((v) => v.ready >= WARM && v.busy === 0);
+    if (quiet && quietBefore) {
+      progress(`bench:dispatch: VMs quiet after ${Date.now() - t0} ms`);
       return;
     }
-    await new Promise((r) => setTimeout(r, 100));
+    quietBefore = quiet;
+    if (Date.now() > deadline) {
+      const said = vms.map((v) => `${v.ready} ready, ${v.busy} other`).join("; ");
+      progress(`bench:dispatch: VMs not quiet after 60 s (${said}; wanted ${WARM} ready, 0 other); going on`);
+      return;
+    }
+    await new Promise((r) => setTimeout(r, 200));
   }
 }
 
