@@ -2,11 +2,10 @@
  * Leases of the process runtime's uids: while a bundle runs as uid N, `${ROOT}/var/lock/crunch-run-uids/<N>`
  * holds its supervisor's {uuid, pid, startTime} (lock.ts's format, taken the same exclusive way). A uid is free
  * when it has no lease, or its lease's supervisor is dead or no longer holds that bundle's lock, and no process
- * runs as it (a dead supervisor's
- * bundle may still run; a local VM sharing the machine may use the uid under another root). Leases are handed
- * out round robin from `next` (a new directory starts at a random place, so local VMs sharing a machine seldom
- * meet), and a uid comes back to a bundle only after the whole range went round: files a bundle left in /tmp
- * stay its uid's.
+ * runs as it (a dead supervisor's bundle may still run; a local VM sharing the machine may use the uid under
+ * another root). Leases are handed out round robin from `next` (a new directory starts at a random place, so
+ * local VMs sharing a machine seldom meet), and a uid comes back to a bundle only after the whole range went
+ * round: files a bundle left in /tmp stay its uid's.
  *
  * The directory must be root's and closed to others (0700): /var/lock may be writable by everyone, and a
  * bundle that could make the directory itself could give two bundles one uid. When it is not, leasing fails
