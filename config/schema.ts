@@ -215,7 +215,7 @@ const Quotas = Section(
   {
     maxQueuedBundlesPerUser: Int(
       1000,
-      "Non-final bundles (created, staged, starting, running) one user may have at once; a submission beyond it is refused (429 quota.queued_bundles). 0 = unlimited.",
+      "Non-final bundles (created, staged, starting, running) one user may have at once; a submission beyond it is refused (429 quota.queued_bundles), and a pipeline's ready jobs past it wait for room (docs/pipelines.md). 0 = unlimited.",
       0,
     ),
     submissionsPerSecond: Num(

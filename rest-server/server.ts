@@ -315,6 +315,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     bundleMinimums: ctx.bundleMinimums,
     imageResolvers: ctx.imageResolvers,
     logger: logger as Logger,
+    submitLimits: ctx.submitLimits,
   });
   registerRunnerRoutes(app, ctx);
   registerWorkerRoutes(app, ctx, {

@@ -232,7 +232,9 @@ export interface ReadyJob {
  */
 export async function readyWaitingJobs(
   db: Db,
-  args: { limit: number } | { ownerUuid: string; pipeline: string; keys: readonly JobKey[] },
+  args:
+    | { limit: number; excludeOwners?: readonly string[] }
+    | { ownerUuid: string; pipeline: string; keys: readonly JobKey[] },
 ): Promise<ReadyJob[]> {
   const scoped = "keys" in args;
   if (scoped && args.keys.length === 0) return [];
@@ -243,7 +245,8 @@ export async function readyWaitingJobs(
        FROM jsonb_to_recordset($3::jsonb) AS k(app text, job_id text)
        JOIN pipeline_jobs j ON j.owner_uuid = $1 AND j.pipeline = $2 AND j.app = k.app AND j.job_id = k.job_id
        WHERE j.state = 'waiting'`
-    : "SELECT j.owner_uuid, j.pipeline, j.app, j.job_id FROM pipeline_jobs j WHERE j.state = 'waiting'";
+    : `SELECT j.owner_uuid, j.pipeline, j.app, j.job_id FROM pipeline_jobs j
+       WHERE j.state = 'waiting' AND j.owner_uuid <> ALL($2::text[])`;
   const { rows } = await db.query<{
     owner_uuid: string;
     pipeline: string;
@@ -264,7 +267,7 @@ export async function readyWaitingJobs(
        HAVING bool_and(e.app IS NULL OR p.state IN ('completed', 'skipped'))
      )
      SELECT * FROM ready ${scoped ? "" : "LIMIT $1"}`,
-    scoped ? [args.ownerUuid, args.pipeline, keysJson(args.keys)] : [args.limit],
+    scoped ? [args.ownerUuid, args.pipeline, keysJson(args.keys)] : [args.limit, args.excludeOwners ?? []],
   );
   return rows.map((r) => ({
     ownerUuid: r.owner_uuid,

@@ -265,6 +265,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       // As the REST server resolves: our store first, then the configured registries.
       imageResolvers: registryResolvers.length === 0 ? [] : [storeImageResolver(db), ...registryResolvers],
       pollInterval: config.dispatcher.pollInterval,
+      submitLimits: config.quotas,
     });
     await pipelines.start();
     opened.push({ what: "the pipeline manager", close: () => pipelines.stop() });

@@ -24,10 +24,11 @@ import {
   type ReadyJob,
   readyWaitingJobs,
 } from "../../store/pipeline-queries.ts";
-import { insertBundles } from "../../store/queries.ts";
+import { countActiveBundles, getUser, insertBundles, lockSubmitBucket } from "../../store/queries.ts";
 import type { NewBundle } from "../../store/types.ts";
 import { type BundleMinimums, parseBundleRequest } from "../bundle-request.ts";
 import { type ImageResolver, pinImages } from "../image-resolve.ts";
+import { limitsApply, NO_SUBMIT_LIMITS, type SubmitLimits } from "../quotas.ts";
 
 /** What running pipelines needs: the database and what a bundle request needs on this server. */
 export interface PipelineEnv {
@@ -38,6 +39,17 @@ export interface PipelineEnv {
   bundleMinimums: BundleMinimums;
   imageResolvers: readonly ImageResolver[];
   logger: Logger;
+  /**
+   * Per-user limits (config `quotas`; default none). A job's bundle counts against the owner's
+   * maxQueuedBundlesPerUser like any other: jobs past it stay waiting until some of the owner's bundles end.
+   */
+  submitLimits?: SubmitLimits;
+}
+
+/** What startJobs did: jobs queued with a bundle, and ready jobs left waiting at the owner's queued-bundle cap. */
+export interface StartedJobs {
+  started: number;
+  held: number;
 }
 
 /** Rows per multi-row statement of bubble up. */
@@ -154,7 +166,7 @@ export async function bubbleUp(
   let started = 0;
   for (let i = 0; i < created.length; i += CHUNK) {
     const ready = await readyWaitingJobs(db, { ownerUuid, pipeline, keys: created.slice(i, i + CHUNK) });
-    started += await startJobs(env, def, ready);
+    started += (await startJobs(env, def, ready)).started;
   }
   const t3 = performance.now();
   return { created, started, timings: { walkMs: t1 - t0, storeMs: t2 - t1, startMs: t3 - t2 } };
@@ -184,17 +196,37 @@ export function jobBundle(
 }
 
 /**
+ * How many more bundles `ownerUuid` may have unfinished (quotas.maxQueuedBundlesPerUser), counted in `tx` with
+ * the user's quota row locked as submissions lock it, so that a submission and a pipeline cannot both take the
+ * last places; `wanted` when no cap applies (none configured, or an admin).
+ */
+async function roomUnderCap(
+  tx: Db,
+  limits: SubmitLimits,
+  ownerUuid: string,
+  wanted: number,
+): Promise<number> {
+  const cap = limits.maxQueuedBundlesPerUser;
+  if (cap <= 0) return wanted;
+  const owner = await getUser(tx, ownerUuid);
+  if (owner === null || !limitsApply(owner, limits)) return wanted;
+  await lockSubmitBucket(tx, { userUuid: ownerUuid, burst: limits.submissionBurst, now: new Date() });
+  return Math.max(0, Math.min(wanted, cap - (await countActiveBundles(tx, ownerUuid, cap))));
+}
+
+/**
  * Ready jobs (waiting, every parent completed or skipped) of one pipeline -> queued, each with a new bundle: one
  * transaction moving them (guarded: only jobs still waiting) and inserting the bundles of those that moved, with
  * one notification. A job whose bundle cannot be made (its rendered request is refused) is failed with the reason.
- * Returns the number of jobs started.
+ * Jobs that would take the owner past quotas.maxQueuedBundlesPerUser stay waiting (`held`); the manager starts
+ * them as the owner's bundles end.
  */
 export async function startJobs(
   env: PipelineEnv,
   def: PipelineDefinition,
   ready: readonly ReadyJob[],
-): Promise<number> {
-  if (ready.length === 0) return 0;
+): Promise<StartedJobs> {
+  if (ready.length === 0) return { started: 0, held: 0 };
   const { db } = env;
   const log = env.logger;
   const items: { job: ReadyJob; uuid: string; bundle: NewBundle }[] = [];
@@ -214,27 +246,36 @@ export async function startJobs(
       }
     }
   }
-  if (items.length === 0) return 0;
+  if (items.length === 0) return { started: 0, held: 0 };
   const first = items[0]!.job;
   const pinned = await pinImages(
     env.imageResolvers,
     items.map((it) => it.bundle),
   );
-  const moved = await db.transaction(async (tx) => {
+  const result = await db.transaction(async (tx) => {
+    const room = await roomUnderCap(tx, env.submitLimits ?? NO_SUBMIT_LIMITS, first.ownerUuid, items.length);
+    const allowed = items.slice(0, room);
+    if (allowed.length === 0) return { started: 0, held: items.length };
     const keys = await queueWaitingJobs(
       tx,
       first.ownerUuid,
       first.pipeline,
-      items.map((it) => ({ app: it.job.app, jobId: it.job.jobId, bundleUuid: it.uuid })),
+      allowed.map((it) => ({ app: it.job.app, jobId: it.job.jobId, bundleUuid: it.uuid })),
     );
     const won = new Set(keys.map(keyOf));
-    const toInsert = items.flatMap((it, i) =>
+    const toInsert = allowed.flatMap((it, i) =>
       won.has(keyOf(it.job)) ? [{ uuid: it.uuid, bundle: pinned[i]! }] : [],
     );
     await insertBundles(tx, first.ownerUuid, toInsert, "submitted");
-    return toInsert.length;
+    return { started: toInsert.length, held: items.length - allowed.length };
   });
-  if (moved > 0)
-    log.info({ pipeline: first.pipeline, owner: first.ownerUuid, jobs: moved }, "pipeline jobs queued");
-  return moved;
+  const where = { pipeline: first.pipeline, owner: first.ownerUuid };
+  if (result.started > 0) log.info({ ...where, jobs: result.started }, "pipeline jobs queued");
+  if (result.held > 0) {
+    log.info(
+      { ...where, jobs: result.held },
+      "pipeline jobs left waiting: their owner is at quotas.maxQueuedBundlesPerUser",
+    );
+  }
+  return result;
 }

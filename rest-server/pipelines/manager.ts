@@ -122,9 +122,12 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
     }
     // Failures down the graph, a level per statement.
     for (let n = await propagateFailures(db); n > 0; n = await propagateFailures(db)) moved += n;
-    // Waiting jobs whose parents are satisfied, grouped by pipeline.
+    // Waiting jobs whose parents are satisfied, grouped by pipeline. Owners found at their queued-bundle cap are
+    // left out of the following pages, so that their held jobs do not fill every page and starve other users'.
+    const capped = new Set<string>();
     for (;;) {
-      const ready = await readyWaitingJobs(db, { limit: batchSize });
+      const ready = await readyWaitingJobs(db, { limit: batchSize, excludeOwners: [...capped] });
+      const cappedBefore = capped.size;
       const groups = new Map<string, ReadyJob[]>();
       for (const j of ready) {
         const k = `${j.ownerUuid}\u0000${j.pipeline}`;
@@ -136,14 +139,16 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
         try {
           const def = await definitionOf(ownerUuid, pipeline);
           if (def === null) continue;
-          progress += await startJobs(env, def, jobs);
+          const { started, held } = await startJobs(env, def, jobs);
+          progress += started;
+          if (held > 0) capped.add(ownerUuid);
         } catch (err) {
           const e = err instanceof DispatchCloudError ? { code: err.code, message: err.message } : { err };
           log.error({ ...e, owner: ownerUuid, pipeline }, "could not start pipeline jobs");
         }
       }
       moved += progress;
-      if (ready.length < batchSize || progress === 0) break;
+      if (ready.length < batchSize || (progress === 0 && capped.size === cappedBefore)) break;
     }
     return moved;
   }

@@ -240,7 +240,7 @@ export function registerPipelineRoutes(app: FastifyInstance, ctx: RouteContext, 
     });
     // A parent that is still failed fails the job again (naming it); a satisfied one lets it start at once.
     while ((await propagateFailures(db)) > 0);
-    const started = await startJobs(
+    const { started } = await startJobs(
       env,
       def,
       await readyWaitingJobs(db, { ownerUuid: owner, pipeline: name, keys: reset }),
