@@ -10,13 +10,11 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { runCli } from "../cli/cli.ts";
 import type { CliIo } from "../cli/io.ts";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
-import { createPipelineManager, type PipelineManager } from "../rest-server/pipelines/manager.ts";
+import type { PipelineManager } from "../rest-server/pipelines/manager.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import { createUser, getBundle } from "../store/queries.ts";
-import { finishBundle, markRunning, stageBundle, startBundle } from "../store/transitions.ts";
 import { openTestDb, type TestDb } from "./db.ts";
-import { silentLogger } from "./fixtures.ts";
-import { etlPipelineYaml } from "./pipeline-fixtures.ts";
+import { etlPipelineYaml, runBundleToEnd, testPipelineManager } from "./pipeline-fixtures.ts";
 
 describe("CLI: pipeline", () => {
   let db: TestDb;
@@ -52,18 +50,7 @@ describe("CLI: pipeline", () => {
         [owner],
       );
       if (rows.length === 0) return;
-      for (const { uuid, state } of rows) {
-        if (state === "created") await stageBundle(db, uuid, { actor: "test" });
-        await startBundle(db, uuid, {
-          instanceId: "i-1",
-          instanceType: "small",
-          runnerTokenHash: `h-${uuid}`,
-          gpuDevices: [],
-          actor: "test",
-        });
-        await markRunning(db, uuid, 1, { actor: "test" });
-        await finishBundle(db, uuid, 1, { exitCode: 0, actor: "test" });
-      }
+      for (const { uuid } of rows) await runBundleToEnd(db, uuid);
       await manager.runOnce();
     }
   };
@@ -82,14 +69,7 @@ describe("CLI: pipeline", () => {
       dataDir: join(dir, "data"),
     });
     apiUrl = await app.listen({ host: "127.0.0.1", port: 0 });
-    manager = createPipelineManager({
-      db,
-      logger: silentLogger,
-      clusterId: "zzzzz",
-      defaultMaxAttempts: 3,
-      bundleMinimums: { ram: 16 * 2 ** 20, vcpus: 0.01 },
-      imageResolvers: [],
-    });
+    manager = testPipelineManager(db);
     await writeFile(join(dir, "etl.yml"), etlPipelineYaml());
     await writeFile(
       join(dir, "bad.yml"),

@@ -15,6 +15,17 @@
  * So `run report 20140602` needs 13 jobs: report, 3 summaries, 6 ingests, 3 audits of which initech's is skipped:
  * 12 bundles.
  */
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { FastifyInstance } from "fastify";
+import { createPipelineManager, type PipelineManager } from "../rest-server/pipelines/manager.ts";
+import type { SubmitLimits } from "../rest-server/quotas.ts";
+import { createRestServer } from "../rest-server/server.ts";
+import type { Db } from "../store/db.ts";
+import { getBundle } from "../store/queries.ts";
+import { finishBundle, markRunning, stageBundle, startBundle } from "../store/transitions.ts";
+import { silentLogger } from "./fixtures.ts";
+
 export const FAIL_ONCE = "20140601_globex";
 
 export function etlPipelineYaml(opts: { name?: string; image?: string; flag?: string } = {}): string {
@@ -101,3 +112,53 @@ export const REPORT_JOBS = [
   "summary globex",
   "summary initech",
 ];
+
+/** A pipeline manager on `db` as the running tests use it (silent, cluster zzzzz, no image resolvers). */
+export function testPipelineManager(
+  db: Db,
+  opts: { batchSize?: number; submitLimits?: SubmitLimits } = {},
+): PipelineManager {
+  return createPipelineManager({
+    db,
+    logger: silentLogger,
+    clusterId: "zzzzz",
+    defaultMaxAttempts: 3,
+    bundleMinimums: { ram: 16 * 2 ** 20, vcpus: 0.01 },
+    imageResolvers: [],
+    ...opts,
+  });
+}
+
+/**
+ * Runs an open bundle to its end as a runner would (staging it first when it was created with dependencies):
+ * started on a made-up instance, running, finished with `exitCode`. Returns whether the finish was accepted.
+ */
+export async function runBundleToEnd(db: Db, uuid: string, exitCode = 0): Promise<boolean> {
+  if ((await getBundle(db, uuid))?.state === "created") await stageBundle(db, uuid, { actor: "test" });
+  await startBundle(db, uuid, {
+    instanceId: "i-1",
+    instanceType: "small",
+    runnerTokenHash: `h-${uuid}`,
+    gpuDevices: [],
+    actor: "test",
+  });
+  await markRunning(db, uuid, 1, { actor: "test" });
+  return (await finishBundle(db, uuid, 1, { exitCode, actor: "test" })).ok;
+}
+
+/** A REST server on `db` for the pipeline tests (cluster zzzzz, not listening: inject requests), with `quotas`. */
+export function pipelineTestServer(
+  db: Db,
+  dataDirName: string,
+  quotas?: SubmitLimits & { maxTokensPerUser: number },
+): Promise<FastifyInstance> {
+  return createRestServer({
+    db,
+    logger: false,
+    clusterId: "zzzzz",
+    maxRequestBodySize: 1024 * 1024,
+    defaultMaxAttempts: 3,
+    dataDir: join(tmpdir(), dataDirName),
+    ...(quotas === undefined ? {} : { quotas }),
+  });
+}

@@ -1,52 +1,29 @@
-/**
- * A pipeline's bundles count against the owner's quotas.maxQueuedBundlesPerUser (rest-server/pipelines/jobs.ts),
- * on PostgreSQL and PGlite, with no dispatcher: the test finishes bundles through the store's transitions, as a
- * runner would. A run starts what fits under the cap and leaves the other ready jobs waiting; the manager starts
- * them as the owner's bundles end; an owner at the cap does not keep the manager from other users' jobs.
- */
-import { tmpdir } from "node:os";
-import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
 import { afterAll, beforeAll, expect, it } from "vitest";
 import { parseYamlText } from "../lib/pipeline/definition.ts";
-import { createPipelineManager, type PipelineManager } from "../rest-server/pipelines/manager.ts";
 import type { SubmitLimits } from "../rest-server/quotas.ts";
-import { createRestServer } from "../rest-server/server.ts";
-import { getBundle } from "../store/queries.ts";
-import { finishBundle, markRunning, stageBundle, startBundle } from "../store/transitions.ts";
 import { createTestUserWithToken, describeEachDb } from "./db.ts";
-import { silentLogger as silent } from "./fixtures.ts";
-import { etlPipelineYaml, REPORT_JOBS } from "./pipeline-fixtures.ts";
+import {
+  etlPipelineYaml,
+  pipelineTestServer,
+  REPORT_JOBS,
+  runBundleToEnd,
+  testPipelineManager,
+} from "./pipeline-fixtures.ts";
 import { expectApiError, injectClient } from "./rest-client.ts";
 
-const CLUSTER = "zzzzz";
 const CAP = 4;
 const LIMITS: SubmitLimits = { maxQueuedBundlesPerUser: CAP, submissionsPerSecond: 0, submissionBurst: 1 };
 
 describeEachDb("pipelines under quotas.maxQueuedBundlesPerUser", (getDb) => {
   let app: FastifyInstance;
   let api: ReturnType<typeof injectClient>;
-  const newManager = (batchSize = 1000): PipelineManager =>
-    createPipelineManager({
-      db: getDb(),
-      logger: silent,
-      clusterId: CLUSTER,
-      defaultMaxAttempts: 3,
-      bundleMinimums: { ram: 16 * 2 ** 20, vcpus: 0.01 },
-      imageResolvers: [],
-      submitLimits: LIMITS,
-      batchSize,
-    });
+  const newManager = (batchSize = 1000) => testPipelineManager(getDb(), { batchSize, submitLimits: LIMITS });
 
   beforeAll(async () => {
-    app = await createRestServer({
-      db: getDb(),
-      logger: false,
-      clusterId: CLUSTER,
-      maxRequestBodySize: 1024 * 1024,
-      defaultMaxAttempts: 3,
-      dataDir: join(tmpdir(), "dispatch-cloud-pipeline-quota-test"),
-      quotas: { ...LIMITS, maxTokensPerUser: 100 },
+    app = await pipelineTestServer(getDb(), "dispatch-cloud-pipeline-quota-test", {
+      ...LIMITS,
+      maxTokensPerUser: 100,
     });
     api = injectClient(app);
   });
@@ -89,20 +66,7 @@ describeEachDb("pipelines under quotas.maxQueuedBundlesPerUser", (getDb) => {
     );
     return rows[0]!.n;
   };
-  /** Runs an open bundle to success as a runner would (staging it first if it was created with dependencies). */
-  const finish = async (uuid: string) => {
-    const db = getDb();
-    if ((await getBundle(db, uuid))?.state === "created") await stageBundle(db, uuid, { actor: "test" });
-    await startBundle(db, uuid, {
-      instanceId: "i-1",
-      instanceType: "small",
-      runnerTokenHash: `h-${uuid}`,
-      gpuDevices: [],
-      actor: "test",
-    });
-    await markRunning(db, uuid, 1, { actor: "test" });
-    expect((await finishBundle(db, uuid, 1, { exitCode: 0, actor: "test" })).ok).toBe(true);
-  };
+  const finish = async (uuid: string) => expect(await runBundleToEnd(getDb(), uuid)).toBe(true);
 
   it("a run starts what fits under the cap; the manager starts the rest as the owner's bundles end", async () => {
     const alice = await userWithPipeline("p-cap");

@@ -1,50 +1,29 @@
-/**
- * Running pipelines through the REST API and the pipeline manager (rest-server/pipelines/), on PostgreSQL and
- * PGlite, with no dispatcher: the test finishes the bundles itself through the store's transitions, as a runner
- * would. Bubble up, bubble down, retries, failure propagation, rerun, the status tree, idempotency, two managers
- * racing and a manager started after the fact.
- */
-import { tmpdir } from "node:os";
-import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
 import { afterAll, beforeAll, beforeEach, expect, it } from "vitest";
 import { parseYamlText } from "../lib/pipeline/definition.ts";
-import { createPipelineManager, type PipelineManager } from "../rest-server/pipelines/manager.ts";
-import { createRestServer } from "../rest-server/server.ts";
+import type { PipelineManager } from "../rest-server/pipelines/manager.ts";
 import { getBundle } from "../store/queries.ts";
-import { finishBundle, markRunning, stageBundle, startBundle } from "../store/transitions.ts";
 import type { Bundle } from "../store/types.ts";
 import { createTestUserWithToken, describeEachDb } from "./db.ts";
-import { silentLogger as silent } from "./fixtures.ts";
-import { etlPipelineYaml, FAIL_ONCE, REPORT_JOBS } from "./pipeline-fixtures.ts";
+import {
+  etlPipelineYaml,
+  FAIL_ONCE,
+  pipelineTestServer,
+  REPORT_JOBS,
+  runBundleToEnd,
+  testPipelineManager,
+} from "./pipeline-fixtures.ts";
 import { expectApiError, injectClient, type Json } from "./rest-client.ts";
-
-const CLUSTER = "zzzzz";
 
 describeEachDb("pipelines over REST", (getDb) => {
   let app: FastifyInstance;
   let api: ReturnType<typeof injectClient>;
   let manager: PipelineManager;
   let alice: { uuid: string; token: string };
-  const newManager = () =>
-    createPipelineManager({
-      db: getDb(),
-      logger: silent,
-      clusterId: CLUSTER,
-      defaultMaxAttempts: 3,
-      bundleMinimums: { ram: 16 * 2 ** 20, vcpus: 0.01 },
-      imageResolvers: [],
-    });
+  const newManager = () => testPipelineManager(getDb());
 
   beforeAll(async () => {
-    app = await createRestServer({
-      db: getDb(),
-      logger: false,
-      clusterId: CLUSTER,
-      maxRequestBodySize: 1024 * 1024,
-      defaultMaxAttempts: 3,
-      dataDir: join(tmpdir(), "dispatch-cloud-pipeline-rest-test"),
-    });
+    app = await pipelineTestServer(getDb(), "dispatch-cloud-pipeline-rest-test");
     api = injectClient(app);
     manager = newManager();
   });
@@ -93,18 +72,7 @@ describeEachDb("pipelines over REST", (getDb) => {
   const waiting = (b: Bundle) => b.state === "created" || b.state === "staged";
   /** Runs a waiting bundle to its end as a runner would: exit code 0 unless `fail` says otherwise. */
   const finish = async (b: Bundle, exitCode: number) => {
-    const db = getDb();
-    if (b.state === "created") await stageBundle(db, b.uuid, { actor: "test" });
-    await startBundle(db, b.uuid, {
-      instanceId: "i-1",
-      instanceType: "small",
-      runnerTokenHash: `h-${b.uuid}`,
-      gpuDevices: [],
-      actor: "test",
-    });
-    await markRunning(db, b.uuid, 1, { actor: "test" });
-    const r = await finishBundle(db, b.uuid, 1, { exitCode, actor: "test" });
-    expect(r.ok).toBe(true);
+    expect(await runBundleToEnd(getDb(), b.uuid, exitCode)).toBe(true);
   };
   /**
    * Finishes every waiting bundle of the pipeline (`exitCode(name)` says how), then runs the manager, until no
