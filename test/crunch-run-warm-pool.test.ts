@@ -339,9 +339,22 @@ describe("crunch-run warm pool (process runtime)", () => {
     // A hand-off to a "supervisor" that never answers: refused after ANSWER_MAX_MS, and the process it named
     // (here a bystander of the test's own) is left alone.
     const bystander = spawn("sleep", ["60"], { stdio: "ignore" });
+    const holds: string[] = [];
     try {
-      const busy = await h.newStartingBundle({ command: ["sleep", "30"] });
-      expect(await handOff(socket, "start", busy.uuid, doc(busy, { warmSupervisors: 1 }))).toBeGreaterThan(0);
+      // Every real spare busy, so that the liar is the one the next hand-off goes to. A supervisor of an earlier
+      // bundle may still be on its way back to the pool: wait until it is taken in or let go, then keep busy
+      // whatever is free (the refill comes 3 s after a hand-off, long after the liar's turn).
+      await waitFor(async () => pidsTitled(h.root, "crunch-run returning").length === 0);
+      await new Promise((r) => setTimeout(r, 300));
+      do {
+        const hold = await h.newStartingBundle({ command: ["sleep", "30"] });
+        expect(await handOff(socket, "start", hold.uuid, doc(hold, { warmSupervisors: 1 }))).toBeGreaterThan(
+          0,
+        );
+        holds.push(hold.uuid);
+        // The supervisor renames itself once it has the bundle.
+        await new Promise((r) => setTimeout(r, 100));
+      } while (pidsTitled(h.root, "crunch-run spare").length > 0);
       const liar = net.connect(socket);
       await new Promise<void>((resolve) => liar.on("connect", resolve));
       liar.on("error", () => {});
@@ -359,9 +372,9 @@ describe("crunch-run warm pool (process runtime)", () => {
       await new Promise((r) => setTimeout(r, 300));
       expect(bystander.signalCode).toBeNull();
       expect(bystander.exitCode).toBeNull();
-      expect((await h.crunchRun(["--kill", "TERM", busy.uuid])).code).toBe(0);
     } finally {
       bystander.kill("SIGKILL");
+      for (const uuid of holds) expect((await h.crunchRun(["--kill", "TERM", uuid])).code).toBe(0);
     }
   });
 
