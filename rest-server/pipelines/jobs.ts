@@ -196,22 +196,25 @@ export function jobBundle(
 }
 
 /**
- * How many more bundles `ownerUuid` may have unfinished (quotas.maxQueuedBundlesPerUser), counted in `tx` with
- * the user's quota row locked as submissions lock it, so that a submission and a pipeline cannot both take the
- * last places; `wanted` when no cap applies (none configured, or an admin).
+ * How many more bundles (at most `wanted`) `ownerUuid` may have unfinished under quotas.maxQueuedBundlesPerUser;
+ * `wanted` when no cap applies (none configured, or an admin). With `lock` (in a transaction) the user's quota
+ * row is locked as submissions lock it, so that a submission and a pipeline cannot both take the last places;
+ * without, it is an estimate.
  */
 async function roomUnderCap(
-  tx: Db,
+  db: Db,
   limits: SubmitLimits,
   ownerUuid: string,
   wanted: number,
+  lock: boolean,
 ): Promise<number> {
   const cap = limits.maxQueuedBundlesPerUser;
   if (cap <= 0) return wanted;
-  const owner = await getUser(tx, ownerUuid);
+  const owner = await getUser(db, ownerUuid);
   if (owner === null || !limitsApply(owner, limits)) return wanted;
-  await lockSubmitBucket(tx, { userUuid: ownerUuid, burst: limits.submissionBurst, now: new Date() });
-  return Math.max(0, Math.min(wanted, cap - (await countActiveBundles(tx, ownerUuid, cap))));
+  if (lock)
+    await lockSubmitBucket(db, { userUuid: ownerUuid, burst: limits.submissionBurst, now: new Date() });
+  return Math.max(0, Math.min(wanted, cap - (await countActiveBundles(db, ownerUuid, cap))));
 }
 
 /**
@@ -229,8 +232,16 @@ export async function startJobs(
   if (ready.length === 0) return { started: 0, held: 0 };
   const { db } = env;
   const log = env.logger;
+  const limits = env.submitLimits ?? NO_SUBMIT_LIMITS;
+  const { ownerUuid, pipeline } = ready[0]!;
+  // An estimate first, so that jobs past the cap are neither rendered nor pinned (which may ask a registry) on
+  // every pass that finds their owner still at it; the transaction counts again, exactly.
+  const fits = await roomUnderCap(db, limits, ownerUuid, ready.length, false);
   const items: { job: ReadyJob; uuid: string; bundle: NewBundle }[] = [];
+  let seen = 0;
   for (const job of ready) {
+    if (items.length >= fits) break;
+    seen++;
     try {
       items.push({
         job,
@@ -246,30 +257,33 @@ export async function startJobs(
       }
     }
   }
-  if (items.length === 0) return { started: 0, held: 0 };
-  const first = items[0]!.job;
+  const notSeen = ready.length - seen;
   const pinned = await pinImages(
     env.imageResolvers,
     items.map((it) => it.bundle),
   );
-  const result = await db.transaction(async (tx) => {
-    const room = await roomUnderCap(tx, env.submitLimits ?? NO_SUBMIT_LIMITS, first.ownerUuid, items.length);
-    const allowed = items.slice(0, room);
-    if (allowed.length === 0) return { started: 0, held: items.length };
-    const keys = await queueWaitingJobs(
-      tx,
-      first.ownerUuid,
-      first.pipeline,
-      allowed.map((it) => ({ app: it.job.app, jobId: it.job.jobId, bundleUuid: it.uuid })),
-    );
-    const won = new Set(keys.map(keyOf));
-    const toInsert = allowed.flatMap((it, i) =>
-      won.has(keyOf(it.job)) ? [{ uuid: it.uuid, bundle: pinned[i]! }] : [],
-    );
-    await insertBundles(tx, first.ownerUuid, toInsert, "submitted");
-    return { started: toInsert.length, held: items.length - allowed.length };
-  });
-  const where = { pipeline: first.pipeline, owner: first.ownerUuid };
+  const result =
+    items.length === 0
+      ? { started: 0, held: notSeen }
+      : await db.transaction(async (tx) => {
+          const room = await roomUnderCap(tx, limits, ownerUuid, items.length, true);
+          const allowed = items.slice(0, room);
+          const held = notSeen + items.length - allowed.length;
+          if (allowed.length === 0) return { started: 0, held };
+          const keys = await queueWaitingJobs(
+            tx,
+            ownerUuid,
+            pipeline,
+            allowed.map((it) => ({ app: it.job.app, jobId: it.job.jobId, bundleUuid: it.uuid })),
+          );
+          const won = new Set(keys.map(keyOf));
+          const toInsert = allowed.flatMap((it, i) =>
+            won.has(keyOf(it.job)) ? [{ uuid: it.uuid, bundle: pinned[i]! }] : [],
+          );
+          await insertBundles(tx, ownerUuid, toInsert, "submitted");
+          return { started: toInsert.length, held };
+        });
+  const where = { pipeline, owner: ownerUuid };
   if (result.started > 0) log.info({ ...where, jobs: result.started }, "pipeline jobs queued");
   if (result.held > 0) {
     log.info(
