@@ -226,14 +226,21 @@ export interface ReadyJob {
   parents: { app: string; jobId: string; bundleUuid: string }[];
 }
 
+/** A user's pipeline, by its owner and name. */
+export interface PipelineRef {
+  ownerUuid: string;
+  pipeline: string;
+}
+
 /**
- * Waiting jobs whose every parent is completed or skipped: everywhere (the manager's pass; at most `limit`),
- * or among `keys` of one pipeline (a run or rerun starting what it can at once).
+ * Waiting jobs whose every parent is completed or skipped: everywhere (the manager's pass; at most `limit`,
+ * leaving out the jobs of `excludeOwners` and of `excludePipelines`), or among `keys` of one pipeline (a run or
+ * rerun starting what it can at once).
  */
 export async function readyWaitingJobs(
   db: Db,
   args:
-    | { limit: number; excludeOwners?: readonly string[] }
+    | { limit: number; excludeOwners?: readonly string[]; excludePipelines?: readonly PipelineRef[] }
     | { ownerUuid: string; pipeline: string; keys: readonly JobKey[] },
 ): Promise<ReadyJob[]> {
   const scoped = "keys" in args;
@@ -246,7 +253,9 @@ export async function readyWaitingJobs(
        JOIN pipeline_jobs j ON j.owner_uuid = $1 AND j.pipeline = $2 AND j.app = k.app AND j.job_id = k.job_id
        WHERE j.state = 'waiting'`
     : `SELECT j.owner_uuid, j.pipeline, j.app, j.job_id FROM pipeline_jobs j
-       WHERE j.state = 'waiting' AND j.owner_uuid <> ALL($2::text[])`;
+       WHERE j.state = 'waiting' AND j.owner_uuid <> ALL($2::text[])
+         AND NOT EXISTS (SELECT 1 FROM unnest($3::text[], $4::text[]) AS x(owner_uuid, pipeline)
+           WHERE x.owner_uuid = j.owner_uuid AND x.pipeline = j.pipeline)`;
   const { rows } = await db.query<{
     owner_uuid: string;
     pipeline: string;
@@ -267,7 +276,14 @@ export async function readyWaitingJobs(
        HAVING bool_and(e.app IS NULL OR p.state IN ('completed', 'skipped'))
      )
      SELECT * FROM ready ${scoped ? "" : "LIMIT $1"}`,
-    scoped ? [args.ownerUuid, args.pipeline, keysJson(args.keys)] : [args.limit, args.excludeOwners ?? []],
+    scoped
+      ? [args.ownerUuid, args.pipeline, keysJson(args.keys)]
+      : [
+          args.limit,
+          args.excludeOwners ?? [],
+          (args.excludePipelines ?? []).map((p) => p.ownerUuid),
+          (args.excludePipelines ?? []).map((p) => p.pipeline),
+        ],
   );
   return rows.map((r) => ({
     ownerUuid: r.owner_uuid,
@@ -302,6 +318,30 @@ export async function queueWaitingJobs(
     ],
   );
   return rows.map((r) => ({ app: r.app, jobId: r.job_id }));
+}
+
+/**
+ * Says why waiting jobs of one pipeline have not started (their owner is at the queued-bundle cap, the stored
+ * definition is no longer valid): `reason` on `jobs`, or with "all" on every waiting job of the pipeline, where
+ * it changes and only while they wait. A job that leaves waiting loses it (queueWaitingJobs, resetJobs).
+ * Returns how many rows changed.
+ */
+export async function noteWaitingJobs(
+  db: Db,
+  ownerUuid: string,
+  pipeline: string,
+  jobs: readonly JobKey[] | "all",
+  reason: string,
+): Promise<number> {
+  if (jobs.length === 0) return 0;
+  const { rowCount } = await db.query(
+    `UPDATE pipeline_jobs j SET reason = $3::text, updated_at = ${NOW}
+     WHERE j.owner_uuid = $1 AND j.pipeline = $2 AND j.state = 'waiting' AND j.reason IS DISTINCT FROM $3::text
+       AND ($4::jsonb IS NULL OR EXISTS (SELECT 1 FROM jsonb_to_recordset($4::jsonb) AS k(app text, job_id text)
+         WHERE k.app = j.app AND k.job_id = j.job_id))`,
+    [ownerUuid, pipeline, reason, jobs === "all" ? null : keysJson(jobs)],
+  );
+  return rowCount;
 }
 
 /** waiting -> failed with a reason (its bundle could not be made), guarded. */
@@ -345,7 +385,11 @@ export async function anyOpenJobs(db: Db): Promise<boolean> {
 }
 
 /** Queued jobs whose bundle is ready, failed or killed (at most `limit`). */
-export async function finishedQueuedJobs(db: Db, limit: number): Promise<FinishedJob[]> {
+export async function finishedQueuedJobs(
+  db: Db,
+  limit: number,
+  excludeBundles: readonly string[] = [],
+): Promise<FinishedJob[]> {
   const { rows } = await db.query<{
     owner_uuid: string;
     pipeline: string;
@@ -359,9 +403,9 @@ export async function finishedQueuedJobs(db: Db, limit: number): Promise<Finishe
     `SELECT j.owner_uuid, j.pipeline, j.app, j.job_id, j.bundle_uuid, j.attempts, b.state AS bundle_state,
        b.state_reason
      FROM pipeline_jobs j JOIN bundles b ON b.uuid = j.bundle_uuid
-     WHERE j.state = 'queued' AND b.state IN ('ready', 'failed', 'killed')
+     WHERE j.state = 'queued' AND b.state IN ('ready', 'failed', 'killed') AND j.bundle_uuid <> ALL($2::text[])
      LIMIT $1`,
-    [limit],
+    [limit, excludeBundles],
   );
   return rows.map((r) => ({
     ownerUuid: r.owner_uuid,

@@ -66,6 +66,13 @@ describeEachDb("pipelines under quotas.maxQueuedBundlesPerUser", (getDb) => {
     );
     return rows[0]!.n;
   };
+  const jobsOf = async (owner: string) =>
+    (
+      await getDb().query<{ app: string; job_id: string; state: string; reason: string | null }>(
+        "SELECT app, job_id, state, reason FROM pipeline_jobs WHERE owner_uuid = $1",
+        [owner],
+      )
+    ).rows;
   const finish = async (uuid: string) => expect(await runBundleToEnd(getDb(), uuid)).toBe(true);
 
   it("a run starts what fits under the cap; the manager starts the rest as the owner's bundles end", async () => {
@@ -84,6 +91,13 @@ describeEachDb("pipelines under quotas.maxQueuedBundlesPerUser", (getDb) => {
     );
     expect(await manager.runOnce()).toBe(0);
     expect((await bundlesOf(alice.uuid)).open.length).toBe(CAP);
+    // The two ingests left waiting say why.
+    const held = (await jobsOf(alice.uuid)).filter((j) => j.state === "waiting" && j.reason !== null);
+    expect(held.map((j) => j.app)).toEqual(["ingest", "ingest"]);
+    const shown = await api("GET", `/api/v1/pipelines/p-cap/jobs/ingest/${held[0]!.job_id}`, alice.token);
+    expect(shown.body.job.reason).toBe(
+      "held: its owner has 4 unfinished bundles, the most quotas.maxQueuedBundlesPerUser allows; it starts as they end",
+    );
     // One bundle at a time to its end, then a manager pass: never more than the cap open, until all are done.
     let most = 0;
     for (let i = 0; i < 40; i++) {
@@ -98,6 +112,7 @@ describeEachDb("pipelines under quotas.maxQueuedBundlesPerUser", (getDb) => {
     expect(open).toEqual([]);
     expect(all.length).toBe(12);
     expect(await waitingJobs(alice.uuid)).toBe(0);
+    expect((await jobsOf(alice.uuid)).filter((j) => j.reason !== null)).toEqual([]);
     const report = await api("GET", "/api/v1/pipelines/p-cap/jobs/report/20140602", alice.token);
     expect(report.body.job.state).toBe("completed");
   });

@@ -311,6 +311,35 @@ describeEachDb("pipelines over REST", (getDb) => {
     expect((await bundlesOf("p-race")).length).toBe(6 + 5);
   });
 
+  it("a pipeline whose stored definition no longer validates says so, and does not keep the manager from others", async () => {
+    // Pages of one job, and the broken pipeline's five ready jobs come first (names in order): the manager must
+    // get past them to the other pipeline's job in the same pass.
+    const paged = testPipelineManager(getDb(), { batchSize: 1 });
+    await apply("p-a-broken");
+    await apply("p-b-fine");
+    await run("p-a-broken", "report", "20140602");
+    await run("p-b-fine", "audit", "20140602_acme");
+    for (const b of (await bundlesOf("")).filter(waiting)) await finish(b, 0);
+    // A definition stored by an older server that this one no longer accepts.
+    await getDb().query(
+      "UPDATE pipelines SET definition = $3::jsonb, digest = 'stale' WHERE owner_uuid = $1 AND name = $2",
+      [alice.uuid, "p-a-broken", JSON.stringify({ name: "p-a-broken", apps: {}, colour: "blue" })],
+    );
+    await paged.runOnce();
+    expect((await jobs("p-b-fine")).get("audit 20140602_acme").state).toBe("queued");
+    const broken = await status("p-a-broken", "summary", "acme");
+    expect(broken.state).toBe("waiting");
+    expect(broken.reason).toMatch(
+      /^waiting: the stored definition of this pipeline is no longer valid: .*colour/,
+    );
+    // Storing it again lets its jobs go on, and the reason goes with the wait.
+    await apply("p-a-broken");
+    await paged.runOnce();
+    const mended = await status("p-a-broken", "summary", "acme");
+    expect(mended.state).toBe("queued");
+    expect(mended.reason).toBeNull();
+  });
+
   it("the manager's loop wakes on a finished bundle", async () => {
     await apply("p-wake");
     await run("p-wake", "ingest", "20140601_acme");

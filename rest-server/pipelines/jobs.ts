@@ -20,6 +20,7 @@ import {
   insertJobParents,
   insertJobs,
   type JobKey,
+  noteWaitingJobs,
   queueWaitingJobs,
   type ReadyJob,
   readyWaitingJobs,
@@ -46,11 +47,20 @@ export interface PipelineEnv {
   submitLimits?: SubmitLimits;
 }
 
-/** What startJobs did: jobs queued with a bundle, and ready jobs left waiting at the owner's queued-bundle cap. */
+/**
+ * What startJobs did: jobs queued with a bundle, ready jobs left waiting at the owner's queued-bundle cap, and
+ * jobs failed because their bundle request was refused.
+ */
 export interface StartedJobs {
   started: number;
   held: number;
+  failed: number;
 }
+
+/** The reason a ready job left waiting at its owner's queued-bundle cap shows (docs/pipelines.md "Quotas"). */
+export const heldReason = (cap: number): string =>
+  `held: its owner has ${cap} unfinished bundles, the most quotas.maxQueuedBundlesPerUser allows; ` +
+  "it starts as they end";
 
 /** Rows per multi-row statement of bubble up. */
 const CHUNK = 5000;
@@ -221,15 +231,15 @@ async function roomUnderCap(
  * Ready jobs (waiting, every parent completed or skipped) of one pipeline -> queued, each with a new bundle: one
  * transaction moving them (guarded: only jobs still waiting) and inserting the bundles of those that moved, with
  * one notification. A job whose bundle cannot be made (its rendered request is refused) is failed with the reason.
- * Jobs that would take the owner past quotas.maxQueuedBundlesPerUser stay waiting (`held`); the manager starts
- * them as the owner's bundles end.
+ * Jobs that would take the owner past quotas.maxQueuedBundlesPerUser stay waiting (`held`), with a reason that
+ * says so (heldReason); the manager starts them as the owner's bundles end.
  */
 export async function startJobs(
   env: PipelineEnv,
   def: PipelineDefinition,
   ready: readonly ReadyJob[],
 ): Promise<StartedJobs> {
-  if (ready.length === 0) return { started: 0, held: 0 };
+  if (ready.length === 0) return { started: 0, held: 0, failed: 0 };
   const { db } = env;
   const log = env.logger;
   const limits = env.submitLimits ?? NO_SUBMIT_LIMITS;
@@ -239,6 +249,7 @@ export async function startJobs(
   const fits = await roomUnderCap(db, limits, ownerUuid, ready.length, false);
   const items: { job: ReadyJob; uuid: string; bundle: NewBundle }[] = [];
   let seen = 0;
+  let failed = 0;
   for (const job of ready) {
     if (items.length >= fits) break;
     seen++;
@@ -253,11 +264,12 @@ export async function startJobs(
       const where = err.path === undefined ? "" : ` (${err.path})`;
       const reason = `its bundle request was refused: ${err.message}${where}`;
       if (await failWaitingJob(db, job.ownerUuid, job.pipeline, job, reason)) {
+        failed++;
         log.warn({ pipeline: job.pipeline, app: job.app, jobId: job.jobId, reason }, "pipeline job failed");
       }
     }
   }
-  const notSeen = ready.length - seen;
+  const notSeen: JobKey[] = ready.slice(seen);
   const pinned = await pinImages(
     env.imageResolvers,
     items.map((it) => it.bundle),
@@ -268,7 +280,7 @@ export async function startJobs(
       : await db.transaction(async (tx) => {
           const room = await roomUnderCap(tx, limits, ownerUuid, items.length, true);
           const allowed = items.slice(0, room);
-          const held = notSeen + items.length - allowed.length;
+          const held = [...notSeen, ...items.slice(room).map((it) => it.job)];
           if (allowed.length === 0) return { started: 0, held };
           const keys = await queueWaitingJobs(
             tx,
@@ -285,11 +297,12 @@ export async function startJobs(
         });
   const where = { pipeline, owner: ownerUuid };
   if (result.started > 0) log.info({ ...where, jobs: result.started }, "pipeline jobs queued");
-  if (result.held > 0) {
+  if (result.held.length > 0) {
+    await noteWaitingJobs(db, ownerUuid, pipeline, result.held, heldReason(limits.maxQueuedBundlesPerUser));
     log.info(
-      { ...where, jobs: result.held },
+      { ...where, jobs: result.held.length },
       "pipeline jobs left waiting: their owner is at quotas.maxQueuedBundlesPerUser",
     );
   }
-  return result;
+  return { started: result.started, held: result.held.length, failed };
 }

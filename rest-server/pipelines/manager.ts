@@ -21,6 +21,8 @@ import {
   type FinishedJob,
   finishedQueuedJobs,
   finishQueuedJob,
+  noteWaitingJobs,
+  type PipelineRef,
   propagateFailures,
   type ReadyJob,
   readyWaitingJobs,
@@ -52,12 +54,20 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
   const batchSize = opts.batchSize ?? 1000;
   const definitions = new DefinitionCache();
 
-  async function definitionOf(ownerUuid: string, pipeline: string): Promise<PipelineDefinition | null> {
+  /** The pipeline's definition; null when it is gone, a DispatchCloudError when the stored one no longer validates. */
+  async function definitionOf(
+    ownerUuid: string,
+    pipeline: string,
+  ): Promise<PipelineDefinition | DispatchCloudError | null> {
     try {
       return await definitions.get(db, ownerUuid, pipeline);
     } catch (err) {
-      log.error({ err, owner: ownerUuid, pipeline }, "a stored pipeline definition is no longer valid");
-      return null;
+      if (!(err instanceof DispatchCloudError)) throw err;
+      log.error(
+        { code: err.code, message: err.message, path: err.path, owner: ownerUuid, pipeline },
+        "a stored pipeline definition is no longer valid",
+      );
+      return err;
     }
   }
 
@@ -70,7 +80,7 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
       return ok;
     }
     const def = await definitionOf(job.ownerUuid, job.pipeline);
-    const maxAttempts = def?.apps[job.app]?.maxAttempts ?? 1;
+    const maxAttempts = (def instanceof DispatchCloudError ? null : def)?.apps[job.app]?.maxAttempts ?? 1;
     const detail = job.bundleReason === null ? "" : `: ${job.bundleReason}`;
     if (job.bundleState === "failed" && job.attempts < maxAttempts) {
       const old = await getBundle(db, job.bundleUuid);
@@ -103,14 +113,19 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
     // Most bundles that end are no pipeline's: with no job waiting or queued there is nothing to read.
     if (!(await anyOpenJobs(db))) return 0;
     let moved = 0;
-    // Finished bundles, page by page (a moved job leaves the query; a page without progress ends it).
+    // Finished bundles, page by page: a moved job leaves the query, and one that could not be moved is left out
+    // of the following pages, so that a page of them never hides the jobs behind it. A page that does neither
+    // (another server moved its jobs) ends the loop.
+    const unmoved: string[] = [];
     for (;;) {
-      const finished = await finishedQueuedJobs(db, batchSize);
+      const finished = await finishedQueuedJobs(db, batchSize, unmoved);
+      const unmovedBefore = unmoved.length;
       let progress = 0;
       for (const job of finished) {
         try {
           if (await finish(job)) progress++;
         } catch (err) {
+          unmoved.push(job.bundleUuid);
           log.error(
             { err, pipeline: job.pipeline, app: job.app, jobId: job.jobId },
             "could not move a pipeline job",
@@ -118,40 +133,58 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
         }
       }
       moved += progress;
-      if (finished.length < batchSize || progress === 0) break;
+      if (finished.length < batchSize || (progress === 0 && unmoved.length === unmovedBefore)) break;
     }
     // Failures down the graph, a level per statement.
     for (let n = await propagateFailures(db); n > 0; n = await propagateFailures(db)) moved += n;
-    // Waiting jobs whose parents are satisfied, grouped by pipeline. Owners found at their queued-bundle cap are
-    // left out of the following pages, so that their held jobs do not fill every page and starve other users'.
+    // Waiting jobs whose parents are satisfied, grouped by pipeline. Owners found at their queued-bundle cap, and
+    // pipelines whose jobs could not be started (a stored definition that no longer validates, an error), are
+    // left out of the following pages, so that their jobs do not fill every page and starve the others.
     const capped = new Set<string>();
+    const stuck = new Map<string, PipelineRef>();
     for (;;) {
-      const ready = await readyWaitingJobs(db, { limit: batchSize, excludeOwners: [...capped] });
-      const cappedBefore = capped.size;
+      const ready = await readyWaitingJobs(db, {
+        limit: batchSize,
+        excludeOwners: [...capped],
+        excludePipelines: [...stuck.values()],
+      });
+      const leftOut = capped.size + stuck.size;
       const groups = new Map<string, ReadyJob[]>();
       for (const j of ready) {
         const k = `${j.ownerUuid}\u0000${j.pipeline}`;
         groups.set(k, [...(groups.get(k) ?? []), j]);
       }
       let progress = 0;
-      for (const jobs of groups.values()) {
+      for (const [k, jobs] of groups) {
         const { ownerUuid, pipeline } = jobs[0]!;
         try {
           const def = await definitionOf(ownerUuid, pipeline);
-          if (def === null) continue;
-          const { started, held } = await startJobs(env, def, jobs);
-          progress += started;
+          if (def === null || def instanceof DispatchCloudError) {
+            stuck.set(k, { ownerUuid, pipeline });
+            if (def !== null) await noteWaitingJobs(db, ownerUuid, pipeline, "all", invalidReason(def));
+            continue;
+          }
+          const { started, held, failed } = await startJobs(env, def, jobs);
+          progress += started + failed;
           if (held > 0) capped.add(ownerUuid);
+          else if (started + failed === 0) stuck.set(k, { ownerUuid, pipeline });
         } catch (err) {
+          stuck.set(k, { ownerUuid, pipeline });
           const e = err instanceof DispatchCloudError ? { code: err.code, message: err.message } : { err };
           log.error({ ...e, owner: ownerUuid, pipeline }, "could not start pipeline jobs");
         }
       }
       moved += progress;
-      if (ready.length < batchSize || (progress === 0 && capped.size === cappedBefore)) break;
+      if (ready.length < batchSize || (progress === 0 && capped.size + stuck.size === leftOut)) break;
     }
     return moved;
   }
+
+  /** The reason ready jobs of a pipeline whose stored definition no longer validates show while they wait. */
+  const invalidReason = (err: DispatchCloudError): string => {
+    const where = err.path === undefined ? "" : ` (${err.path})`;
+    return `waiting: the stored definition of this pipeline is no longer valid: ${err.message}${where}; store it again (PUT) to go on`;
+  };
 
   const loop = notifiedLoop({
     db,
