@@ -796,11 +796,6 @@ export async function listEvents(db: Db, uuid: string): Promise<BundleEvent[]> {
   return rows.map(eventFromRow);
 }
 
-/** Bundles written after change sequence `seq`, in change order. */
-export function bundlesChangedSince(db: Db, seq: number, limit: number): Promise<Bundle[]> {
-  return bundlesChangedAfterOrIn(db, seq, [], limit);
-}
-
 export async function maxChangeSeq(db: Db): Promise<number> {
   const { rows } = await db.query<{ seq: number }>(
     "SELECT coalesce(max(change_seq), 0)::bigint AS seq FROM bundles",
