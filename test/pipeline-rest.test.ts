@@ -340,6 +340,33 @@ describeEachDb("pipelines over REST", (getDb) => {
     expect(mended.reason).toBeNull();
   });
 
+  it("finished jobs the manager cannot move do not keep it from the others", async () => {
+    await apply("p-jam");
+    await run("p-jam", "report", "20140602");
+    for (const b of (await bundlesOf("p-jam")).filter(waiting)) await finish(b, 0);
+    // Every ingest but one fails to move, by a real error of the database (a trigger of this test's own).
+    const ok = "20140602_initech";
+    await getDb().query(`CREATE FUNCTION p_jam_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+      BEGIN RAISE EXCEPTION 'refused by the test'; END $$`);
+    await getDb().query(`CREATE TRIGGER p_jam_refuse BEFORE UPDATE ON pipeline_jobs FOR EACH ROW
+      WHEN (OLD.pipeline = 'p-jam' AND OLD.state = 'queued' AND OLD.job_id <> '${ok}')
+      EXECUTE FUNCTION p_jam_refuse()`);
+    try {
+      // Pages of one job: the ingest that can move is reached whatever the order.
+      await testPipelineManager(getDb(), { batchSize: 1 }).runOnce();
+      const all = await jobs("p-jam");
+      expect(all.get(`ingest ${ok}`).state).toBe("completed");
+      expect([...all.values()].filter((j) => j.app === "ingest" && j.state === "queued").length).toBe(5);
+    } finally {
+      await getDb().query("DROP TRIGGER p_jam_refuse ON pipeline_jobs");
+      await getDb().query("DROP FUNCTION p_jam_refuse()");
+    }
+    // Once the database takes them, the next pass moves them.
+    await manager.runOnce();
+    const after = await jobs("p-jam");
+    expect([...after.values()].filter((j) => j.app === "ingest" && j.state !== "completed")).toEqual([]);
+  });
+
   it("the manager's loop wakes on a finished bundle", async () => {
     await apply("p-wake");
     await run("p-wake", "ingest", "20140601_acme");
