@@ -323,15 +323,15 @@ export async function queueWaitingJobs(
 /**
  * Says why waiting jobs of one pipeline have not started (their owner is at the queued-bundle cap, the stored
  * definition is no longer valid): `reason` on `jobs`, or with "all" on every waiting job of the pipeline, where
- * it changes and only while they wait. A job that leaves waiting loses it (queueWaitingJobs, resetJobs).
- * Returns how many rows changed.
+ * it changes and only while they wait; null takes it away (a definition stored again). A job that leaves
+ * waiting loses it (queueWaitingJobs, resetJobs). Returns how many rows changed.
  */
 export async function noteWaitingJobs(
   db: Db,
   ownerUuid: string,
   pipeline: string,
   jobs: readonly JobKey[] | "all",
-  reason: string,
+  reason: string | null,
 ): Promise<number> {
   if (jobs.length === 0) return 0;
   const { rowCount } = await db.query(

@@ -332,8 +332,10 @@ describeEachDb("pipelines over REST", (getDb) => {
     expect(broken.reason).toMatch(
       /^waiting: the stored definition of this pipeline is no longer valid: .*colour/,
     );
-    // Storing it again lets its jobs go on, and the reason goes with the wait.
+    expect((await status("p-a-broken", "report", "20140602")).reason).toMatch(/no longer valid/);
+    // Storing it again lets its jobs go on, and the reason goes, also from jobs still waiting for parents.
     await apply("p-a-broken");
+    expect((await status("p-a-broken", "report", "20140602")).reason).toBeNull();
     await paged.runOnce();
     const mended = await status("p-a-broken", "summary", "acme");
     expect(mended.state).toBe("queued");

@@ -14,6 +14,7 @@ import {
   type JobKey,
   jobWithAncestors,
   listPipelines,
+  noteWaitingJobs,
   type PipelineJob,
   propagateFailures,
   readyWaitingJobs,
@@ -168,6 +169,9 @@ export function registerPipelineRoutes(app: FastifyInstance, ctx: RouteContext, 
       definition: body.definition,
       digest: definitionDigest(body.definition),
     });
+    // What waiting jobs said about the definition before is no longer so; a pass of the manager says anew why
+    // any of them still waits.
+    if (!created) await noteWaitingJobs(db, callerOf(request).uuid, name, "all", null);
     return reply.code(created ? 201 : 200).send({
       name: pipeline.name,
       digest: pipeline.digest,
