@@ -241,7 +241,15 @@ async function summary(h: Harness): Promise<string> {
     const r = w?.runners.get(b.uuid);
     return `${b.uuid} ${b.state}#${b.attempt} on ${b.instance_id} (worker ${w === undefined ? "unknown" : `${w.state}/${w.idleBehavior} probed ${w.probedAt === null ? "never" : w.probedAt - h.clock.now()}`}, runner ${r === undefined ? "none" : `${r.state} since ${r.since - h.clock.now()}`})`;
   });
-  return `bundles ${rows.map((r) => `${r.state}=${r.n}`).join(" ")}; live VMs ${vms.join(" ")}; runners active ${h.runners.active}; active bundles: ${detail.join("; ")}`;
+  // Why staged bundles wait, as the scheduler says it.
+  const waiting = await h.db.query<{ uuid: string; resources: unknown; scheduling_status: string | null }>(
+    "SELECT uuid, resources, scheduling_status FROM bundles WHERE state = 'staged' LIMIT 5",
+  );
+  const why = waiting.rows.map(
+    (b) =>
+      `${b.uuid} ${JSON.stringify(b.resources)}: ${h.active()?.parts?.scheduler.statusOf(b.uuid) ?? b.scheduling_status}`,
+  );
+  return `bundles ${rows.map((r) => `${r.state}=${r.n}`).join(" ")}; live VMs ${vms.join(" ")}; runners active ${h.runners.active}; active bundles: ${detail.join("; ")}; staged: ${why.join("; ")}`;
 }
 
 /** Per bundle, the running intervals of its attempts, from the event log: [enter running, leave running). */

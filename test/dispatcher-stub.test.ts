@@ -72,8 +72,11 @@ for (const kind of ["pg", "pglite"] as const)
               ? { vcpus: 3, ram: 6 * GiB, scratch: GiB, gpu: null }
               : { vcpus: 1, ram: GiB, scratch: GiB, gpu: null },
       }));
+      // A stall is longer than timeoutBooting (15 s): the last bundle left may be a GPU one planned on a VM that
+      // never boots, and nothing else happens until that VM's boot times out.
       await h.drive(async () => [...(await h.states(uuids)).values()].every(isFinalState), {
         maxMs: 60 * 60_000,
+        stallMs: 20_000,
       });
 
       const states = await h.states(uuids);
