@@ -41,6 +41,11 @@ export interface RouteContext {
   submitCoalescer: SubmitCoalescer;
   /** Told of bundles a submission created, once committed (RestServerOptions.onBundlesCreated). */
   bundlesCreated(bundles: readonly Bundle[]): void;
+  /**
+   * Whether bundlesCreated has a listener (`serve`: the dispatcher's queue in the same process). A brief batch
+   * answer then still reads the whole rows back from its insert, for the listener.
+   */
+  hasBundlesListener: boolean;
   /** Live tokens looked up in the last second (auth.ts); cleared when a token is revoked. */
   tokenCache: TokenCache;
   /** Largest body of a batch submission (restServer.maxBatchRequestBodySize). */

@@ -215,25 +215,28 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
       );
       const items = bundles.map((bundle) => ({ uuid: newBundleUuid(ctx.clusterId), bundle }));
       const minimal = prefersMinimal(request.headers.prefer);
+      // Whole rows when someone in this process wants them (`serve`'s queue, which would otherwise read them
+      // back after the insert's NOTIFY), however briefly the caller is answered.
+      const whole = !minimal || ctx.hasBundlesListener;
       const result = await insertWithinLimits(db, {
         owner: caller,
         count: items.length,
         limits: ctx.submitLimits,
         nowMs: ctx.nowMs(),
         insert: (tx) =>
-          minimal
-            ? insertBundles(tx, caller.uuid, items, "submitted", "brief")
-            : insertBundles(tx, caller.uuid, items, "submitted"),
+          whole
+            ? insertBundles(tx, caller.uuid, items, "submitted")
+            : insertBundles(tx, caller.uuid, items, "submitted", "brief"),
       });
       if (!result.ok) return sendRefusal(reply, result.refusal);
       request.log.info({ owner: caller.uuid, count: items.length }, "bundles created (batch)");
+      if (whole) ctx.bundlesCreated(result.value as Bundle[]);
       if (minimal) {
         return reply
           .code(201)
           .header("preference-applied", "return=minimal")
           .send({ items: result.value.map((b) => ({ uuid: b.uuid, state: b.state })) });
       }
-      ctx.bundlesCreated(result.value as Bundle[]);
       return reply.code(201).send({ items: (result.value as Bundle[]).map(view) });
     },
   );

@@ -186,6 +186,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
         logger.error({ err, count: bundles.length }, "telling of new bundles failed");
       }
     },
+    hasBundlesListener: opts.onBundlesCreated !== undefined,
     tokenCache: new TokenCache(),
     maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,

@@ -20,7 +20,7 @@ for (const kind of ["pg", "pglite"] as const)
   describe(`new bundles reach the dispatcher's queue without their NOTIFY [${kind}]`, () => {
     const getDb = useTestDb(kind);
 
-    it("the REST server tells of committed rows of single and batch submissions (not of brief answers)", async () => {
+    it("the REST server tells of committed rows of single and batch submissions, brief answers too", async () => {
       const db = getDb();
       const told: Bundle[][] = [];
       let failing = false;
@@ -51,9 +51,14 @@ for (const kind of ["pg", "pglite"] as const)
           payload: { items: [body] },
         });
         expect(brief.statusCode).toBe(201);
+        // The caller still gets the brief answer; the listener gets whole rows.
+        expect(brief.headers["preference-applied"]).toBe("return=minimal");
+        const briefItems = brief.json<{ items: Record<string, unknown>[] }>().items;
+        expect(briefItems.map((b) => Object.keys(b).sort())).toEqual([["state", "uuid"]]);
         const uuids = [
           [one.json<{ uuid: string }>().uuid],
           batch.json<{ items: { uuid: string }[] }>().items.map((b) => b.uuid),
+          briefItems.map((b) => b["uuid"]),
         ];
         expect(told.map((bs) => bs.map((b) => b.uuid))).toEqual(uuids);
         // Committed rows, as the database has them now (a queue applies them by change_seq).
@@ -73,12 +78,12 @@ for (const kind of ["pg", "pglite"] as const)
           payload: { ...body, command: [] },
         });
         expect(bad.statusCode).toBe(400);
-        expect(told).toHaveLength(2);
+        expect(told).toHaveLength(3);
         // A listener that throws does not fail a submission that is committed.
         failing = true;
         const still = await app.inject({ method: "POST", url: "/api/v1/bundles", headers, payload: body });
         expect(still.statusCode).toBe(201);
-        expect(told).toHaveLength(3);
+        expect(told).toHaveLength(4);
       } finally {
         await app.close();
       }
