@@ -39,13 +39,12 @@ export interface RouteContext {
   submitLimits: SubmitLimits;
   /** Groups single submissions that no limit applies to into multi-row inserts. */
   submitCoalescer: SubmitCoalescer;
-  /** Told of bundles a submission created, once committed (RestServerOptions.onBundlesCreated). */
-  bundlesCreated(bundles: readonly Bundle[]): void;
   /**
-   * Whether bundlesCreated has a listener (`serve`: the dispatcher's queue in the same process). A brief batch
-   * answer then still reads the whole rows back from its insert, for the listener.
+   * Told of bundles a submission created, once committed (RestServerOptions.onBundlesCreated: in `serve`, the
+   * dispatcher's queue in the same process); null without a listener. With one, a batch answered briefly still
+   * reads the whole rows back from its insert, for the listener.
    */
-  hasBundlesListener: boolean;
+  bundlesCreated: ((bundles: readonly Bundle[]) => void) | null;
   /** Live tokens looked up in the last second (auth.ts); cleared when a token is revoked. */
   tokenCache: TokenCache;
   /** Largest body of a batch submission (restServer.maxBatchRequestBodySize). */

@@ -160,6 +160,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
           { component: "rest-server" },
           { redact: { paths: REDACTED_PATHS, censor: "[redacted]" } },
         );
+  const { onBundlesCreated } = opts;
   const ctx: RouteContext = {
     db: opts.db,
     clusterId: opts.clusterId,
@@ -178,15 +179,17 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     },
     submitLimits: opts.quotas ?? NO_SUBMIT_LIMITS,
     submitCoalescer: createSubmitCoalescer(opts.db),
-    bundlesCreated: (bundles) => {
-      // The submission is committed whatever the listener does: its failure is logged, never answered.
-      try {
-        opts.onBundlesCreated?.(bundles);
-      } catch (err) {
-        logger.error({ err, count: bundles.length }, "telling of new bundles failed");
-      }
-    },
-    hasBundlesListener: opts.onBundlesCreated !== undefined,
+    bundlesCreated:
+      onBundlesCreated === undefined
+        ? null
+        : (bundles) => {
+            // The submission is committed whatever the listener does: its failure is logged, never answered.
+            try {
+              onBundlesCreated(bundles);
+            } catch (err) {
+              logger.error({ err, count: bundles.length }, "telling of new bundles failed");
+            }
+          },
     tokenCache: new TokenCache(),
     maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,
