@@ -58,7 +58,7 @@ export interface StartedJobs {
 }
 
 /** The reason a ready job left waiting at its owner's queued-bundle cap shows (docs/pipelines.md "Quotas"). */
-export const heldReason = (cap: number): string =>
+const heldReason = (cap: number): string =>
   `held: its owner has ${cap} unfinished bundles, the most quotas.maxQueuedBundlesPerUser allows; ` +
   "it starts as they end";
 
@@ -77,11 +77,17 @@ export function definitionDigest(raw: unknown): string {
   return createHash("sha256").update(JSON.stringify(raw)).digest("hex");
 }
 
-/** Definitions read from the store (as the user gave them), validated once per digest. */
+/**
+ * Definitions read from the store (as the user gave them), validated once per digest; a stored definition this
+ * server refuses is remembered too, so the manager's passes do not check it again until it is stored anew.
+ */
 export class DefinitionCache {
-  readonly #byName = new Map<string, { digest: string; def: PipelineDefinition }>();
+  readonly #byName = new Map<string, { digest: string; def: PipelineDefinition | DispatchCloudError }>();
 
-  /** The owner's pipeline's definition, or null when it does not exist. */
+  /**
+   * The owner's pipeline's definition, or null when it does not exist; throws the check's DispatchCloudError
+   * when the stored one no longer validates.
+   */
   async get(db: Db, ownerUuid: string, name: string): Promise<PipelineDefinition | null> {
     const stored = await getPipeline(db, ownerUuid, name);
     const k = `${ownerUuid}\u0000${name}`;
@@ -89,11 +95,20 @@ export class DefinitionCache {
       this.#byName.delete(k);
       return null;
     }
-    const hit = this.#byName.get(k);
-    if (hit !== undefined && hit.digest === stored.digest) return hit.def;
-    const def = validatePipeline(stored.definition, "definition");
-    this.#byName.set(k, { digest: stored.digest, def });
-    return def;
+    let hit = this.#byName.get(k);
+    if (hit === undefined || hit.digest !== stored.digest) {
+      let def: PipelineDefinition | DispatchCloudError;
+      try {
+        def = validatePipeline(stored.definition, "definition");
+      } catch (err) {
+        if (!(err instanceof DispatchCloudError)) throw err;
+        def = err;
+      }
+      hit = { digest: stored.digest, def };
+      this.#byName.set(k, hit);
+    }
+    if (hit.def instanceof DispatchCloudError) throw hit.def;
+    return hit.def;
   }
 }
 
