@@ -1,6 +1,6 @@
 /**
  * Group insert of single submissions (rest-server/submit-coalescer.ts) on PostgreSQL and PGlite: submissions
- * that arrive while a statement is in flight go in together, each caller gets its own bundle and first event,
+ * that arrive together go in as one statement, each caller gets its own bundle and first event,
  * one NOTIFY covers a group, and a row the database refuses fails only its own submission. Through the REST
  * server: concurrent POSTs are grouped; those with dependencies or under a limit are not.
  */
@@ -26,7 +26,7 @@ describeEachDb("submit coalescer", (getDb) => {
     await rm(dir, { recursive: true, force: true });
   });
 
-  it("groups the submissions that arrive while a statement is in flight; each gets its own bundle", async () => {
+  it("groups the submissions that arrive together; each gets its own bundle", async () => {
     const db = getDb();
     const owners = await Promise.all([1, 2, 3].map(() => createTestUserWithToken(db)));
     const c = createSubmitCoalescer(db);
@@ -37,8 +37,8 @@ describeEachDb("submit coalescer", (getDb) => {
       bundle: testNewBundle(owners[i % 3]!.uuid, { name: `b${i}`, priority: i }),
     }));
     const got = await Promise.all(asked.map((a) => c.insert(a.uuid, a.bundle)));
-    // The first goes alone at once; the other 39 arrived while it was in flight and go together.
-    expect(c.stats()).toEqual({ statements: 2, bundles: 40, largest: 39 });
+    // All 40 arrived in the same turn of the event loop: one statement (lib/group-calls.ts).
+    expect(c.stats()).toEqual({ statements: 1, bundles: 40, largest: 40 });
     got.forEach((b, i) => {
       expect(b.uuid).toBe(asked[i]!.uuid);
       expect(b.name).toBe(`b${i}`);
@@ -51,8 +51,8 @@ describeEachDb("submit coalescer", (getDb) => {
       ["created", `user:${owners[2]!.uuid}`],
       ["staged", "rest-server"],
     ]);
-    await expect.poll(() => payloads.filter((p) => p.startsWith("* staged ")).length).toBe(2);
-    expect(payloads.filter((p) => p.startsWith("* staged ")).sort()).toEqual(["* staged 1", "* staged 39"]);
+    await expect.poll(() => payloads.filter((p) => p.startsWith("* staged ")).length).toBe(1);
+    expect(payloads.filter((p) => p.startsWith("* staged "))).toEqual(["* staged 40"]);
     await unlisten();
   });
 
@@ -69,7 +69,7 @@ describeEachDb("submit coalescer", (getDb) => {
     await expect(bad).rejects.toThrow(/foreign key|violates/i);
     const names = (await Promise.all([first, ...rest])).map((b) => b.name);
     expect(names).toEqual(["g0", "g1", "g2", "g3"]);
-    // 1 alone, the group of 4 that failed, then each of the 4 again.
+    // The group of 5 that failed, then each of the 5 again.
     expect(c.stats().statements).toBe(6);
   });
 

@@ -1,0 +1,76 @@
+/**
+ * Calls that arrive together go to the database as one statement (docs/performance.md): most of a small
+ * statement's cost is per statement, not per row. Calls made in the same turn of the event loop, and those that
+ * arrive while a group's statement is in flight, form the next group (at most `max` items); a lone call waits
+ * only for a microtask. Each caller still gets its own result. A group whose statement throws is run again one
+ * item at a time, so a bad item fails only its own call.
+ */
+
+export interface GroupCalls<I, R> {
+  /** One call: resolves with this item's result from its group's run. */
+  call(item: I): Promise<R>;
+  /** Groups run and items they carried, for tests and the benches. */
+  stats(): { groups: number; items: number; largest: number };
+}
+
+interface Pending<I, R> {
+  item: I;
+  resolve(r: R): void;
+  reject(err: unknown): void;
+}
+
+export function groupCalls<I, R>(opts: {
+  max: number;
+  /** Runs one group; returns one result per item, in the items' order. */
+  run(items: I[]): Promise<R[]>;
+}): GroupCalls<I, R> {
+  let waiting: Pending<I, R>[] = [];
+  let busy = false;
+  const counts = { groups: 0, items: 0, largest: 0 };
+
+  async function runGroup(group: Pending<I, R>[]): Promise<void> {
+    counts.groups++;
+    counts.items += group.length;
+    counts.largest = Math.max(counts.largest, group.length);
+    let results: R[];
+    try {
+      results = await opts.run(group.map((p) => p.item));
+      if (results.length !== group.length) {
+        throw new Error(`a group of ${group.length} gave ${results.length} results`);
+      }
+    } catch (err) {
+      if (group.length === 1) {
+        group[0]!.reject(err);
+        return;
+      }
+      // Which item the statement refused is not known: each on its own, so only that one fails.
+      for (const p of group) await runGroup([p]);
+      return;
+    }
+    for (const [i, p] of group.entries()) p.resolve(results[i]!);
+  }
+
+  async function drain(): Promise<void> {
+    try {
+      while (waiting.length > 0) {
+        const group = waiting.slice(0, opts.max);
+        waiting = waiting.slice(group.length);
+        await runGroup(group);
+      }
+    } finally {
+      busy = false;
+    }
+  }
+
+  return {
+    call(item) {
+      return new Promise<R>((resolve, reject) => {
+        waiting.push({ item, resolve, reject });
+        if (busy) return;
+        busy = true;
+        queueMicrotask(() => void drain());
+      });
+    },
+    stats: () => ({ ...counts }),
+  };
+}
