@@ -12,12 +12,13 @@ import { Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import { formatDigest, parseDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { groupCalls } from "../lib/group-calls.ts";
 import { outputManifestsByBundle, setOutputManifest } from "../store/cas-queries.ts";
 import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts";
 import {
   finishBundle,
   loseBundle,
-  markRunningByToken,
+  markRunningByTokens,
   requeueForUnavailableImage,
 } from "../store/transitions.ts";
 import type { Bundle, LogStream, TransitionResult } from "../store/types.ts";
@@ -134,6 +135,9 @@ export const MAX_LOG_CHUNK = 2 ** 20;
 
 const ACTOR = "runner";
 
+/** Runners' `start` calls per grouped statement. */
+const MAX_START_GROUP = 200;
+
 function notCurrent(bundle: Bundle, result: TransitionResult & { ok: false }): DispatchCloudError {
   return notCurrentNow(bundle, result.current);
 }
@@ -143,6 +147,14 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
   const onRequest = async (request: FastifyRequest) => {
     request.runnerBundle = await authenticateRunner(db, request);
   };
+
+  const starts = groupCalls<string, Bundle | null>({
+    max: MAX_START_GROUP,
+    run: async (hashes) => {
+      const moved = await markRunningByTokens(db, hashes, ACTOR);
+      return hashes.map((h) => moved.get(h) ?? null);
+    },
+  });
 
   app.post("/api/v1/runner/start", async (request) => {
     const tokenHash = runnerTokenHashOf(request);
@@ -154,10 +166,10 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
         throw err;
       }
     }
-    // The usual case in one statement: the token's bundle is starting (the bundle waits for this answer).
-    const fast = await markRunningByToken(db, tokenHash, { actor: ACTOR });
-    if (fast.ok) {
-      const b = fast.bundle;
+    // The usual case in one statement: the token's bundle is starting (the bundle waits for this answer). The
+    // calls that arrive together (a burst of bundles starting) share that statement.
+    const b = await starts.call(tokenHash);
+    if (b !== null) {
       request.log.info(
         { bundleUuid: b.uuid, attempt: b.attempt, instanceId: b.instanceId },
         "bundle running",

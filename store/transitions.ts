@@ -30,11 +30,6 @@ export interface TransitionSpec {
   stateReason?: string;
   reason: string | null;
   actor: string;
-  /**
-   * The column $1 names the bundle by: its uuid (default), or the hash of its runner token (unique while set).
-   * By token, a statement that moves nothing answers not_found at once: the caller looks closer.
-   */
-  by?: "uuid" | "runner_token_hash";
 }
 
 /**
@@ -43,7 +38,7 @@ export interface TransitionSpec {
  */
 export async function transition(db: Db, uuid: string, spec: TransitionSpec): Promise<TransitionResult> {
   const guard =
-    `b.${spec.by ?? "uuid"} = $1 AND b.state = ANY($2::text[])` +
+    "b.uuid = $1 AND b.state = ANY($2::text[])" +
     " AND ($6::int IS NULL OR b.attempt = $6::int)" +
     (spec.guard ? ` AND (${spec.guard})` : "");
   const set = [
@@ -52,7 +47,7 @@ export async function transition(db: Db, uuid: string, spec: TransitionSpec): Pr
     "scheduling_status = NULL",
     ...(spec.set ?? []),
   ];
-  // Prepared: by uuid or token hash, the plan is the same whatever the values (store/db.ts, prepared).
+  // Prepared: by uuid, the plan is the same whatever the values (store/db.ts, prepared).
   const sql = prepared(`WITH cur AS (
       SELECT b.uuid, b.state AS from_state FROM bundles b WHERE ${guard} FOR UPDATE
     ), upd AS (
@@ -80,7 +75,6 @@ export async function transition(db: Db, uuid: string, spec: TransitionSpec): Pr
   for (let i = 0; i < 3; i++) {
     const { rows } = await db.query<BundleRow>(sql, params);
     if (rows[0]) return { ok: true, bundle: bundleFromRow(rows[0]) };
-    if (spec.by === "runner_token_hash") return { ok: false, reason: "not_found", current: null };
     const current = await getBundle(db, uuid);
     if (!current) return { ok: false, reason: "not_found", current: null };
     if (!spec.from.includes(current.state)) return { ok: false, reason: "wrong_state", current };
@@ -176,7 +170,7 @@ export function startBundle(
     instanceId: string;
     instanceType: string;
     runnerTokenHash: string;
-    gpuDevices: number[];
+    gpuDevices: readonly number[];
     actor: string;
   },
 ): Promise<TransitionResult> {
@@ -199,6 +193,66 @@ export function startBundle(
     reason: null,
     actor: args.actor,
   });
+}
+
+/** One bundle of startBundles(): where it starts, and its runner token's hash. */
+export interface StartItem {
+  uuid: string;
+  instanceId: string;
+  instanceType: string;
+  runnerTokenHash: string;
+  gpuDevices: readonly number[];
+}
+
+/**
+ * startBundle() for many bundles in one statement (the dispatcher's claims of one scheduling pass,
+ * dispatcher/queue/transitions.ts): each bundle still `staged` with attempts left moves to `starting` with its
+ * own instance, token hash and devices, and gets its own event and NOTIFY, all or nothing. Returns the bundles
+ * that moved, each by the token hash it now holds; one that did not (it changed meanwhile, or a uuid given
+ * twice) is left out, and the caller asks startBundle() for it, which says why.
+ */
+export async function startBundles(
+  db: Db,
+  items: readonly StartItem[],
+  actor: string,
+): Promise<Map<string, Bundle>> {
+  if (items.length === 0) return new Map();
+  const guard = "b.state = 'staged' AND b.attempt < b.max_attempts";
+  // Prepared: the plan does not depend on the values (store/db.ts, prepared).
+  const { rows } = await db.query<BundleRow>(
+    prepared(`WITH want AS (
+       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
+         AS w(uuid, instance_id, instance_type, token_hash, gpu_devices)
+     ), cur AS (
+       SELECT b.uuid, b.state AS from_state, w.instance_id, w.instance_type, w.token_hash, w.gpu_devices
+       FROM bundles b JOIN want w ON w.uuid = b.uuid
+       WHERE ${guard} ORDER BY b.uuid FOR UPDATE OF b
+     ), upd AS (
+       UPDATE bundles b SET state = 'starting', state_reason = NULL, scheduling_status = NULL,
+         attempt = b.attempt + 1, instance_id = cur.instance_id, instance_type = cur.instance_type,
+         runner_token_hash = cur.token_hash, gpu_devices = cur.gpu_devices::int[],
+         starting_at = ${NOW}, running_at = NULL, exit_code = NULL
+       FROM cur WHERE b.uuid = cur.uuid AND ${guard}
+       RETURNING b.*, cur.from_state AS transition_from_state
+     ), ev AS (
+       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+       SELECT uuid, transition_from_state, state, attempt, state_reason, $6::text FROM upd
+       RETURNING id
+     ), n AS (
+       SELECT pg_notify($7::text, uuid || ' ' || state || ' ' || change_seq) FROM upd
+     )
+     SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`),
+    [
+      items.map((i) => i.uuid),
+      items.map((i) => i.instanceId),
+      items.map((i) => i.instanceType),
+      items.map((i) => i.runnerTokenHash),
+      items.map((i) => `{${i.gpuDevices.join(",")}}`),
+      actor,
+      BUNDLE_CHANNEL,
+    ],
+  );
+  return new Map(rows.map((r) => [r.runner_token_hash ?? "", bundleFromRow(r)]));
 }
 
 /**
@@ -267,23 +321,39 @@ export function markRunning(
 }
 
 /**
- * starting -> running for the bundle whose runner token hashes to `tokenHash`: a runner's `start` in one
- * statement, without looking the token up first. not_found when no starting bundle holds that token (a bad or
- * stale token, or a retried start): the caller looks closer.
+ * starting -> running for the bundles whose runner tokens hash to `tokenHashes`: runners' `start` calls in one
+ * statement, without looking the tokens up first (the REST server groups the calls that arrive together,
+ * rest-server/routes-runner.ts). Each moved bundle gets its own event and NOTIFY. Returns the moved bundles by
+ * token hash; a hash that moved nothing (a bad or stale token, or a retried start) is left out, and its caller
+ * looks closer.
  */
-export function markRunningByToken(
+export async function markRunningByTokens(
   db: Db,
-  tokenHash: string,
-  args: { actor: string },
-): Promise<TransitionResult> {
-  return transition(db, tokenHash, {
-    by: "runner_token_hash",
-    from: ["starting"],
-    to: "'running'",
-    set: [`running_at = ${NOW}`],
-    reason: null,
-    actor: args.actor,
-  });
+  tokenHashes: readonly string[],
+  actor: string,
+): Promise<Map<string, Bundle>> {
+  if (tokenHashes.length === 0) return new Map();
+  // Prepared: the plan does not depend on the values (store/db.ts, prepared).
+  const { rows } = await db.query<BundleRow>(
+    prepared(`WITH cur AS (
+       SELECT b.uuid, b.state AS from_state FROM bundles b
+       WHERE b.runner_token_hash = ANY($1::text[]) AND b.state = 'starting' ORDER BY b.uuid FOR UPDATE
+     ), upd AS (
+       UPDATE bundles b SET state = 'running', state_reason = NULL, scheduling_status = NULL,
+         running_at = ${NOW}
+       FROM cur WHERE b.uuid = cur.uuid AND b.state = 'starting' AND b.runner_token_hash = ANY($1::text[])
+       RETURNING b.*, cur.from_state AS transition_from_state
+     ), ev AS (
+       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+       SELECT uuid, transition_from_state, state, attempt, state_reason, $2::text FROM upd
+       RETURNING id
+     ), n AS (
+       SELECT pg_notify($3::text, uuid || ' ' || state || ' ' || change_seq) FROM upd
+     )
+     SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`),
+    [tokenHashes, actor, BUNDLE_CHANNEL],
+  );
+  return new Map(rows.map((r) => [r.runner_token_hash ?? "", bundleFromRow(r)]));
 }
 
 const CLEAR_INSTANCE = [

@@ -6,6 +6,7 @@
  * next pass need not wait for NOTIFY. The pool, sync and the scheduler ask this module; none writes a
  * transition itself. Database errors are thrown (each caller has its own retry rule).
  */
+import { groupCalls } from "../../lib/group-calls.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { hashToken, newRunnerToken } from "../../lib/tokens.ts";
 import type { Db } from "../../store/db.ts";
@@ -13,8 +14,10 @@ import {
   failStaged,
   loseBundle,
   requeueStarting,
+  type StartItem,
   startBundle,
   startBundleOnWorker,
+  startBundles,
 } from "../../store/transitions.ts";
 import type { Bundle, TransitionResult } from "../../store/types.ts";
 import type { QueueView } from "../types.ts";
@@ -47,6 +50,9 @@ export interface BundleTransitions {
 
 const ACTOR = "dispatcher";
 
+/** Claims per grouped statement: a pass that starts more makes more statements. */
+const MAX_CLAIM_GROUP = 200;
+
 export function createBundleTransitions(opts: {
   db: Db;
   /** Where rows are applied (the dispatcher's BundleQueue); none: nothing is applied. */
@@ -64,16 +70,31 @@ export function createBundleTransitions(opts: {
     return result;
   };
 
+  const claims = groupCalls<StartItem, Bundle | null>({
+    max: MAX_CLAIM_GROUP,
+    run: async (items) => {
+      // By token hash: a uuid given twice moved once, with one of the two tokens; the other is asked alone.
+      const moved = await startBundles(db, items, ACTOR);
+      return items.map((i) => moved.get(i.runnerTokenHash) ?? null);
+    },
+  });
+
   return {
     async claim(uuid, on) {
       const token = newRunnerToken();
-      const result = await startBundle(db, uuid, {
+      const item: StartItem = {
+        uuid,
         instanceId: on.instanceId,
         instanceType: on.instanceType,
         runnerTokenHash: hashToken(token),
         gpuDevices: [...on.gpuDevices],
-        actor: ACTOR,
-      });
+      };
+      // The claims of one pass go as one statement; one that it did not move is asked alone, which says why.
+      const grouped = await claims.call(item);
+      const result: TransitionResult =
+        grouped !== null
+          ? { ok: true, bundle: grouped }
+          : await startBundle(db, uuid, { ...item, actor: ACTOR });
       applied(result, "claimed", uuid);
       return result.ok
         ? { ok: true, bundle: result.bundle, token }

@@ -1,0 +1,77 @@
+/**
+ * Runners' `start` calls that arrive together (a burst of bundles starting) share a statement
+ * (rest-server/routes-runner.ts, store/transitions.ts markRunningByTokens), on PostgreSQL and PGlite: each
+ * caller still gets its own bundle, and a bad, stale or repeated token gets the answer it gets alone.
+ */
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { afterAll, beforeAll, expect, it } from "vitest";
+import { newRunnerToken } from "../lib/tokens.ts";
+import { createRestServer } from "../rest-server/server.ts";
+import type { Db } from "../store/db.ts";
+import { getBundle, listEvents } from "../store/queries.ts";
+import { stageBundle } from "../store/transitions.ts";
+import { createTestBundle, createTestUser, describeEachDb, startWithRunnerToken } from "./db.ts";
+import { restServerBasics } from "./fixtures.ts";
+import { injectClient } from "./rest-client.ts";
+
+describeEachDb("runner start calls", (getDb) => {
+  let dir: string;
+  beforeAll(async () => {
+    dir = await mkdtemp(join(tmpdir(), "dc-start-"));
+  });
+  afterAll(async () => {
+    await rm(dir, { recursive: true, force: true });
+  });
+
+  it("calls that arrive while a start statement runs go together; each gets its own answer", async () => {
+    const db = getDb();
+    // The hashes each start statement carried. The first statement of the burst is held back for a second, so
+    // that every other call of the burst is surely in before it ends (on PGlite a statement can otherwise end
+    // before the next injected request reaches its handler).
+    const groups: number[] = [];
+    let hold = false;
+    const counted: Db = Object.create(db);
+    counted.query = async (sql, params) => {
+      if (sql.includes("state = 'running'")) {
+        groups.push(((params ?? [])[0] as string[]).length);
+        if (hold) {
+          hold = false;
+          await new Promise((r) => setTimeout(r, 1000));
+        }
+      }
+      return db.query(sql, params);
+    };
+    const app = await createRestServer(restServerBasics(counted, join(dir, "data")));
+    const api = injectClient(app);
+    const owner = (await createTestUser(db)).uuid;
+    const started: { uuid: string; token: string }[] = [];
+    for (let i = 0; i < 8; i++) {
+      const b = await createTestBundle(db, owner);
+      await stageBundle(db, b.uuid, { actor: "test" });
+      const { token } = await startWithRunnerToken(db, b.uuid, { instanceId: `i-${i}` });
+      started.push({ uuid: b.uuid, token });
+    }
+    // The first bundle is already running (a retried start finds its own attempt running: success).
+    expect((await api("POST", "/api/v1/runner/start", started[0]!.token, {})).status).toBe(200);
+    groups.length = 0;
+    hold = true;
+    const stranger = newRunnerToken();
+    const answers = await Promise.all([
+      ...started.map((s) => api("POST", "/api/v1/runner/start", s.token, {})),
+      api("POST", "/api/v1/runner/start", stranger, {}),
+    ]);
+    // The first alone, then the eight that came while it ran in one statement; the two it moved nothing for
+    // (running already, unknown) were looked at alone.
+    expect(groups).toEqual([1, 8]);
+    for (const [i, s] of started.entries()) {
+      expect(answers[i]).toMatchObject({ status: 200, body: { uuid: s.uuid, state: "running", attempt: 1 } });
+      const events = await listEvents(db, s.uuid);
+      expect(events.filter((e) => e.toState === "running").map((e) => e.actor)).toEqual(["runner"]);
+      expect((await getBundle(db, s.uuid))?.instanceId).toBe(`i-${i}`);
+    }
+    expect(answers[8]).toMatchObject({ status: 401, body: { error: { code: "auth.invalid_token" } } });
+    await app.close();
+  });
+});
