@@ -81,6 +81,10 @@ describeEachDb("fake runners through the real runner API", (getDb) => {
     const bad = await t.detach(["sh", "-c", "sleep 10; exit 3"]);
     await t.waitFor(ok, "running");
     await t.waitFor(bad, "running");
+    // Running once /start is stored; each fake starts its (fake-clock) sleep only once the answer and its spec
+    // reach it, and the clock must not move before both sleeps are set (nothing else sleeps here).
+    await logged(t.fake, 2);
+    await expect.poll(() => t.clock.pending).toBe(2);
     expect(t.fake.errors).toEqual([]);
     expect((await t.list()).split("\n").sort()).toEqual([ok, bad].sort());
     await t.clock.advance(10_000);
