@@ -18,6 +18,7 @@
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { FastifyInstance } from "fastify";
+import type { Logger } from "../lib/logger.ts";
 import { createPipelineManager, type PipelineManager } from "../rest-server/pipelines/manager.ts";
 import type { SubmitLimits } from "../rest-server/quotas.ts";
 import { createRestServer } from "../rest-server/server.ts";
@@ -116,7 +117,7 @@ export const REPORT_JOBS = [
 /** A pipeline manager on `db` as the running tests use it (silent, cluster zzzzz, no image resolvers). */
 export function testPipelineManager(
   db: Db,
-  opts: { batchSize?: number; submitLimits?: SubmitLimits } = {},
+  opts: { batchSize?: number; submitLimits?: SubmitLimits; logger?: Logger } = {},
 ): PipelineManager {
   return createPipelineManager({
     db,

@@ -1,5 +1,7 @@
+import { Writable } from "node:stream";
 import type { FastifyInstance } from "fastify";
 import { afterAll, beforeAll, beforeEach, expect, it } from "vitest";
+import { createLogger } from "../lib/logger.ts";
 import { parseYamlText } from "../lib/pipeline/definition.ts";
 import type { PipelineManager } from "../rest-server/pipelines/manager.ts";
 import { getBundle } from "../store/queries.ts";
@@ -314,7 +316,19 @@ describeEachDb("pipelines over REST", (getDb) => {
   it("a pipeline whose stored definition no longer validates says so, and does not keep the manager from others", async () => {
     // Pages of one job, and the broken pipeline's five ready jobs come first (names in order): the manager must
     // get past them to the other pipeline's job in the same pass.
-    const paged = testPipelineManager(getDb(), { batchSize: 1 });
+    const logged: string[] = [];
+    const logger = createLogger({
+      level: "error",
+      format: "json",
+      destination: new Writable({
+        write(chunk: Buffer, _enc, done) {
+          for (const line of chunk.toString("utf8").split("\n"))
+            if (line !== "") logged.push(JSON.parse(line).msg);
+          done();
+        },
+      }),
+    });
+    const paged = testPipelineManager(getDb(), { batchSize: 1, logger });
     await apply("p-a-broken");
     await apply("p-b-fine");
     await run("p-a-broken", "report", "20140602");
@@ -333,6 +347,9 @@ describeEachDb("pipelines over REST", (getDb) => {
       /^waiting: the stored definition of this pipeline is no longer valid: .*colour/,
     );
     expect((await status("p-a-broken", "report", "20140602")).reason).toMatch(/no longer valid/);
+    // Said once in the log for this stored version, not at every pass.
+    await paged.runOnce();
+    expect(logged).toEqual(["a stored pipeline definition is no longer valid"]);
     // Storing it again lets its jobs go on, and the reason goes, also from jobs still waiting for parents.
     await apply("p-a-broken");
     expect((await status("p-a-broken", "report", "20140602")).reason).toBeNull();

@@ -53,6 +53,8 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
   const pollInterval = opts.pollInterval ?? 10_000;
   const batchSize = opts.batchSize ?? 1000;
   const definitions = new DefinitionCache();
+  /** The refusals already logged (one per stored version of a definition). */
+  const reported = new WeakSet<DispatchCloudError>();
 
   /** The pipeline's definition; null when it is gone, a DispatchCloudError when the stored one no longer validates. */
   async function definitionOf(
@@ -63,10 +65,14 @@ export function createPipelineManager(opts: PipelineManagerOptions): PipelineMan
       return await definitions.get(db, ownerUuid, pipeline);
     } catch (err) {
       if (!(err instanceof DispatchCloudError)) throw err;
-      log.error(
-        { code: err.code, message: err.message, path: err.path, owner: ownerUuid, pipeline },
-        "a stored pipeline definition is no longer valid",
-      );
+      // The cache gives the same error for a stored version until it is stored again: said once, not every pass.
+      if (!reported.has(err)) {
+        reported.add(err);
+        log.error(
+          { code: err.code, message: err.message, path: err.path, owner: ownerUuid, pipeline },
+          "a stored pipeline definition is no longer valid",
+        );
+      }
       return err;
     }
   }
