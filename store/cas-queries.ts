@@ -268,6 +268,24 @@ export async function markDeadBlobs(db: Db, cutoff: Date, limit: number): Promis
   return rows.map((r) => ({ hash: r.hash, size: Number(r.size) }));
 }
 
+/**
+ * Of blobs the backend holds, marks 'deleting' those the store has no row for (bytes written by an upload that
+ * ended before it was recorded: a crash, or an upload refused with cas.busy) and returns them. The row is made
+ * 'deleting' in the same statement, so an upload of the same blob meanwhile is refused with cas.busy rather than
+ * recorded over bytes about to go, exactly as for dead blobs; a blob with a row, in any state, is left alone.
+ */
+export async function markOrphanBlobs(db: Db, held: readonly Digest[], now: Date): Promise<Digest[]> {
+  if (held.length === 0) return [];
+  const { rows } = await db.query<{ hash: string; size: string }>(
+    `INSERT INTO cas_blobs (hash, size, created_at, touched_at, state)
+     SELECT h, s, $3, $3, 'deleting' FROM unnest($1::text[], $2::bigint[]) AS o(h, s)
+     ON CONFLICT (hash) DO NOTHING
+     RETURNING hash, size::text AS size`,
+    [held.map((d) => d.hash), held.map((d) => d.size), now],
+  );
+  return rows.map((r) => ({ hash: r.hash, size: Number(r.size) }));
+}
+
 /** Forgets a blob garbage collection deleted: its row, who could read it, and what it named as a manifest. */
 export async function forgetBlobs(db: Db, hashes: readonly string[]): Promise<void> {
   if (hashes.length === 0) return;

@@ -550,6 +550,40 @@ for (const backendKind of BACKENDS) {
       await rm(fresh);
     });
 
+    it("garbage collection removes bytes the store has no row for, once a day", async () => {
+      // Bytes written by an upload that ended before it was recorded (a crash): in the backend, no row.
+      const orphan = randomBytes(555);
+      const recorded = randomBytes(556);
+      await backend.writeBytes(digestOf(orphan), orphan);
+      expect((await put(alice, recorded)).status).toBe(201);
+      nowMs += DAY; // a day after any earlier collection's look
+      const first = await app.casGc.gcOnce();
+      expect(first.orphans).toBeGreaterThanOrEqual(1);
+      expect(first.blobs).toBeGreaterThanOrEqual(first.orphans ?? 0);
+      const left = await listAll(backend);
+      expect(left).not.toContain(formatDigest(digestOf(orphan)));
+      expect(left).toContain(formatDigest(digestOf(recorded)));
+      const { rows } = await getDb().query("SELECT 1 FROM cas_blobs WHERE hash = $1", [
+        digestOf(orphan).hash,
+      ]);
+      expect(rows).toEqual([]);
+      // The same bytes uploaded for real now are stored, recorded and kept.
+      expect((await put(alice, orphan)).status).toBe(201);
+      expect((await api("GET", url("blobs", digestOf(orphan)), alice)).raw.equals(orphan)).toBe(true);
+      // Not looked for again within the day; the next day it is.
+      const another = randomBytes(557);
+      await backend.writeBytes(digestOf(another), another);
+      nowMs += DAY / 2;
+      expect((await app.casGc.gcOnce()).orphans).toBeNull();
+      expect(await listAll(backend)).toContain(formatDigest(digestOf(another)));
+      nowMs += DAY / 2;
+      expect((await app.casGc.gcOnce()).orphans).toBe(1);
+      const after = await listAll(backend);
+      expect(after).not.toContain(formatDigest(digestOf(another)));
+      expect(after).toContain(formatDigest(digestOf(orphan)));
+      expect(after).toContain(formatDigest(digestOf(recorded)));
+    });
+
     it("an upload cut off by a server restart resumes from the offset the server kept", async () => {
       const data = randomBytes(3 * 2 ** 20);
       const d = digestOf(data);

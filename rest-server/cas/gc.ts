@@ -5,19 +5,25 @@
  * or it is a bundle's output manifest, an image's tree (store/image-queries.ts), or the image tree an unfinished
  * bundle was pinned to (docs/images.md). Dead blobs are marked 'deleting' in one statement (an upload that
  * touched the row first keeps it; one that meets the mark answers cas.busy), their bytes removed, then their
- * rows. Partial uploads older than a day are removed too.
+ * rows. Partial uploads older than a day are removed too. Once a day (the first collection after start, then
+ * every ORPHAN_SWEEP_EVERY_MS) the backend's whole list is read for bytes the store has no row for, which go
+ * the same way (markOrphanBlobs): an upload that ended between writing its bytes and recording them leaves such
+ * bytes, and nothing else would ever remove them.
  */
 import { readdir, rm, stat } from "node:fs/promises";
 import { join } from "node:path";
+import type { Digest } from "../../lib/cas/digest.ts";
 import type { Clock } from "../../lib/clock.ts";
 import type { Logger } from "../../lib/logger.ts";
-import { deletingBlobs, forgetBlobs, markDeadBlobs } from "../../store/cas-queries.ts";
+import { deletingBlobs, forgetBlobs, markDeadBlobs, markOrphanBlobs } from "../../store/cas-queries.ts";
 import type { Db } from "../../store/db.ts";
 import type { BlobBackend } from "./backend.ts";
 
 /** Partial uploads kept for resuming are removed after this long without a write. */
 export const PARTIAL_UPLOAD_MAX_AGE_MS = 86_400_000;
 const BATCH = 1000;
+/** How often a collection also looks for bytes without a row (it reads the backend's whole list). */
+export const ORPHAN_SWEEP_EVERY_MS = 86_400_000;
 
 export interface CasGcOptions {
   db: Db;
@@ -32,9 +38,12 @@ export interface CasGcOptions {
 }
 
 export interface GcResult {
+  /** Blobs removed, with their bytes: dead ones, and orphans (bytes without a row, also counted below). */
   blobs: number;
   bytes: number;
   partials: number;
+  /** Blobs removed because the store had no row for them; null when this collection did not look. */
+  orphans: number | null;
 }
 
 export interface CasGc {
@@ -91,8 +100,26 @@ export function createCasGc(opts: CasGcOptions): CasGc {
     return removed;
   };
 
+  let lastOrphanSweep: number | null = null;
+  const sweepOrphans = async (result: GcResult): Promise<number> => {
+    let removed = 0;
+    let held: Digest[] = [];
+    const flush = async () => {
+      const orphans = await markOrphanBlobs(db, held, new Date(opts.clock.now()));
+      held = [];
+      await removeBlobs(orphans, result);
+      removed += orphans.length;
+    };
+    for await (const d of backend.list()) {
+      held.push(d);
+      if (held.length >= BATCH) await flush();
+    }
+    await flush();
+    return removed;
+  };
+
   const gcOnce = async (): Promise<GcResult> => {
-    const result: GcResult = { blobs: 0, bytes: 0, partials: 0 };
+    const result: GcResult = { blobs: 0, bytes: 0, partials: 0, orphans: null };
     // A collection that stopped half-way left rows 'deleting': finish them first.
     for (;;) {
       const left = await deletingBlobs(db, BATCH);
@@ -106,6 +133,11 @@ export function createCasGc(opts: CasGcOptions): CasGc {
       await removeBlobs(dead, result);
     }
     result.partials = await sweepPartials();
+    const now = opts.clock.now();
+    if (lastOrphanSweep === null || now - lastOrphanSweep >= ORPHAN_SWEEP_EVERY_MS) {
+      lastOrphanSweep = now;
+      result.orphans = await sweepOrphans(result);
+    }
     if (result.blobs > 0) opts.onCollected?.();
     if (result.blobs > 0 || result.partials > 0) {
       opts.logger?.info({ ...result, backend: backend.kind }, "content-addressed store collected");
