@@ -240,6 +240,9 @@ describe("users' own machines as workers (serve, local driver, Docker)", () => {
     const wg = await startWorker(a, "a-gpu-box", ["--slots", "2", "--tag", "gpu"]);
     const taggedDone = await waitFinal(a, tagged);
     expect(taggedDone).toMatchObject({ state: "ready", workerId: wg.id });
+    // A user's own machine: no price is known, so no cost is claimed (docs/workers.md); its usage is recorded.
+    expect(taggedDone).toMatchObject({ instanceType: "worker", costDollars: null });
+    expect(taggedDone.resourceUsage).not.toBeNull();
 
     // SIGKILL the laptop while the long bundle runs there: it goes back to the queue once (the laptop is lost
     // after workers.checkinTimeout) and completes on A's other worker.
