@@ -33,6 +33,22 @@ export interface TransitionSpec {
 }
 
 /**
+ * The tail of a guarded transition statement, after a CTE `upd` that returns the moved rows with
+ * `transition_from_state`: one bundle_events row and one NOTIFY (`<uuid> <state> <changeSeq>`) per moved row, in
+ * the same statement; the statement returns the moved rows. `actor` and `channel` are parameter references.
+ */
+function eventsAndNotifies(actor: string, channel: string): string {
+  return `ev AS (
+      INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
+      SELECT uuid, transition_from_state, state, attempt, state_reason, ${actor}::text FROM upd
+      RETURNING id
+    ), n AS (
+      SELECT pg_notify(${channel}::text, uuid || ' ' || state || ' ' || change_seq) FROM upd
+    )
+    SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`;
+}
+
+/**
  * Runs one guarded transition. Parameters: $1 uuid, $2 allowed from-states, $3 actor, $4 reason, $5 channel,
  * $6 required attempt (or null), $7... spec.params.
  */
@@ -54,14 +70,7 @@ export async function transition(db: Db, uuid: string, spec: TransitionSpec): Pr
       UPDATE bundles b SET ${set.join(", ")}
       FROM cur WHERE b.uuid = cur.uuid AND ${guard}
       RETURNING b.*, cur.from_state AS transition_from_state
-    ), ev AS (
-      INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
-      SELECT uuid, transition_from_state, state, attempt, state_reason, $3::text FROM upd
-      RETURNING id
-    ), n AS (
-      SELECT pg_notify($5::text, uuid || ' ' || state || ' ' || change_seq) FROM upd
-    )
-    SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`);
+    ), ${eventsAndNotifies("$3", "$5")}`);
   const params = [
     uuid,
     spec.from,
@@ -234,14 +243,7 @@ export async function startBundles(
          starting_at = ${NOW}, running_at = NULL, exit_code = NULL
        FROM cur WHERE b.uuid = cur.uuid AND ${guard}
        RETURNING b.*, cur.from_state AS transition_from_state
-     ), ev AS (
-       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
-       SELECT uuid, transition_from_state, state, attempt, state_reason, $6::text FROM upd
-       RETURNING id
-     ), n AS (
-       SELECT pg_notify($7::text, uuid || ' ' || state || ' ' || change_seq) FROM upd
-     )
-     SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`),
+     ), ${eventsAndNotifies("$6", "$7")}`),
     [
       items.map((i) => i.uuid),
       items.map((i) => i.instanceId),
@@ -343,14 +345,7 @@ export async function markRunningByTokens(
          running_at = ${NOW}
        FROM cur WHERE b.uuid = cur.uuid AND b.state = 'starting' AND b.runner_token_hash = ANY($1::text[])
        RETURNING b.*, cur.from_state AS transition_from_state
-     ), ev AS (
-       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
-       SELECT uuid, transition_from_state, state, attempt, state_reason, $2::text FROM upd
-       RETURNING id
-     ), n AS (
-       SELECT pg_notify($3::text, uuid || ' ' || state || ' ' || change_seq) FROM upd
-     )
-     SELECT upd.* FROM upd WHERE (SELECT count(*) FROM ev) + (SELECT count(*) FROM n) >= 0`),
+     ), ${eventsAndNotifies("$2", "$3")}`),
     [tokenHashes, actor, BUNDLE_CHANNEL],
   );
   return new Map(rows.map((r) => [r.runner_token_hash ?? "", bundleFromRow(r)]));
