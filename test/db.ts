@@ -153,6 +153,36 @@ export function useTestDb(kind: DbKind): () => TestDb {
   };
 }
 
+/**
+ * Two more connection pools to the block's database, for races: on PostgreSQL real concurrent connections (each
+ * pool up to maxConnections), on PGlite the same Db (where the queue serialises the racers). Closed after the
+ * block.
+ */
+export function useRacingDbs(getDb: () => TestDb, maxConnections: number): () => { a: Db; b: Db } {
+  let pools: { a: Db; b: Db } | undefined;
+  const opened: Db[] = [];
+  beforeAll(async () => {
+    const db = getDb();
+    if (db.kind === "pglite") {
+      pools = { a: db, b: db };
+      return;
+    }
+    const a = await openDb(db.url, { maxConnections });
+    opened.push(a);
+    const b = await openDb(db.url, { maxConnections });
+    opened.push(b);
+    pools = { a, b };
+  });
+  afterAll(async () => {
+    await Promise.all(opened.map((d) => d.close()));
+  });
+  return () => {
+    if (pools === undefined)
+      throw new Error("the racing pools were not opened (see the test database's error)");
+    return pools;
+  };
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Fixtures
 

@@ -23,6 +23,7 @@ import {
   openTestDb,
   type TestDb,
   testPgUrl,
+  useRacingDbs,
 } from "./db.ts";
 
 const N = 50;
@@ -41,25 +42,13 @@ const startArgs = (token: string) => ({
 });
 
 describeEachDb("store concurrency", (getDb) => {
-  /** Second and third connections pools to the same database (the same Db on PGlite). */
+  const racing = useRacingDbs(getDb, 25);
   let a: Db;
   let b: Db;
   let owner: string;
-  const opened: Db[] = [];
   beforeAll(async () => {
-    const db = getDb();
-    if (db.kind === "pg") {
-      a = await openDb(db.url, { maxConnections: 25 });
-      b = await openDb(db.url, { maxConnections: 25 });
-      opened.push(a, b);
-    } else {
-      a = db;
-      b = db;
-    }
-    owner = (await createTestUser(db)).uuid;
-  });
-  afterAll(async () => {
-    await Promise.all(opened.map((d) => d.close()));
+    ({ a, b } = racing());
+    owner = (await createTestUser(getDb())).uuid;
   });
 
   async function bundlesIn(state: "staged" | "starting" | "running", maxAttempts = 3): Promise<Bundle[]> {

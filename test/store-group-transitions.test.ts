@@ -4,8 +4,7 @@
  * wrongly. Raced against each other and against single transitions over separate pools on PostgreSQL (real
  * concurrent connections), and the same assertions on PGlite.
  */
-import { afterAll, beforeAll, expect, it } from "vitest";
-import { type Db, openDb } from "../store/db.ts";
+import { beforeAll, expect, it } from "vitest";
 import { getBundle, listEvents } from "../store/queries.ts";
 import {
   killBundle,
@@ -16,7 +15,7 @@ import {
   startBundles,
 } from "../store/transitions.ts";
 import { BUNDLE_CHANNEL, type Bundle, type TransitionResult } from "../store/types.ts";
-import { createTestBundle, createTestUser, describeEachDb } from "./db.ts";
+import { createTestBundle, createTestUser, describeEachDb, useRacingDbs } from "./db.ts";
 
 const N = 30;
 
@@ -34,24 +33,10 @@ const item = (uuid: string, tag: string, gpuDevices: number[] = []): StartItem =
 });
 
 describeEachDb("grouped transitions", (getDb) => {
-  let a: Db;
-  let b: Db;
+  const racing = useRacingDbs(getDb, 5);
   let owner: string;
-  const opened: Db[] = [];
   beforeAll(async () => {
-    const db = getDb();
-    if (db.kind === "pg") {
-      a = await openDb(db.url, { maxConnections: 5 });
-      b = await openDb(db.url, { maxConnections: 5 });
-      opened.push(a, b);
-    } else {
-      a = db;
-      b = db;
-    }
-    owner = (await createTestUser(db)).uuid;
-  });
-  afterAll(async () => {
-    await Promise.all(opened.map((d) => d.close()));
+    owner = (await createTestUser(getDb())).uuid;
   });
 
   async function staged(n: number, maxAttempts = 3): Promise<Bundle[]> {
@@ -126,12 +111,12 @@ describeEachDb("grouped transitions", (getDb) => {
     const bundles = await staged(N);
     const [ra, rb] = await Promise.all([
       startBundles(
-        a,
+        racing().a,
         bundles.map((x) => item(x.uuid, "a")),
         "dispatcher",
       ),
       startBundles(
-        b,
+        racing().b,
         [...bundles].reverse().map((x) => item(x.uuid, "b")),
         "dispatcher",
       ),
@@ -160,8 +145,8 @@ describeEachDb("grouped transitions", (getDb) => {
     expect(moved.size).toBe(N);
     const hashes = bundles.map((x) => `h-r-${x.uuid}`);
     const [running, kills] = await Promise.all([
-      markRunningByTokens(a, [...hashes, "no-such-hash"], "runner"),
-      Promise.all(bundles.map((x) => killBundle(b, x.uuid, { actor: "operator", reason: "race" }))),
+      markRunningByTokens(racing().a, [...hashes, "no-such-hash"], "runner"),
+      Promise.all(bundles.map((x) => killBundle(racing().b, x.uuid, { actor: "operator", reason: "race" }))),
     ]);
     expect(running.has("no-such-hash")).toBe(false);
     for (const [i, x] of bundles.entries()) {
