@@ -1,7 +1,9 @@
 /**
- * Fixtures every kind of test needs, in one place (rather than rebuilt in each file): a silent logger, instance
+ * Fixtures every kind of test needs, in one place (rather than rebuilt in each file): a silent logger and one
+ * whose lines the test reads, instance
  * types with sensible defaults, and a config from YAML that fails the test with every problem when it is wrong.
  */
+import { Writable } from "node:stream";
 import type { InstanceType } from "../cloud-drivers/types.ts";
 import { parseConfig } from "../config/load.ts";
 import type { Config } from "../config/schema.ts";
@@ -13,6 +15,18 @@ export const GiB = 2 ** 30;
 
 /** A logger that writes nothing (pino at level silent). */
 export const silentLogger: Logger = createLogger({ level: "silent", format: "json" });
+
+/** A logger at `level` whose JSON lines the test reads back, parsed, from `lines`. */
+export function capturingLogger(level: string): { logger: Logger; lines: Record<string, unknown>[] } {
+  const lines: Record<string, unknown>[] = [];
+  const destination = new Writable({
+    write(chunk: Buffer, _enc, done) {
+      for (const line of chunk.toString("utf8").split("\n")) if (line !== "") lines.push(JSON.parse(line));
+      done();
+    },
+  });
+  return { logger: createLogger({ level, format: "json", destination }), lines };
+}
 
 /**
  * An instance type: 2 vCPUs, 4 GiB, no scratch, $0.10/h, on demand, no GPU, provider type = name, unless `over`

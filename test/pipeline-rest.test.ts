@@ -1,12 +1,11 @@
-import { Writable } from "node:stream";
 import type { FastifyInstance } from "fastify";
 import { afterAll, beforeAll, beforeEach, expect, it } from "vitest";
-import { createLogger } from "../lib/logger.ts";
 import { parseYamlText } from "../lib/pipeline/definition.ts";
 import type { PipelineManager } from "../rest-server/pipelines/manager.ts";
 import { getBundle } from "../store/queries.ts";
 import type { Bundle } from "../store/types.ts";
 import { createTestUserWithToken, describeEachDb } from "./db.ts";
+import { capturingLogger } from "./fixtures.ts";
 import {
   etlPipelineYaml,
   FAIL_ONCE,
@@ -316,18 +315,7 @@ describeEachDb("pipelines over REST", (getDb) => {
   it("a pipeline whose stored definition no longer validates says so, and does not keep the manager from others", async () => {
     // Pages of one job, and the broken pipeline's five ready jobs come first (names in order): the manager must
     // get past them to the other pipeline's job in the same pass.
-    const logged: string[] = [];
-    const logger = createLogger({
-      level: "error",
-      format: "json",
-      destination: new Writable({
-        write(chunk: Buffer, _enc, done) {
-          for (const line of chunk.toString("utf8").split("\n"))
-            if (line !== "") logged.push(JSON.parse(line).msg);
-          done();
-        },
-      }),
-    });
+    const { logger, lines } = capturingLogger("error");
     const paged = testPipelineManager(getDb(), { batchSize: 1, logger });
     await apply("p-a-broken");
     await apply("p-b-fine");
@@ -349,7 +337,7 @@ describeEachDb("pipelines over REST", (getDb) => {
     expect((await status("p-a-broken", "report", "20140602")).reason).toMatch(/no longer valid/);
     // Said once in the log for this stored version, not at every pass.
     await paged.runOnce();
-    expect(logged).toEqual(["a stored pipeline definition is no longer valid"]);
+    expect(lines.map((l) => l["msg"])).toEqual(["a stored pipeline definition is no longer valid"]);
     // Storing it again lets its jobs go on, and the reason goes, also from jobs still waiting for parents.
     await apply("p-a-broken");
     expect((await status("p-a-broken", "report", "20140602")).reason).toBeNull();

@@ -9,7 +9,6 @@
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { Writable } from "node:stream";
 import type { FastifyInstance } from "fastify";
 import { Registry } from "prom-client";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -19,12 +18,11 @@ import { destroyLocalVms } from "../cloud-drivers/local/driver.ts";
 import { createDispatcher, type Dispatcher } from "../dispatcher/main.ts";
 import type { PoolEvent } from "../dispatcher/pool/pool.ts";
 import { artifactOf } from "../dispatcher/runner-artifact.ts";
-import { createLogger } from "../lib/logger.ts";
 import { createManagementServer } from "../management-api/server.ts";
 import { stageBundle } from "../store/transitions.ts";
 import { createTestBundle, createTestUser, openTestDb, type TestDb } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
-import { configFrom } from "./fixtures.ts";
+import { capturingLogger, configFrom, silentLogger } from "./fixtures.ts";
 
 const MESSAGE = "crunch-run: cannot start: this artifact is broken on purpose";
 const BROKEN_RUNNER = artifactOf(Buffer.from(`#!/bin/sh\necho '${MESSAGE}' >&2\nexit 1\n`));
@@ -34,7 +32,7 @@ let dir: string;
 let db: TestDb;
 let dispatcher: Dispatcher | undefined;
 let management: FastifyInstance | undefined;
-const logLines: Array<Record<string, unknown>> = [];
+let logLines: Record<string, unknown>[] = [];
 
 beforeAll(async () => {
   dir = await mkdtemp(join(tmpdir(), "dc-runner-broken-"));
@@ -44,7 +42,7 @@ beforeAll(async () => {
 afterAll(async () => {
   await management?.close();
   await dispatcher?.stop();
-  await destroyLocalVms(join(dir, "vms"), createLogger({ level: "silent", format: "json" })).catch(() => 0);
+  await destroyLocalVms(join(dir, "vms"), silentLogger).catch(() => 0);
   await db?.close();
   await rm(dir, { recursive: true, force: true });
 });
@@ -73,17 +71,8 @@ cloud:
   maxConcurrentInstanceCreateOps: 0
 `);
     const clock = new FakeClock();
-    const logger = createLogger({
-      level: "warn",
-      format: "json",
-      destination: new Writable({
-        write(chunk: Buffer, _enc, done) {
-          for (const line of chunk.toString("utf8").split("\n"))
-            if (line !== "") logLines.push(JSON.parse(line));
-          done();
-        },
-      }),
-    });
+    const { logger, lines } = capturingLogger("warn");
+    logLines = lines;
     const registry = new Registry();
     dispatcher = await createDispatcher({
       config,
