@@ -18,12 +18,13 @@
  *   (one on a 2-core instance, so that refilling does not slow the bundles just started), and at once for
  *   hand-offs that wait;
  *   spares that die before they are ready are started again later and later (1 s doubling to 1 min).
- * - A hand-off (`<mode> <uuid>\n<start document>`, lib/runner-protocol.ts) on the socket goes to the oldest
- *   ready spare, or waits for the next one to be ready (at most PENDING_MAX_MS, and never after its sender gave
- *   up). The spare checks the document and, for a hand-off straight from the dispatcher (`start`), takes the
- *   bundle's lock itself; it answers with its pid (`pid <pid>`, passed back on the socket) or why not. Having
- *   answered, it leaves the IPC channel and is that bundle's supervisor, in its own session: the warm pool's
- *   death (or a restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
+ * - A hand-off (`<mode> <uuid>\n<start document>`, lib/runner-protocol.ts; the dispatcher sends the starts of one
+ *   pass as one `many <n>` request and gets a line per bundle) on the socket goes to the oldest ready spare, or
+ *   waits for the next one to be ready (at most PENDING_MAX_MS, and never after its sender gave up). The spare
+ *   checks the document and, for a hand-off straight from the dispatcher (`start`), takes the bundle's lock
+ *   itself; it answers with its pid (`pid <pid>`, passed back on the socket) or why not. Having answered, it
+ *   leaves the IPC channel and is that bundle's supervisor, in its own session: the warm pool's death (or a
+ *   restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
  *   lock and writes the spare's pid into it), the spare supervises only once the lock names it.
  * - A supervisor whose bundle has ended comes back (RETURN_QUIET_MS later, main.ts): it connects to the socket,
  *   sends `spare <pid>`, and then speaks the IPC channel's messages as lines of JSON on that connection. The
@@ -50,7 +51,9 @@ import {
   formatHandOff,
   LIST_REQUEST,
   MAX_WARM_SUPERVISORS,
+  manyAnswer,
   parseHandOff,
+  parseHandOffs,
   parsePidAnswer,
   pidAnswer,
   refusedAnswer,
@@ -186,7 +189,9 @@ interface Spare {
 
 interface Pending {
   work: SpareWork;
-  sock: net.Socket;
+  /** Sends this hand-off's answer (a single hand-off's socket ends with it; a `many` one's after the last). */
+  reply: (answer: string) => void;
+  /** Its sender gave up (the socket closed): never handed to a spare after that. */
   closed: boolean;
   timer: NodeJS.Timeout;
 }
@@ -332,7 +337,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
 
   const answer = (p: Pending, text: string) => {
     clearTimeout(p.timer);
-    if (!p.closed) p.sock.end(text);
+    if (!p.closed) p.reply(text);
   };
 
   /** Gives waiting hand-offs to ready spares, oldest first. */
@@ -423,7 +428,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     sock.on("error", () => {});
     const onData = (chunk: string) => {
       text += chunk;
-      if (text.length > 128 * 1024) sock.destroy();
+      if (text.length > 1024 * 1024) sock.destroy();
       // A supervisor coming back (`spare <pid>`, then messages as lines of JSON) rather than a hand-off.
       const nl = text.indexOf("\n");
       const pid = nl < 0 ? null : RETURN_LINE.exec(text.slice(0, nl))?.[1];
@@ -449,29 +454,43 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
         );
         return;
       }
-      const work = parseHandOff(text);
-      if (closing || work === null) {
-        sock.end(refusedAnswer(work === null ? "not a hand-off" : "the warm pool is closing"));
+      // One hand-off (`--detach`'s), or several of one instance at once (the dispatcher's, `many`).
+      const many = text.startsWith("many ") ? parseHandOffs(text) : null;
+      const one = many === null ? parseHandOff(text) : null;
+      const works = many ?? (one === null ? [] : [one]);
+      if (closing || works.length === 0) {
+        sock.end(refusedAnswer(works.length === 0 ? "not a hand-off" : "the warm pool is closing"));
         return;
       }
       resetIdle();
-      const k = warmCountOf(work.doc);
+      const k = warmCountOf(works[0]!.doc);
       if (k !== null) target = k;
-      const p: Pending = {
-        work,
-        sock,
-        closed: false,
-        timer: setTimeout(() => {
-          const i = pending.indexOf(p);
-          if (i >= 0) pending.splice(i, 1);
-          answer(p, refusedAnswer("no spare ready in time"));
-        }, PENDING_MAX_MS),
-      };
+      let left = works.length;
+      const ps = works.map((work) => {
+        const p: Pending = {
+          work,
+          reply:
+            many === null
+              ? (a) => sock.end(a)
+              : (a) => {
+                  left--;
+                  sock.write(manyAnswer(work.uuid, a));
+                  if (left === 0) sock.end();
+                },
+          closed: false,
+          timer: setTimeout(() => {
+            const i = pending.indexOf(p);
+            if (i >= 0) pending.splice(i, 1);
+            answer(p, refusedAnswer("no spare ready in time"));
+          }, PENDING_MAX_MS),
+        };
+        return p;
+      });
       // Its sender gave up (--detach's or the dispatcher's timeout): never hand it to a spare after that.
       sock.on("close", () => {
-        p.closed = true;
+        for (const p of ps) p.closed = true;
       });
-      pending.push(p);
+      pending.push(...ps);
       dispatch();
       // A hand-off still waiting needs a spare now; else the refill waits until the one just handed has started.
       if (pending.length > 0) fill();

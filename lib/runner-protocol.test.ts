@@ -4,10 +4,15 @@ import {
   cacheKey,
   clampSpotCheckIntervalMs,
   formatHandOff,
+  formatHandOffs,
   formatList,
   MAX_CACHED_MANIFESTS,
+  MAX_HAND_OFFS,
+  manyAnswer,
   parseHandOff,
+  parseHandOffs,
   parseList,
+  parseManyAnswers,
   parsePidAnswer,
   pidAnswer,
   refusedAnswer,
@@ -163,6 +168,40 @@ describe("the runner protocol", () => {
     expect(refusedAnswer("busy\nnow")).toBe("refused busy now\n");
     expect(parsePidAnswer(refusedAnswer("busy"))).toBeNull();
     expect(parsePidAnswer("pid 12")).toBeNull();
+  });
+
+  it("frames several hand-offs of one instance in one exchange, and their answers by uuid", () => {
+    const U2 = UUID.replace(/.$/, (c) => (c === "a" ? "b" : "a"));
+    const hs = [
+      { mode: "start" as const, uuid: UUID, doc: '{"uuid":"one"}\n' },
+      { mode: "start" as const, uuid: U2, doc: '{"uuid":"two"}' },
+    ];
+    const text = formatHandOffs(hs);
+    expect(text).toBe(`many 2\nstart ${UUID}\n{"uuid":"one"}\nstart ${U2}\n{"uuid":"two"}\n`);
+    expect(parseHandOffs(text)).toEqual([
+      { mode: "start", uuid: UUID, doc: '{"uuid":"one"}\n' },
+      { mode: "start", uuid: U2, doc: '{"uuid":"two"}\n' },
+    ]);
+    const refused = [
+      "many 0\n",
+      `many 3\n${formatHandOff(hs[0]!)}`, // fewer than it says
+      `many 1\nstart ${UUID}\n{"a":\n1}\n`, // a document over two lines
+      formatHandOffs([hs[0]!, hs[0]!]), // the same bundle twice
+      formatHandOffs(Array.from({ length: MAX_HAND_OFFS + 1 }, () => hs[0]!)),
+      `many 1\nrun ${UUID}\n{}\n`,
+      formatHandOff(hs[0]!),
+    ];
+    for (const bad of refused) expect(parseHandOffs(bad)).toBeNull();
+    const answers = parseManyAnswers(
+      manyAnswer(U2, refusedAnswer("busy\nnow")) + manyAnswer(UUID, pidAnswer(7)) + "garbage\n",
+    );
+    expect(answers).toEqual(
+      new Map([
+        [U2, "refused busy now\n"],
+        [UUID, "pid 7\n"],
+      ]),
+    );
+    expect(parsePidAnswer(answers.get(UUID) ?? "")).toBe(7);
   });
 
   it("matches its own --version line, and keeps spot check intervals in bounds", () => {

@@ -330,6 +330,46 @@ export function parseHandOff(text: string): SpareHandOff | null {
   return { mode: m[1] as SpareHandOff["mode"], uuid: m[2] as string, doc: text.slice(nl + 1) };
 }
 
+/**
+ * Several hand-offs of one instance in one exchange (the dispatcher's starts of one scheduling pass):
+ * `many <n>\n`, then n hand-offs, each `<mode> <uuid>\n<start document JSON>\n` (the JSON is one line). The pool
+ * answers one line per hand-off, `<uuid> ` and then the line a single hand-off gets (pidAnswer or
+ * refusedAnswer), in the order the spares answer, and closes once all are answered.
+ */
+export const MAX_HAND_OFFS = 64;
+
+export function formatHandOffs(hs: readonly SpareHandOff[]): string {
+  return `many ${hs.length}\n${hs.map((h) => formatHandOff({ ...h, doc: `${h.doc.replace(/\n+$/, "")}\n` })).join("")}`;
+}
+
+/** The hand-offs of a `many` request; null when the text is not one (or not well formed). */
+export function parseHandOffs(text: string): SpareHandOff[] | null {
+  const lines = text.split("\n");
+  const m = /^many (\d{1,3})$/.exec(lines[0] ?? "");
+  const n = m === null ? 0 : Number(m[1]);
+  if (n < 1 || n > MAX_HAND_OFFS || lines.length !== 2 * n + 2 || lines[2 * n + 1] !== "") return null;
+  const out: SpareHandOff[] = [];
+  for (let i = 0; i < n; i++) {
+    const h = parseHandOff(`${lines[1 + 2 * i]}\n${lines[2 + 2 * i]}\n`);
+    if (h === null || out.some((o) => o.uuid === h.uuid)) return null;
+    out.push(h);
+  }
+  return out;
+}
+
+/** One answer line of a `many` exchange: `<uuid> <answer>` (the answer's own newline ends it). */
+export const manyAnswer = (uuid: string, answer: string): string => `${uuid} ${answer}`;
+
+/** The answers of a `many` exchange by uuid (each the single hand-off's answer, `pid <pid>\n` or `refused ...`). */
+export function parseManyAnswers(text: string): Map<string, string> {
+  const out = new Map<string, string>();
+  for (const line of text.split("\n")) {
+    const sp = line.indexOf(" ");
+    if (sp > 0) out.set(line.slice(0, sp), `${line.slice(sp + 1)}\n`);
+  }
+  return out;
+}
+
 /** The spare's answer: `pid <pid>\n` when it took the bundle, `refused <why>\n` when not. */
 export const pidAnswer = (pid: number): string => `pid ${pid}\n`;
 export const refusedAnswer = (why: string): string => `refused ${why.replace(/\n/g, " ")}\n`;

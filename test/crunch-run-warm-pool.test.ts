@@ -1,7 +1,7 @@
 /**
  * crunch-run's warm pool (crunch-run/spare.ts) with real processes: a REST server in process (PGlite), crunch-run
- * from sources with its own DISPATCH_VM_ROOT, hand-offs sent to the pool's socket as the dispatcher sends them
- * over SSH (`start <uuid>\n<document>`).
+ * from sources with its own DISPATCH_VM_ROOT, hand-offs sent to the pool's socket as `--detach` and the
+ * dispatcher send them (`start <uuid>\n<document>`, and several at once: `many <n>\n...`).
  */
 import { spawn } from "node:child_process";
 import { readFileSync, statSync } from "node:fs";
@@ -16,7 +16,13 @@ import { spareSocketPath } from "../crunch-run/spare.ts";
 import { probeList } from "../dispatcher/pool/probe.ts";
 import { runnerCommands } from "../dispatcher/pool/runner-commands.ts";
 import type { Executor } from "../lib/executor.ts";
-import { formatHandOff, LIST_REQUEST, parsePidAnswer } from "../lib/runner-protocol.ts";
+import {
+  formatHandOff,
+  formatHandOffs,
+  LIST_REQUEST,
+  parseManyAnswers,
+  parsePidAnswer,
+} from "../lib/runner-protocol.ts";
 import { type RunnerHarness, startRunnerHarness } from "./crunch-run-harness.ts";
 import { useTestDb } from "./db.ts";
 
@@ -89,16 +95,24 @@ describe("crunch-run warm pool (process runtime)", () => {
     expect(await h.output(a.uuid, "x")).toEqual({ status: 200, body: "a\n" });
     expect(await h.output(b.uuid, "x")).toEqual({ status: 200, body: "b\n" });
 
-    // The pool fills up again, then a burst of K hand-offs at once: every one goes to a spare already waiting.
+    // The pool fills up again, then a burst of K hand-offs in one exchange, as the dispatcher sends one pass's
+    // starts on an instance (`many`): every one goes to a spare already waiting, each answered on its own line.
     let ready: number[] = [];
     await waitFor(async () => {
       ready = pidsTitled(h.root, "crunch-run spare");
       return ready.length === 3;
     });
     const burst = await Promise.all([0, 1, 2].map(() => h.newStartingBundle({ command: ["true"] })));
-    const pids = await Promise.all(
-      burst.map((x) => handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 3 }))),
+    const answers = parseManyAnswers(
+      await exchange(
+        socket,
+        formatHandOffs(
+          burst.map((x) => ({ mode: "start", uuid: x.uuid, doc: doc(x, { warmSupervisors: 3 }) })),
+        ),
+      ),
     );
+    expect([...answers.keys()].sort()).toEqual(burst.map((x) => x.uuid).sort());
+    const pids = burst.map((x) => parsePidAnswer(answers.get(x.uuid) ?? "") ?? -1);
     expect(new Set(pids).size).toBe(3);
     for (const pid of pids) expect(ready).toContain(pid);
     for (const x of burst) expect((await h.waitFinal(x.uuid)).state).toBe("ready");
@@ -120,6 +134,24 @@ describe("crunch-run warm pool (process runtime)", () => {
     expect(await h.listBundles()).toContain(x.uuid);
     const again = await exchange(socket, formatHandOff({ mode: "start", uuid: x.uuid, doc: doc(x) }));
     expect(again).toMatch(/^refused bundle .* is already running/);
+    // In one exchange with another bundle: that one refused, the other taken, each on its own line.
+    const y = await h.newStartingBundle({ command: ["true"] });
+    const both = parseManyAnswers(
+      await exchange(
+        socket,
+        formatHandOffs([
+          { mode: "start", uuid: x.uuid, doc: doc(x) },
+          { mode: "start", uuid: y.uuid, doc: doc(y) },
+        ]),
+      ),
+    );
+    expect(both.get(x.uuid)).toMatch(/^refused bundle .* is already running/);
+    expect(parsePidAnswer(both.get(y.uuid) ?? "")).toBeGreaterThan(0);
+    expect((await h.waitFinal(y.uuid)).state).toBe("ready");
+    // Not a well-formed `many` request: refused as a whole.
+    expect(
+      await exchange(socket, `many 2\n${formatHandOff({ mode: "start", uuid: y.uuid, doc: doc(y) })}`),
+    ).toBe("refused not a hand-off\n");
     expect((await h.crunchRun(["--kill", "TERM", x.uuid])).code).toBe(0);
   });
 

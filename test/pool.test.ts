@@ -22,6 +22,7 @@ import { CLAIM_TIMEOUT_MS } from "../dispatcher/pool/remote-runner.ts";
 import { type BundleTransitions, createBundleTransitions } from "../dispatcher/queue/transitions.ts";
 import type { QueueView } from "../dispatcher/types.ts";
 import type { Executor } from "../lib/executor.ts";
+import { LIST_REQUEST, manyAnswer, parseHandOffs, pidAnswer, refusedAnswer } from "../lib/runner-protocol.ts";
 import { hashToken } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { findBundleByRunnerTokenHash, getBundle, listEvents } from "../store/queries.ts";
@@ -1012,6 +1013,62 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
     expect(h.pool.worker(id)).toMatchObject({ state: "idle" });
     expect(h.pool.worker(id)?.runners.size).toBe(0);
     expect(h.events.at(-1)).toMatchObject({ type: "runner:start_failed", workerId: id, uuid: bundle.uuid });
+  });
+
+  it("hands the starts of one turn on an instance to its warm pool in one exchange; a refused one uses --detach", async () => {
+    const SOCKET = "/run/dc/cr-spare-test.sock";
+    const exchanges: string[] = [];
+    let refuse = "";
+    const h = harness(getDb(), {
+      executor: (exec) =>
+        Object.assign(Object.create(exec) as Executor, {
+          // The listing names a warm pool (the stub runner has none: it answers only hand-offs here).
+          execute: async (command: string, opts?: Parameters<Executor["execute"]>[1]) => {
+            const res = await exec.execute(command, opts);
+            if (!command.endsWith("--list")) return res;
+            return { ...res, stdout: Buffer.concat([res.stdout, Buffer.from(`spare ${SOCKET}\n`)]) };
+          },
+          exchange: async (socket: string, payload: string | Promise<string | null>) => {
+            const text = await payload;
+            if (socket !== SOCKET || text === null || text === LIST_REQUEST)
+              throw new Error("no pool listing");
+            exchanges.push(text);
+            const hs = parseHandOffs(text) ?? [];
+            return Buffer.from(
+              hs
+                .map((x, i) =>
+                  manyAnswer(x.uuid, x.uuid === refuse ? refusedAnswer("busy") : pidAnswer(4000 + i)),
+                )
+                .join(""),
+            );
+          },
+        }),
+    });
+    const [id = ""] = await h.ready();
+    const bundles = [await stagedBundle(getDb()), await stagedBundle(getDb()), await stagedBundle(getDb())];
+    const user = await createTestUser(getDb());
+    const lost = await createTestBundle(getDb(), user.uuid); // not staged: its claim is lost
+    refuse = bundles[1]!.uuid;
+    for (const b of [...bundles, lost]) h.pool.startBundle(id, b, []);
+    await h.pool.settled();
+    // One exchange for the three claimed (the lost one's document is left out), each with its own document.
+    expect(exchanges).toHaveLength(1);
+    const sent = parseHandOffs(exchanges[0]!) ?? [];
+    expect(sent.map((x) => x.uuid).sort()).toEqual(bundles.map((b) => b.uuid).sort());
+    for (const x of sent) {
+      expect(x.mode).toBe("start");
+      expect(JSON.parse(x.doc)).toMatchObject({ uuid: x.uuid, attempt: 1, apiUrl: API_URL });
+    }
+    // The refused one was started by --detach; the others by the pool, with no command.
+    const detached = commandsTo(h, id).filter((c) => c.includes("--detach"));
+    expect(detached).toHaveLength(1);
+    expect(detached[0]).toContain(refuse);
+    for (const b of bundles) {
+      expect(h.events).toContainEqual(expect.objectContaining({ type: "runner:started", uuid: b.uuid }));
+    }
+    expect(h.events).toContainEqual(
+      expect.objectContaining({ type: "runner:start_failed", uuid: lost.uuid }),
+    );
   });
 
   it("drops the runner when the start transition is lost, sending nothing", async () => {

@@ -14,8 +14,10 @@ import type { Logger } from "../../lib/logger.ts";
 import {
   clampSpotCheckIntervalMs,
   DEFAULT_IMAGE_PULL_RETRY_MS,
-  formatHandOff,
+  formatHandOffs,
   IMAGE_PULL_RETRY_RANGE_MS,
+  MAX_HAND_OFFS,
+  parseManyAnswers,
   parsePidAnswer,
   type RegistryAuth,
   type StartDocumentSent,
@@ -210,7 +212,7 @@ export class RemoteRunner implements RunnerView {
         sendHandOff(null);
         throw new Error("the instance is shutting down");
       }
-      sendHandOff(formatHandOff({ mode: "start", uuid, doc: `${JSON.stringify(doc)}\n` }));
+      sendHandOff(JSON.stringify(doc));
       if (!(await handed)) {
         via = "detach";
         const res = await w.executor().execute(ctx.cmds.detach(uuid), {
@@ -247,10 +249,11 @@ export class RemoteRunner implements RunnerView {
 
   /**
    * Hands a start document straight to the instance's warm spare supervisor (crunch-run/spare.ts) over the
-   * SSH connection, which skips starting a `crunch-run --detach` process. The channel opens at once; the
-   * hand-off (`payload`, which never rejects) is sent once made, and null closes the channel unused. True when
-   * the spare took it; false (no hand-off, no spare known, the executor cannot, the spare is gone or busy or
-   * refused) means use --detach.
+   * SSH connection, which skips starting a `crunch-run --detach` process. The hand-offs of one instance made in
+   * the same turn (one pass's starts) share one exchange with its pool (handOffTogether); its channel opens at
+   * once, and the documents (`payload`, which never rejects; null for a claim that was lost) are sent once every
+   * claim is back. True when a spare took this one; false (no hand-off, no spare known, the executor cannot, the
+   * spare is gone or busy or refused) means use --detach.
    */
   private async handToSpare(payload: Promise<string | null>): Promise<boolean> {
     const w = this.worker;
@@ -263,20 +266,19 @@ export class RemoteRunner implements RunnerView {
     void payload.then(() => {
       t0 = w.ctx.clock.now();
     });
-    try {
-      const answer = (await executor.exchange(socket, payload, { timeoutMs: 5000 })).toString("utf8");
-      if ((await payload) === null) return false;
-      if (parsePidAnswer(answer) !== null) {
-        log.debug({ ms: w.ctx.clock.now() - t0 }, "handed to the spare supervisor");
-        return true;
-      }
-      log.debug({ answer: answer.slice(0, 200) }, "the spare supervisor refused the bundle; using --detach");
-    } catch (err) {
-      if ((await payload) === null) return false;
+    const got = await handOffTogether(w, socket, executor, this.uuid, payload);
+    if ((await payload) === null) return false;
+    if (got.answer !== null && parsePidAnswer(got.answer) !== null) {
+      log.debug({ ms: w.ctx.clock.now() - t0 }, "handed to the spare supervisor");
+      return true;
+    }
+    if (got.answer !== null) {
       log.debug(
-        { err: err instanceof Error ? err.message : String(err) },
-        "no spare supervisor; using --detach",
+        { answer: got.answer.slice(0, 200) },
+        "the spare supervisor refused the bundle; using --detach",
       );
+    } else {
+      log.debug({ err: got.error }, "no spare supervisor; using --detach");
     }
     return false;
   }
@@ -431,4 +433,64 @@ function loseUnreported(w: RunnerHost, uuid: string): void {
     "requeueing a bundle of a preempted instance",
     w.log,
   );
+}
+
+interface HandOff {
+  uuid: string;
+  /** The start document's JSON; null when its claim was lost (nothing is sent for it). */
+  doc: Promise<string | null>;
+  done(got: { answer: string | null; error: string | null }): void;
+}
+
+/** The hand-offs of each instance waiting for the end of this turn, when they go as one exchange. */
+const handOffsOf = new WeakMap<RunnerHost, HandOff[]>();
+
+/**
+ * One hand-off to the instance's warm pool, sent in one exchange (`many`, lib/runner-protocol.ts) with the
+ * others of this instance made in the same turn of the event loop (at most MAX_HAND_OFFS an exchange). Resolves
+ * to the pool's answer for this bundle (`pid <n>` or `refused <why>`), or null with why there is none.
+ */
+function handOffTogether(
+  w: RunnerHost,
+  socket: string,
+  executor: Executor,
+  uuid: string,
+  doc: Promise<string | null>,
+): Promise<{ answer: string | null; error: string | null }> {
+  let batch = handOffsOf.get(w);
+  if (batch === undefined) {
+    const mine: HandOff[] = [];
+    batch = mine;
+    handOffsOf.set(w, mine);
+    queueMicrotask(() => {
+      handOffsOf.delete(w);
+      for (let i = 0; i < mine.length; i += MAX_HAND_OFFS) {
+        void exchangeHandOffs(socket, executor, mine.slice(i, i + MAX_HAND_OFFS));
+      }
+    });
+  }
+  const list = batch;
+  return new Promise((done) => list.push({ uuid, doc, done }));
+}
+
+async function exchangeHandOffs(socket: string, executor: Executor, batch: HandOff[]): Promise<void> {
+  const payload = Promise.all(batch.map((h) => h.doc)).then((docs) => {
+    const sent = batch.flatMap((h, i) => {
+      const doc = docs[i];
+      return doc === null || doc === undefined ? [] : [{ mode: "start" as const, uuid: h.uuid, doc }];
+    });
+    return sent.length === 0 ? null : formatHandOffs(sent);
+  });
+  let answers = new Map<string, string>();
+  let error: string | null = null;
+  try {
+    const text = await executor.exchange?.(socket, payload, { timeoutMs: 5000 });
+    answers = parseManyAnswers(text?.toString("utf8") ?? "");
+  } catch (err) {
+    error = err instanceof Error ? err.message : String(err);
+  }
+  for (const h of batch) {
+    const answer = answers.get(h.uuid) ?? null;
+    h.done({ answer, error: answer === null ? (error ?? "the warm pool gave no answer for it") : null });
+  }
 }
