@@ -50,6 +50,7 @@ import path from "node:path";
 import {
   formatHandOff,
   LIST_REQUEST,
+  MAX_HAND_OFF_REQUEST,
   MAX_WARM_SUPERVISORS,
   manyAnswer,
   parseHandOff,
@@ -428,7 +429,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     sock.on("error", () => {});
     const onData = (chunk: string) => {
       text += chunk;
-      if (text.length > 1024 * 1024) sock.destroy();
+      if (text.length > MAX_HAND_OFF_REQUEST) sock.destroy();
       // A supervisor coming back (`spare <pid>`, then messages as lines of JSON) rather than a hand-off.
       const nl = text.indexOf("\n");
       const pid = nl < 0 ? null : RETURN_LINE.exec(text.slice(0, nl))?.[1];
@@ -545,7 +546,7 @@ class ReturnedSpare extends EventEmitter implements SpareProc {
   }
 }
 
-/** The longest line either side sends on a returned supervisor's connection (a hand-off is at most 128 KiB). */
+/** The longest line either side sends on a returned supervisor's connection (a document is at most MAX_HAND_OFF_DOC). */
 const MAX_LINE = 160 * 1024;
 
 /** Calls `onLine` for each line read from `sock` (after `buffered`); a line longer than `max` ends it. */

@@ -7,6 +7,7 @@ import {
   formatHandOffs,
   formatList,
   MAX_CACHED_MANIFESTS,
+  MAX_HAND_OFF_DOC,
   MAX_HAND_OFFS,
   manyAnswer,
   parseHandOff,
@@ -161,7 +162,15 @@ describe("the runner protocol", () => {
       doc,
     });
     expect(parseHandOff(`detach ${UUID}\n`)).toEqual({ mode: "detach", uuid: UUID, doc: "" });
-    for (const bad of ["", "start\n{}", `run ${UUID}\n{}`, `start ${UUID} extra\n{}`, `start ${UUID}`]) {
+    expect(parseHandOff(`start ${UUID}\n${"x".repeat(MAX_HAND_OFF_DOC)}`)?.uuid).toBe(UUID);
+    for (const bad of [
+      "",
+      "start\n{}",
+      `run ${UUID}\n{}`,
+      `start ${UUID} extra\n{}`,
+      `start ${UUID}`,
+      `start ${UUID}\n${"x".repeat(MAX_HAND_OFF_DOC + 1)}`,
+    ]) {
       expect(parseHandOff(bad)).toBeNull();
     }
     expect(parsePidAnswer(pidAnswer(4242))).toBe(4242);
@@ -190,6 +199,7 @@ describe("the runner protocol", () => {
       formatHandOffs(Array.from({ length: MAX_HAND_OFFS + 1 }, () => hs[0]!)),
       `many 1\nrun ${UUID}\n{}\n`,
       formatHandOff(hs[0]!),
+      formatHandOffs([{ mode: "start", uuid: UUID, doc: `"${"x".repeat(MAX_HAND_OFF_DOC)}"` }]), // too large
     ];
     for (const bad of refused) expect(parseHandOffs(bad)).toBeNull();
     const answers = parseManyAnswers(

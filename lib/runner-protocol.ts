@@ -323,10 +323,14 @@ export const LIST_REQUEST = "list\n";
 /** What a hand-off sends on the spare's socket: `<mode> <uuid>\n<start document>`. */
 export const formatHandOff = (h: SpareHandOff): string => `${h.mode} ${h.uuid}\n${h.doc}`;
 
+/** The largest start document a hand-off carries, and the largest request the warm pool reads (a `many` one). */
+export const MAX_HAND_OFF_DOC = 128 * 1024;
+export const MAX_HAND_OFF_REQUEST = 1024 * 1024;
+
 export function parseHandOff(text: string): SpareHandOff | null {
   const nl = text.indexOf("\n");
   const m = /^(detach|start) (\S+)$/.exec(nl > 0 ? text.slice(0, nl) : "");
-  if (m === null) return null;
+  if (m === null || text.length - nl - 1 > MAX_HAND_OFF_DOC) return null;
   return { mode: m[1] as SpareHandOff["mode"], uuid: m[2] as string, doc: text.slice(nl + 1) };
 }
 
