@@ -115,8 +115,18 @@ export interface FinishBody {
   outputManifest?: string;
 }
 
+/** What `starts` answers for one token: what `start` with it would answer, or its refusal. */
+export type StartsItem =
+  | { ok: true; body: { uuid: string; state: string; attempt: number } }
+  | { ok: false; status: number; code: string; message: string };
+
 export interface RunnerClient {
   start(opts?: Partial<RetryOptions>): Promise<{ uuid: string; state: string; attempt: number }>;
+  /**
+   * The `start` calls of several runners at once, each by its own token (`POST /runner/starts`, one try; the
+   * warm pool's, for the bundles it was handed together): one item per token, in their order.
+   */
+  starts(tokens: readonly string[]): Promise<StartsItem[]>;
   spec(opts?: Partial<RetryOptions>): Promise<RunnerSpec>;
   /** Resource usage, and what the bundle waits for before its container runs (`status`; null = nothing). */
   heartbeat(usage: ResourceUsage, status?: string | null): Promise<{ state: string }>;
@@ -156,14 +166,18 @@ const SHORT_RETRY_MS = 60_000;
 
 export function createRunnerClient(opts: {
   apiUrl: string;
-  token: string;
+  /** The runner's token; null for a client that only makes `starts` calls (whose tokens are in the body). */
+  token: string | null;
   signal?: AbortSignal;
   onRetry?: (what: string, err: unknown, delayMs: number) => void;
+  /** Which crunch-run process calls (its User-Agent): a bundle's supervisor, or the warm pool for it. */
+  caller?: "supervisor" | "warm pool";
 }): RunnerClient {
   const base = new URL(opts.apiUrl);
   const lib = base.protocol === "https:" ? https : http;
   const basePath = base.pathname.replace(/\/+$/, "");
-  const auth = `Bearer ${opts.token}`;
+  const auth = opts.token === null ? null : `Bearer ${opts.token}`;
+  const userAgent = `crunch-run (${opts.caller ?? "supervisor"})`;
 
   function send(
     method: string,
@@ -172,7 +186,8 @@ export function createRunnerClient(opts: {
     body?: { type: string; data: Buffer | Readable },
   ): Promise<http.IncomingMessage> {
     return new Promise((resolve, reject) => {
-      const headers: Record<string, string> = { authorization: auth, accept: "application/json" };
+      const headers: Record<string, string> = { accept: "application/json", "user-agent": userAgent };
+      if (auth !== null) headers["authorization"] = auth;
       if (body !== undefined) {
         headers["content-type"] = body.type;
         if (Buffer.isBuffer(body.data)) headers["content-length"] = String(body.data.length);
@@ -255,6 +270,19 @@ export function createRunnerClient(opts: {
 
   return {
     start: (r) => json("POST", "/api/v1/runner/start", "start", jsonBody({}), SHORT_RETRY_MS, r),
+    async starts(tokens) {
+      const answer = await json<unknown>("POST", "/api/v1/runner/starts", "starts", jsonBody({ tokens }), 0);
+      const items = (answer as { items?: unknown } | null)?.items;
+      if (!Array.isArray(items) || items.length !== tokens.length) {
+        throw new Error(`starts: the server's answer has no item for each of the ${tokens.length} tokens`);
+      }
+      return items.map((item, i) => {
+        const parsed = startsItem(item);
+        if (parsed === null)
+          throw new Error(`starts: item ${i} of the server's answer is not a start's answer`);
+        return parsed;
+      });
+    },
     spec: (r) => json("GET", "/api/v1/runner/spec", "spec", undefined, SHORT_RETRY_MS, r),
     heartbeat: (usage, status) =>
       json(
@@ -300,6 +328,24 @@ export function createRunnerClient(opts: {
       );
     },
   };
+}
+
+/** An item of a `starts` answer, or null when it is neither a bundle nor an error. */
+function startsItem(v: unknown): StartsItem | null {
+  if (typeof v !== "object" || v === null) return null;
+  const o = v as Record<string, unknown>;
+  if (typeof o["uuid"] === "string" && typeof o["state"] === "string" && typeof o["attempt"] === "number") {
+    return { ok: true, body: { uuid: o["uuid"], state: o["state"], attempt: o["attempt"] } };
+  }
+  const e = o["error"] as Record<string, unknown> | null | undefined;
+  if (
+    typeof o["status"] === "number" &&
+    typeof e?.["code"] === "string" &&
+    typeof e["message"] === "string"
+  ) {
+    return { ok: false, status: o["status"], code: e["code"], message: e["message"] };
+  }
+  return null;
 }
 
 function readText(res: http.IncomingMessage): Promise<string> {

@@ -46,10 +46,12 @@ import {
   ipcChannel,
   MAX_BUNDLES_PER_SUPERVISOR,
   MAX_RETURN_RSS,
+  type PoolStart,
   RETURN_QUIET_MS,
   rejoinPool,
   runWarmPool,
   type SpareChannel,
+  type SpareWork,
   spareSocketPath,
   startWarmPool,
   waitForWork,
@@ -142,7 +144,8 @@ export async function runCrunchRun(
 const ANSWER_WAIT_MS = 100;
 
 /**
- * Supervises one bundle. The runner `start` call goes out first, and the supervisor's set-up (`makeLogger`, a
+ * Supervises one bundle. The runner `start` call goes out first (unless a spare's warm pool made it:
+ * `poolStart`), and the supervisor's set-up (`makeLogger`, a
  * spare's log; supervise() and its heavier modules) waits for its answer, at most ANSWER_WAIT_MS: on a small
  * instance that set-up's CPU would otherwise slow the very call the bundle waits for (docs/performance.md).
  * A stop signal meanwhile is passed on to supervise() once it has its handlers, and retries meanwhile are
@@ -153,6 +156,8 @@ async function superviseBundle(
   paths: RunnerPaths,
   env: NodeJS.ProcessEnv,
   makeLogger?: () => Logger,
+  poolStart: PoolStart | null = null,
+  earlySignal: NodeJS.Signals | null = null,
 ): Promise<number> {
   // The last check against a start racing a spot interruption notice (--detach and the spare check first):
   // without `start`, the bundle stays starting and the dispatcher requeues it when this runner is not listed.
@@ -160,7 +165,7 @@ async function superviseBundle(
     process.stderr.write(`crunch-run: refused: this instance is preempted; not starting ${doc.uuid}\n`);
     return 1;
   }
-  const { createRunnerClient } = await import("./api-client.ts");
+  const { createRunnerClient, RunnerApiError } = await import("./api-client.ts");
   const abort = new AbortController();
   const retryHook: RetryHook = {};
   const earlyRetries: [string, unknown, number][] = [];
@@ -173,13 +178,20 @@ async function superviseBundle(
         ? earlyRetries.push([what, err, delayMs])
         : retryHook.onRetry(what, err, delayMs),
   });
-  let stopSignal: NodeJS.Signals | null = null;
+  let stopSignal: NodeJS.Signals | null = earlySignal;
   const stop = (sig: NodeJS.Signals) => {
     stopSignal ??= sig;
   };
   process.on("SIGTERM", stop);
   process.on("SIGINT", stop);
-  const started = client.start();
+  // A spare's warm pool may have made the call already (spare.ts startFor); else (or when it could not) this
+  // process makes it.
+  const started: Promise<unknown> =
+    poolStart?.ok === true
+      ? Promise.resolve(poolStart.body)
+      : poolStart?.ok === false
+        ? Promise.reject(new RunnerApiError(poolStart.status, poolStart.code, poolStart.message, "start"))
+        : client.start();
   let waited: NodeJS.Timeout | undefined;
   await Promise.race([
     started.catch(() => {}), // the error is supervise()'s to handle
@@ -256,7 +268,14 @@ async function spareOnce(
   process.title = "crunch-run spare";
   let doc: StartDocument | null = null;
   let locked: string | null = null;
-  const work = await waitForWork(channel, async (w) => {
+  let signalled = false;
+  /** A stop signal that came once this spare took a bundle, before its supervision began (passed on to it). */
+  let early: NodeJS.Signals | null = null;
+  const onSignal = (sig: NodeJS.Signals) => {
+    signalled = true;
+    early ??= sig;
+  };
+  const accept = async (w: SpareWork): Promise<string | null> => {
     if (!BUNDLE_UUID_RE.test(w.uuid)) return "not a bundle uuid";
     try {
       doc = parseStartDocument(w.doc, w.uuid);
@@ -269,35 +288,51 @@ async function spareOnce(
     const refusal = await takeLock(w.uuid, paths, env);
     if (refusal === null) locked = w.uuid;
     return refusal;
+  };
+  const got = await waitForWork(channel, async (w) => {
+    const refusal = await accept(w);
+    // Taken: a stop signal from now on (while the pool makes the `start` call) is noted, not the default death,
+    // which would leave the lock behind; supervise() acts on it.
+    if (refusal === null) {
+      process.on("SIGTERM", onSignal);
+      process.on("SIGINT", onSignal);
+    }
+    return refusal;
   });
-  if (work === null || doc === null) {
+  if (got === null || doc === null) {
+    process.off("SIGTERM", onSignal);
+    process.off("SIGINT", onSignal);
     // The pool could not pass our pid on: the bundle is not ours.
     if (locked !== null) await releaseLock(lockFile(paths, locked), process.pid);
     return { code: null, signalled: false };
   }
+  const { work, start } = got;
   process.title = `crunch-run ${work.uuid}`;
   // From --detach: supervise only once the lock names this process (--detach writes it on our answer; if its
   // sender gave up meanwhile, it started a supervisor of its own instead).
   if (work.mode === "detach" && !(await lockNames(lockFile(paths, work.uuid), process.pid))) {
+    process.off("SIGTERM", onSignal);
+    process.off("SIGINT", onSignal);
     process.stderr.write(`crunch-run: ${work.uuid}: the lock never named this spare; not starting it\n`);
     return { code: 1, signalled: false };
   }
-  let signalled = false;
-  const onSignal = () => {
-    signalled = true;
-  };
-  // Beside supervise()'s own handlers (which stop the bundle): only notes that this process is to end.
-  process.on("SIGTERM", onSignal);
-  process.on("SIGINT", onSignal);
+  // onSignal stays beside supervise()'s own handlers (which stop the bundle): it notes that this process is to end.
   const { createLogger } = await import("../lib/logger.ts");
   const uuid = work.uuid;
   let destination: WriteStream | null = null;
   try {
-    const code = await superviseBundle(doc, paths, env, () => {
-      mkdirSync(paths.logDir, { recursive: true });
-      destination = createWriteStream(logFile(paths, uuid), { flags: "a" });
-      return createLogger({ level: "info", format: "json", destination });
-    });
+    const code = await superviseBundle(
+      doc,
+      paths,
+      env,
+      () => {
+        mkdirSync(paths.logDir, { recursive: true });
+        destination = createWriteStream(logFile(paths, uuid), { flags: "a" });
+        return createLogger({ level: "info", format: "json", destination });
+      },
+      start,
+      early,
+    );
     return { code, signalled };
   } finally {
     process.off("SIGTERM", onSignal);

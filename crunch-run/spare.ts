@@ -22,10 +22,13 @@
  *   pass as one `many <n>` request and gets a line per bundle) on the socket goes to the oldest ready spare, or
  *   waits for the next one to be ready (at most PENDING_MAX_MS, and never after its sender gave up). The spare
  *   checks the document and, for a hand-off straight from the dispatcher (`start`), takes the bundle's lock
- *   itself; it answers with its pid (`pid <pid>`, passed back on the socket) or why not. Having answered, it
+ *   itself; it answers with its pid (`pid <pid>`, passed back on the socket) or why not. For such a hand-off the
+ *   pool then makes the bundle's runner `start` call (startFor; its HTTP client and connection are warm, where a
+ *   spare's are cold, and a burst's spares do not each pay for theirs) and passes the answer to the spare; a call
+ *   that fails in transit, or a pool that goes or is late, leaves the call to the spare. Having the answer, it
  *   leaves the IPC channel and is that bundle's supervisor, in its own session: the warm pool's death (or a
  *   restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
- *   lock and writes the spare's pid into it), the spare supervises only once the lock names it.
+ *   lock and writes the spare's pid into it), the spare calls `start` itself, once the lock names it.
  * - A supervisor whose bundle has ended comes back (RETURN_QUIET_MS later, main.ts): it connects to the socket,
  *   sends `spare <pid>`, and then speaks the IPC channel's messages as lines of JSON on that connection. The
  *   pool takes it as a spare, or closes the connection (the supervisor exits) when it has the spares it wants.
@@ -60,6 +63,7 @@ import {
   refusedAnswer,
   type SpareHandOff,
 } from "../lib/runner-protocol.ts";
+import type { StartsItem } from "./api-client.ts";
 import type { RunnerPaths } from "./paths.ts";
 
 export const SPARE_IDLE_MS = 10 * 60_000;
@@ -158,8 +162,15 @@ export function startWarmPool(
   }
 }
 
+/**
+ * The pool's runner `start` call for a spare that took a hand-off from the dispatcher (`start` mode): its answer,
+ * the server's refusal, or `ok: null` when it was not made or failed in transit (the spare then calls `start`
+ * itself, as it does for `--detach`'s hand-offs).
+ */
+export type PoolStart = StartsItem | { ok: null; why: string };
+
 /** The warm pool's messages to a spare and the spare's answers (over the Node IPC channel). */
-export type ToSpare = { type: "work"; work: SpareHandOff };
+export type ToSpare = { type: "work"; work: SpareHandOff } | { type: "started"; start: PoolStart };
 export type FromSpare = { type: "ready" } | { type: "took"; pid: number } | { type: "refused"; why: string };
 
 /** A hand-off the spare took (lib/runner-protocol.ts). */
@@ -192,9 +203,21 @@ interface Pending {
   work: SpareWork;
   /** Sends this hand-off's answer (a single hand-off's socket ends with it; a `many` one's after the last). */
   reply: (answer: string) => void;
+  /** The hand-offs of its request (one, or a `many`'s), whose spares' `start` calls the pool makes together. */
+  group: HandOffGroup;
   /** Its sender gave up (the socket closed): never handed to a spare after that. */
   closed: boolean;
   timer: NodeJS.Timeout;
+}
+
+/**
+ * The hand-offs of one request that spares hold (`inFlight`: given to a spare, not answered yet) and the spares
+ * that took theirs (`taken`, from the dispatcher, `start`): once none is in flight, the pool makes their `start`
+ * calls in one (startTogether). A hand-off still waiting for a spare to be ready does not hold the others up.
+ */
+interface HandOffGroup {
+  inFlight: number;
+  taken: { doc: string; proc: SpareProc }[];
 }
 
 export interface WarmPoolOptions {
@@ -221,6 +244,8 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
   const server = net.createServer({ allowHalfOpen: true });
   if (!(await listen(server, socketPath))) return;
   chmodSync(socketPath, 0o600);
+  // The `start` calls the pool makes for its spares (startFor) should not wait for this module's loading.
+  void import("./api-client.ts").catch(() => {});
   let target = Math.min(MAX_WARM_SUPERVISORS, Math.max(0, opts.count));
   const parallel = Math.max(1, Math.floor(availableParallelism() / 2));
   const spares = new Set<Spare>();
@@ -356,18 +381,24 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
   const giveTo = (spare: Spare, p: Pending) => {
     spare.busy = true;
     clearTimeout(p.timer);
+    const group = p.group;
+    group.inFlight++;
     const settle = (text: string) => {
       spare.proc.off("message", onAnswer);
       spare.proc.off("exit", onExit);
       clearTimeout(noAnswer);
       answer(p, text);
+      group.inFlight--;
+      if (group.inFlight === 0 && group.taken.length > 0) void startTogether(group.taken.splice(0));
     };
     const onAnswer = (m: FromSpare) => {
       if (m?.type === "took") {
-        // It is that bundle's supervisor now; the pool forgets it (its exit is none of the pool's business).
+        // It is that bundle's supervisor now; the pool forgets it (its exit is none of the pool's business),
+        // once it has the pool's `start` call's answer for a hand-off straight from the dispatcher.
         spares.delete(spare);
         spare.proc.removeAllListeners("message");
         spare.proc.removeAllListeners("exit");
+        if (p.work.mode === "start") group.taken.push({ doc: p.work.doc, proc: spare.proc });
         settle(pidAnswer(m.pid));
         lent.set(m.pid, Date.now());
         refillSoon();
@@ -467,9 +498,11 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       const k = warmCountOf(works[0]!.doc);
       if (k !== null) target = k;
       let left = works.length;
+      const group: HandOffGroup = { inFlight: 0, taken: [] };
       const ps = works.map((work) => {
         const p: Pending = {
           work,
+          group,
           reply:
             many === null
               ? (a) => sock.end(a)
@@ -501,6 +534,62 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
 
   fill();
   await finished;
+}
+
+/**
+ * The runner `start` calls of the spares that took bundles straight from the dispatcher, made by the pool in
+ * one `starts` call per server (the tokens are their documents'), each answer passed to its spare. The pool's
+ * HTTP client and its connection to the server are warm, where a spare's are cold, and a burst's spares do not
+ * each make a call of their own (docs/performance.md). One attempt; anything but the server's answer for a
+ * bundle leaves its call to the spare.
+ */
+async function startTogether(taken: { doc: string; proc: SpareProc }[]): Promise<void> {
+  const starts = await startsFor(taken.map((t) => t.doc));
+  for (const [i, t] of taken.entries()) {
+    const start = starts[i] ?? { ok: null, why: "no answer" };
+    t.proc.send({ type: "started", start } satisfies ToSpare, () => {});
+  }
+}
+
+/** The `start` answers for the runners of these start documents, in their order (startTogether). */
+async function startsFor(docs: readonly string[]): Promise<PoolStart[]> {
+  const out: PoolStart[] = docs.map(() => ({ ok: null, why: "the start document has no apiUrl or token" }));
+  const byServer = new Map<string, { index: number; token: string }[]>();
+  for (const [index, doc] of docs.entries()) {
+    let parsed: { apiUrl?: unknown; token?: unknown };
+    try {
+      parsed = JSON.parse(doc) as typeof parsed;
+    } catch {
+      continue;
+    }
+    const { apiUrl, token } = parsed;
+    if (typeof apiUrl !== "string" || typeof token !== "string") continue;
+    const list = byServer.get(apiUrl) ?? [];
+    list.push({ index, token });
+    byServer.set(apiUrl, list);
+  }
+  await Promise.all(
+    [...byServer].map(async ([apiUrl, list]) => {
+      try {
+        const { createRunnerClient } = await import("./api-client.ts");
+        const client = createRunnerClient({ apiUrl, token: null, caller: "warm pool" });
+        const items = await client.starts(list.map((x) => x.token));
+        for (const [i, x] of list.entries()) {
+          const item = items[i];
+          if (item === undefined) continue;
+          out[x.index] = item.ok
+            ? item
+            : item.status >= 500
+              ? { ok: null, why: `${item.status} ${item.code}` }
+              : item;
+        }
+      } catch (err) {
+        const why = err instanceof Error ? err.message : String(err);
+        for (const x of list) out[x.index] = { ok: null, why };
+      }
+    }),
+  );
+  return out;
 }
 
 /**
@@ -652,24 +741,36 @@ export function rejoinPool(socketPath: string): Promise<SpareChannel | null> {
 /**
  * A spare's wait (the child side): tells the pool it is ready, then takes the first hand-off that `accept`
  * takes (it resolves to null, or to why it refuses) and resolves to it once the pool has its pid; resolves to
- * null when the pool goes first. Refused hand-offs leave the spare waiting.
+ * null when the pool goes first. Refused hand-offs leave the spare waiting. For a hand-off straight from the
+ * dispatcher (`start`) it then waits for the pool's `start` call (`start`; at most POOL_START_WAIT_MS, and
+ * `ok: null` when the pool goes or is late: the spare calls `start` itself).
  */
 export function waitForWork(
   channel: SpareChannel,
   accept: (work: SpareWork) => Promise<string | null>,
-): Promise<SpareWork | null> {
+): Promise<{ work: SpareWork; start: PoolStart | null } | null> {
   return new Promise((resolve) => {
-    let taken = false;
+    let taken: SpareWork | null = null;
     let busy = false;
     let settled = false;
-    const settle = (work: SpareWork | null) => {
+    let late: NodeJS.Timeout | undefined;
+    const settle = (got: { work: SpareWork; start: PoolStart | null } | null) => {
       if (settled) return;
       settled = true;
-      resolve(work);
+      clearTimeout(late);
+      if (got !== null) channel.leave();
+      resolve(got);
     };
-    channel.onClose(() => settle(null));
+    const startedBy = (work: SpareWork, start: PoolStart) => settle({ work, start });
+    channel.onClose(() =>
+      taken === null ? settle(null) : startedBy(taken, { ok: null, why: "the pool went" }),
+    );
     channel.onMessage((m: ToSpare) => {
-      if (taken || busy || m?.type !== "work") return;
+      if (m?.type === "started" && taken !== null) {
+        startedBy(taken, isPoolStart(m.start) ? m.start : { ok: null, why: "not a start answer" });
+        return;
+      }
+      if (taken !== null || busy || m?.type !== "work") return;
       busy = true;
       const work = m.work;
       accept(work).then(
@@ -679,15 +780,22 @@ export function waitForWork(
             channel.send({ type: "refused", why: refusal });
             return;
           }
-          taken = true;
+          taken = work;
           channel.send({ type: "took", pid: process.pid }, (err: Error | null) => {
             if (err) {
               // The pool cannot pass the pid on: whoever handed the bundle over falls back; not this process.
-              settle(null);
+              settled = true;
+              resolve(null);
               return;
             }
-            channel.leave();
-            settle(work);
+            if (work.mode !== "start") {
+              settle({ work, start: null });
+              return;
+            }
+            late = setTimeout(
+              () => startedBy(work, { ok: null, why: "the pool's start call was late" }),
+              POOL_START_WAIT_MS,
+            );
           });
         },
         (err: unknown) => {
@@ -698,6 +806,29 @@ export function waitForWork(
     });
     channel.send({ type: "ready" });
   });
+}
+
+/** How long a spare that took a bundle waits for the pool's `start` call before it makes its own. */
+const POOL_START_WAIT_MS = 2000;
+
+function isPoolStart(v: unknown): v is PoolStart {
+  if (typeof v !== "object" || v === null) return false;
+  const o = v as Record<string, unknown>;
+  if (o["ok"] === true) {
+    const b = o["body"] as Record<string, unknown> | null;
+    return (
+      typeof b === "object" &&
+      b !== null &&
+      typeof b["uuid"] === "string" &&
+      typeof b["state"] === "string" &&
+      typeof b["attempt"] === "number"
+    );
+  }
+  if (o["ok"] === false)
+    return (
+      typeof o["status"] === "number" && typeof o["code"] === "string" && typeof o["message"] === "string"
+    );
+  return o["ok"] === null && typeof o["why"] === "string";
 }
 
 /** Listens on the socket; false when another live pool has it. A dead pool's socket file is replaced. */

@@ -158,15 +158,24 @@ export function requireAdmin(user: User): void {
 
 /** The hash of the request's runner token (auth.* errors for a missing, malformed or worker token). */
 export function runnerTokenHashOf(request: FastifyRequest): string {
-  const token = bearerToken(request);
+  return runnerTokenHash(bearerToken(request));
+}
+
+/** The hash of a runner token, looked up by it; any other token is auth.invalid_token (or a worker's error). */
+export function runnerTokenHash(token: string): string {
   refuseWorkerToken(token);
   if (!isTokenShaped(token, RUNNER_TOKEN_PREFIX)) throw invalidToken();
   return hashToken(token);
 }
 
 /** The bundle a runner token belongs to, while that bundle is starting or running. */
-export async function authenticateRunner(db: Db, request: FastifyRequest): Promise<Bundle> {
-  const bundle = await findBundleByRunnerTokenHash(db, runnerTokenHashOf(request));
+export function authenticateRunner(db: Db, request: FastifyRequest): Promise<Bundle> {
+  return runnerBundleByTokenHash(db, runnerTokenHashOf(request));
+}
+
+/** authenticateRunner, for the hash of a token given other than in the Authorization header. */
+export async function runnerBundleByTokenHash(db: Db, tokenHash: string): Promise<Bundle> {
+  const bundle = await findBundleByRunnerTokenHash(db, tokenHash);
   if (bundle === null) throw invalidToken();
   if (bundle.state !== "starting" && bundle.state !== "running") {
     throw new DispatchCloudError("runner.not_current", `bundle ${bundle.uuid} is ${bundle.state}`);

@@ -13,6 +13,7 @@ import type { FastifyInstance, FastifyRequest } from "fastify";
 import { formatDigest, parseDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { groupCalls } from "../lib/group-calls.ts";
+import { MAX_HAND_OFFS } from "../lib/runner-protocol.ts";
 import { outputManifestsByBundle, setOutputManifest } from "../store/cas-queries.ts";
 import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts";
 import {
@@ -22,7 +23,13 @@ import {
   requeueForUnavailableImage,
 } from "../store/transitions.ts";
 import type { Bundle, LogStream, TransitionResult } from "../store/types.ts";
-import { authenticateRunner, runnerBundleOf, runnerTokenHashOf } from "./auth.ts";
+import {
+  authenticateRunner,
+  runnerBundleByTokenHash,
+  runnerBundleOf,
+  runnerTokenHash,
+  runnerTokenHashOf,
+} from "./auth.ts";
 import { readManifestStats } from "./cas/routes.ts";
 import type { RouteContext } from "./context.ts";
 import { parseCount, parseStream } from "./logs.ts";
@@ -30,6 +37,28 @@ import { parseOutputPath } from "./outputs.ts";
 import { validate } from "./validate.ts";
 
 const StartRequest = Type.Object({}, { additionalProperties: false });
+
+const StartsRequest = Type.Object(
+  {
+    tokens: Type.Array(
+      Type.String({
+        minLength: 1,
+        maxLength: 200,
+        description: "A runner token, as `start` takes it in the Authorization header.",
+        errorMessage: "must be a runner token",
+      }),
+      {
+        minItems: 1,
+        maxItems: MAX_HAND_OFFS,
+        description: "The runners' tokens, one per bundle (at most one instance's hand-offs of one pass).",
+        errorMessage: `must be a list of 1 to ${MAX_HAND_OFFS} runner tokens`,
+      },
+    ),
+  },
+  { additionalProperties: false },
+);
+/** A `starts` body of MAX_HAND_OFFS tokens is about 6 KiB. */
+const STARTS_BODY_LIMIT = 64 * 1024;
 
 const ResourceUsage = Type.Record(
   Type.String({ maxLength: 100 }),
@@ -156,6 +185,28 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     },
   });
 
+  /**
+   * starting -> running for the runner whose token hashes to `tokenHash`. The usual case in one statement: the
+   * token's bundle is starting (the bundle waits for this answer); the calls that arrive together (a burst of
+   * bundles starting) share that statement. Otherwise a bad or stale token gets the error every runner route
+   * gives, and a retried start (the first answer was lost) finds its own attempt (a token is one attempt's)
+   * running: success.
+   */
+  const startRunner = async (
+    tokenHash: string,
+    log: FastifyRequest["log"],
+  ): Promise<{ uuid: string; state: string; attempt: number }> => {
+    const b = await starts.call(tokenHash);
+    if (b !== null) {
+      log.info({ bundleUuid: b.uuid, attempt: b.attempt, instanceId: b.instanceId }, "bundle running");
+      return { uuid: b.uuid, state: b.state, attempt: b.attempt };
+    }
+    const bundle = await runnerBundleByTokenHash(db, tokenHash);
+    if (bundle.state === "running")
+      return { uuid: bundle.uuid, state: bundle.state, attempt: bundle.attempt };
+    throw notCurrentNow(bundle, bundle);
+  };
+
   app.post("/api/v1/runner/start", async (request) => {
     const tokenHash = runnerTokenHashOf(request);
     if (request.body !== undefined) {
@@ -166,22 +217,25 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
         throw err;
       }
     }
-    // The usual case in one statement: the token's bundle is starting (the bundle waits for this answer). The
-    // calls that arrive together (a burst of bundles starting) share that statement.
-    const b = await starts.call(tokenHash);
-    if (b !== null) {
-      request.log.info(
-        { bundleUuid: b.uuid, attempt: b.attempt, instanceId: b.instanceId },
-        "bundle running",
-      );
-      return { uuid: b.uuid, state: b.state, attempt: b.attempt };
-    }
-    // Not starting under this token: a bad or stale token gets the error every runner route gives, and a retried
-    // start (the first answer was lost) finds its own attempt (a token is one attempt's) running: success.
-    const bundle = await authenticateRunner(db, request);
-    if (bundle.state === "running")
-      return { uuid: bundle.uuid, state: bundle.state, attempt: bundle.attempt };
-    throw notCurrentNow(bundle, bundle);
+    return startRunner(tokenHash, request.log);
+  });
+
+  // The `start` calls of several runners at once, each with its own token in the body (no Authorization):
+  // made by an instance's warm pool for the bundles the dispatcher handed it together (docs/api.md). Each token
+  // gets the answer `start` would give it, in the same order: the bundle, or the error with its HTTP status.
+  app.post("/api/v1/runner/starts", { bodyLimit: STARTS_BODY_LIMIT }, async (request) => {
+    const body = validate(StartsRequest, request.body);
+    const items = await Promise.all(
+      body.tokens.map(async (token) => {
+        try {
+          return await startRunner(runnerTokenHash(token), request.log);
+        } catch (err) {
+          if (!(err instanceof DispatchCloudError)) throw err;
+          return { status: err.status, error: { code: err.code, message: err.message } };
+        }
+      }),
+    );
+    return { items };
   });
 
   app.get("/api/v1/runner/spec", { onRequest }, async (request) => {

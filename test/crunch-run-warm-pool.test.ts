@@ -5,6 +5,7 @@
  */
 import { spawn } from "node:child_process";
 import { readFileSync, statSync } from "node:fs";
+import { readFile } from "node:fs/promises";
 import http from "node:http";
 import net from "node:net";
 import { join } from "node:path";
@@ -23,6 +24,8 @@ import {
   parseManyAnswers,
   parsePidAnswer,
 } from "../lib/runner-protocol.ts";
+import { newRunnerToken } from "../lib/tokens.ts";
+import { getBundle } from "../store/queries.ts";
 import { type RunnerHarness, startRunnerHarness } from "./crunch-run-harness.ts";
 import { useTestDb } from "./db.ts";
 
@@ -194,13 +197,14 @@ describe("crunch-run warm pool (process runtime)", () => {
   it("a stop signal that comes while a handed spare waits for its start answer reaches the supervisor", async () => {
     await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length >= 1);
     const socket = await socketOf();
-    // The server's answer to `start` comes 1 s late; the spare sets up only once it has it (at most 100 ms).
-    const slow = await delayingProxy(h.apiUrl, "/api/v1/runner/start", 1000);
+    // The server's answer to `start` (the pool's call) comes 1 s late; the spare, which has taken the bundle,
+    // waits for it.
+    const slow = await apiProxy(h.apiUrl, "/api/v1/runner/start", { delayMs: 1000 });
     try {
       const x = await h.newStartingBundle({ command: ["sleep", "30"] });
       const pid = await handOff(socket, "start", x.uuid, doc(x, { apiUrl: slow.url }));
       expect(pid).toBeGreaterThan(0);
-      // Its `start` call has left: the spare now waits for the answer, with its stop handlers in place.
+      // The `start` call has left: the spare now waits for the answer, with its stop handlers in place.
       await slow.held;
       process.kill(pid, "SIGTERM");
       // Not lost (the bundle would run for 30 s) and not the default death (which leaves the lock behind): the
@@ -211,6 +215,66 @@ describe("crunch-run warm pool (process runtime)", () => {
       expect(log).toContain("stop requested");
     } finally {
       await slow.close();
+    }
+  });
+
+  it("the pool makes the `start` calls of the bundles it was handed together in one; when it cannot, the spare does", async () => {
+    await poolOf(2);
+    const socket = await socketOf();
+    const started = await apiProxy(h.apiUrl, "/api/v1/runner/start", {});
+    try {
+      const burst = await Promise.all([0, 1].map(() => h.newStartingBundle({ command: ["true"] })));
+      const answers = parseManyAnswers(
+        await exchange(
+          socket,
+          formatHandOffs(
+            burst.map((x) => ({ mode: "start", uuid: x.uuid, doc: doc(x, { apiUrl: started.url }) })),
+          ),
+        ),
+      );
+      for (const x of burst) expect(parsePidAnswer(answers.get(x.uuid) ?? "")).toBeGreaterThan(0);
+      for (const x of burst) expect((await h.waitFinal(x.uuid)).state).toBe("ready");
+      // One call for both, by the pool.
+      expect(started.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
+    } finally {
+      await started.close();
+    }
+
+    // The pool's call fails in transit (the connection is dropped): the spare makes its own, and the bundle runs.
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length >= 1);
+    const dropping = await apiProxy(h.apiUrl, "/api/v1/runner/start", {
+      drop: (userAgent) => userAgent.includes("warm pool"),
+    });
+    try {
+      const x = await h.newStartingBundle({ command: ["true"] });
+      const pid = await handOff(socket, "start", x.uuid, doc(x, { apiUrl: dropping.url }));
+      expect(pid).toBeGreaterThan(0);
+      expect((await h.waitFinal(x.uuid)).state).toBe("ready");
+      expect(dropping.callers).toEqual([
+        "/api/v1/runner/starts crunch-run (warm pool)",
+        "/api/v1/runner/start crunch-run (supervisor)",
+      ]);
+    } finally {
+      await dropping.close();
+    }
+
+    // The server refuses the pool's call for a token (not this bundle's): the spare takes that as its own start
+    // refused, does not call again, and releases the lock; the bundle is left starting.
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length >= 1);
+    const refused = await apiProxy(h.apiUrl, "/api/v1/runner/start", {});
+    try {
+      const y = await h.newStartingBundle({ command: ["true"] });
+      await handOff(socket, "start", y.uuid, doc(y, { apiUrl: refused.url, token: newRunnerToken() }));
+      const logOf = join(h.root, "var", "log", "crunch-run", `${y.uuid}.log`);
+      await waitFor(async () => {
+        const log = await readFile(logOf, "utf8").catch(() => "");
+        return log.includes("runner start refused");
+      });
+      await waitFor(async () => (await readLockText(lockFile(runnerPaths(h.env), y.uuid))) === null);
+      expect(refused.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
+      expect((await getBundle(getDb(), y.uuid))?.state).toBe("starting");
+    } finally {
+      await refused.close();
     }
   });
 
@@ -450,20 +514,31 @@ function pidsTitled(root: string, title: string): number[] {
 }
 
 /**
- * A proxy to `target` that holds requests for `path` for `ms` before it passes them on; `held` resolves when
- * the first such request comes.
+ * A proxy to `target` that holds requests for `path` for `delayMs` before it passes them on (`held` resolves
+ * when the first such request comes), or drops those that `drop` picks (the connection is destroyed); `callers`
+ * lists the path and User-Agent of each request for `path`.
  */
-async function delayingProxy(
+async function apiProxy(
   target: string,
   path: string,
-  ms: number,
-): Promise<{ url: string; held: Promise<void>; close(): Promise<void> }> {
+  opts: { delayMs?: number; drop?: (userAgent: string) => boolean },
+): Promise<{ url: string; held: Promise<void>; callers: string[]; close(): Promise<void> }> {
   let holding = () => {};
   const held = new Promise<void>((resolve) => {
     holding = resolve;
   });
+  const callers: string[] = [];
   const server = http.createServer((req, res) => {
-    if ((req.url ?? "").startsWith(path)) holding();
+    const mine = (req.url ?? "").startsWith(path);
+    if (mine) {
+      const userAgent = req.headers["user-agent"] ?? "";
+      callers.push(`${req.url} ${userAgent}`);
+      if (opts.drop?.(userAgent)) {
+        req.socket.destroy();
+        return;
+      }
+      holding();
+    }
     const body: Buffer[] = [];
     req.on("data", (c: Buffer) => body.push(c));
     req.on("end", () => {
@@ -480,7 +555,7 @@ async function delayingProxy(
           out.on("error", () => res.destroy());
           out.end(Buffer.concat(body));
         },
-        (req.url ?? "").startsWith(path) ? ms : 0,
+        mine ? (opts.delayMs ?? 0) : 0,
       );
     });
   });
@@ -489,6 +564,7 @@ async function delayingProxy(
   return {
     url: `http://127.0.0.1:${port}`,
     held,
+    callers,
     close: () => {
       server.closeAllConnections();
       return new Promise((resolve) => server.close(() => resolve()));

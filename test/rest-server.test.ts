@@ -476,6 +476,44 @@ describeEachDb("REST server", (getDb) => {
       });
     });
 
+    it("starts several runners in one call, each by its own token, answering each as start would", async () => {
+      const [a, b, c] = [await create(alice), await create(alice), await create(bob)];
+      const [ta, tb, tc] = [await dispatch(a.uuid), await dispatch(b.uuid), await dispatch(c.uuid)];
+      // c's runner has started already (a retried start is not an error); the user token and an unknown runner
+      // token get start's 401.
+      expect((await api("POST", "/api/v1/runner/start", tc, {})).status).toBe(200);
+      const res = await api("POST", "/api/v1/runner/starts", undefined, {
+        tokens: [tb, alice, ta, newRunnerToken(), tc],
+      });
+      expect(res.status).toBe(200);
+      expect(res.body.items).toEqual([
+        { uuid: b.uuid, state: "running", attempt: 1 },
+        { status: 401, error: { code: "auth.invalid_token", message: expect.any(String) } },
+        { uuid: a.uuid, state: "running", attempt: 1 },
+        { status: 401, error: { code: "auth.invalid_token", message: expect.any(String) } },
+        { uuid: c.uuid, state: "running", attempt: 1 },
+      ]);
+      for (const x of [a, b, c]) expect((await getBundle(getDb(), x.uuid))?.state).toBe("running");
+      // Once finished, the token is refused here too.
+      expect((await finishBundle(getDb(), a.uuid, 1, { exitCode: 0, actor: "runner" })).ok).toBe(true);
+      const again = await api("POST", "/api/v1/runner/starts", undefined, { tokens: [ta] });
+      expect(again.body.items).toEqual([
+        { status: 401, error: { code: "auth.invalid_token", message: expect.any(String) } },
+      ]);
+      // Not a list of 1 to 64 tokens: 400 with the path of the bad field.
+      for (const [body, path] of [
+        [{}, "tokens"],
+        [{ tokens: [] }, "tokens"],
+        [{ tokens: Array.from({ length: 65 }, () => ta) }, "tokens"],
+        [{ tokens: [ta, 7] }, "tokens[1]"],
+        [{ tokens: [ta], more: 1 }, "more"],
+      ] as const) {
+        const bad = await api("POST", "/api/v1/runner/starts", undefined, body);
+        expect(bad.status, JSON.stringify(body).slice(0, 80)).toBe(400);
+        expect(bad.body.error.path).toBe(path);
+      }
+    });
+
     it("refuses start after the bundle was killed", async () => {
       const b = await create(alice);
       const token = await dispatch(b.uuid);
