@@ -184,7 +184,7 @@ async function superviseBundle(
   };
   process.on("SIGTERM", stop);
   process.on("SIGINT", stop);
-  // A spare's warm pool may have made the call already (spare.ts startFor); else (or when it could not) this
+  // A spare's warm pool may have made the call already (spare.ts startTogether); else (or when it could not) this
   // process makes it.
   const started: Promise<unknown> =
     poolStart?.ok === true

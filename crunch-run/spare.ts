@@ -23,9 +23,10 @@
  *   waits for the next one to be ready (at most PENDING_MAX_MS, and never after its sender gave up). The spare
  *   checks the document and, for a hand-off straight from the dispatcher (`start`), takes the bundle's lock
  *   itself; it answers with its pid (`pid <pid>`, passed back on the socket) or why not. For such a hand-off the
- *   pool then makes the bundle's runner `start` call (startFor; its HTTP client and connection are warm, where a
- *   spare's are cold, and a burst's spares do not each pay for theirs) and passes the answer to the spare; a call
- *   that fails in transit, or a pool that goes or is late, leaves the call to the spare. Having the answer, it
+ *   pool then makes the bundle's runner `start` call (startTogether: one `starts` call for the bundles of one
+ *   request; its HTTP client and connection are warm, where a spare's are cold, and a burst's spares do not each
+ *   pay for theirs) and passes the answer to the spare; a call that fails in transit, or a pool that goes or is
+ *   late, leaves the call to the spare. Having the answer, it
  *   leaves the IPC channel and is that bundle's supervisor, in its own session: the warm pool's death (or a
  *   restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
  *   lock and writes the spare's pid into it), the spare calls `start` itself, once the lock names it.
@@ -244,7 +245,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
   const server = net.createServer({ allowHalfOpen: true });
   if (!(await listen(server, socketPath))) return;
   chmodSync(socketPath, 0o600);
-  // The `start` calls the pool makes for its spares (startFor) should not wait for this module's loading.
+  // The `start` calls the pool makes for its spares (startTogether) should not wait for this module's loading.
   void import("./api-client.ts").catch(() => {});
   let target = Math.min(MAX_WARM_SUPERVISORS, Math.max(0, opts.count));
   const parallel = Math.max(1, Math.floor(availableParallelism() / 2));
@@ -762,8 +763,10 @@ export function waitForWork(
       resolve(got);
     };
     const startedBy = (work: SpareWork, start: PoolStart) => settle({ work, start });
+    /** The pool has this spare's `took` (sent): from then on the bundle is this process's, pool or no pool. */
+    let tookSent: SpareWork | null = null;
     channel.onClose(() =>
-      taken === null ? settle(null) : startedBy(taken, { ok: null, why: "the pool went" }),
+      tookSent === null ? settle(null) : startedBy(tookSent, { ok: null, why: "the pool went" }),
     );
     channel.onMessage((m: ToSpare) => {
       if (m?.type === "started" && taken !== null) {
@@ -784,10 +787,10 @@ export function waitForWork(
           channel.send({ type: "took", pid: process.pid }, (err: Error | null) => {
             if (err) {
               // The pool cannot pass the pid on: whoever handed the bundle over falls back; not this process.
-              settled = true;
-              resolve(null);
+              settle(null);
               return;
             }
+            tookSent = work;
             if (work.mode !== "start") {
               settle({ work, start: null });
               return;

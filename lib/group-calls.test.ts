@@ -56,6 +56,29 @@ describe("groupCalls", () => {
     expect(await alone).toBe("r5");
   });
 
+  it("with concurrency 2, calls that arrive while one group is in flight go at once; later ones wait for either", async () => {
+    const { groups, run } = heldRun();
+    const g = groupCalls({ max: 100, concurrency: 2, run });
+    const first = g.call(1);
+    await ticks();
+    const second = [2, 3].map((i) => g.call(i));
+    await ticks();
+    // The second group did not wait for the first.
+    expect(groups.map((x) => x.items)).toEqual([[1], [2, 3]]);
+    const third = [4, 5].map((i) => g.call(i));
+    await ticks();
+    // Two in flight: these wait, and go together once one of them is back.
+    expect(groups).toHaveLength(2);
+    groups[1]!.release();
+    await ticks();
+    expect(groups.map((x) => x.items)).toEqual([[1], [2, 3], [4, 5]]);
+    groups[0]!.release();
+    groups[2]!.release();
+    expect(await first).toBe("r1");
+    expect(await Promise.all([...second, ...third])).toEqual(["r2", "r3", "r4", "r5"]);
+    expect(g.stats()).toEqual({ groups: 3, items: 5, largest: 2 });
+  });
+
   it("a group that fails is run again one item at a time, so only the bad item fails", async () => {
     const { groups, run } = heldRun();
     const g = groupCalls({ max: 100, run });

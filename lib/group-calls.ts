@@ -1,8 +1,8 @@
 /**
  * Calls that arrive together go to the database as one statement (docs/performance.md): most of a small
  * statement's cost is per statement, not per row. Calls made in the same turn of the event loop, and those that
- * arrive while a group's statement is in flight, form the next group (at most `max` items); a lone call waits
- * only for a microtask. Each caller still gets its own result. A group whose statement throws is run again one
+ * arrive while a group's statement is in flight (while `concurrency` groups are), form the next group (at most
+ * `max` items); a lone call waits only for a microtask. Each caller still gets its own result. A group whose statement throws is run again one
  * item at a time, so a bad item fails only its own call.
  */
 
@@ -21,11 +21,20 @@ interface Pending<I, R> {
 
 export function groupCalls<I, R>(opts: {
   max: number;
+  /**
+   * Groups in flight at once (default 1). With 2, calls that arrive while one group is in flight go at once as
+   * a second group instead of waiting for the first: two bursts a few ms apart (two instances' starts) do not
+   * queue behind each other, and calls wait only while both are in flight.
+   */
+  concurrency?: number;
   /** Runs one group; returns one result per item, in the items' order. */
   run(items: I[]): Promise<R[]>;
 }): GroupCalls<I, R> {
+  const concurrency = Math.max(1, opts.concurrency ?? 1);
   let waiting: Pending<I, R>[] = [];
-  let busy = false;
+  /** Groups in flight, and whether a start of the next is already due (at the end of this turn). */
+  let inFlight = 0;
+  let due = false;
   const counts = { groups: 0, items: 0, largest: 0 };
 
   async function runGroup(group: Pending<I, R>[]): Promise<void> {
@@ -50,15 +59,16 @@ export function groupCalls<I, R>(opts: {
     for (const [i, p] of group.entries()) p.resolve(results[i]!);
   }
 
-  async function drain(): Promise<void> {
-    try {
-      while (waiting.length > 0) {
-        const group = waiting.slice(0, opts.max);
-        waiting = waiting.slice(group.length);
-        await runGroup(group);
-      }
-    } finally {
-      busy = false;
+  /** Starts groups of the waiting calls while fewer than `concurrency` are in flight. */
+  function pump(): void {
+    while (inFlight < concurrency && waiting.length > 0) {
+      const group = waiting.slice(0, opts.max);
+      waiting = waiting.slice(group.length);
+      inFlight++;
+      void runGroup(group).finally(() => {
+        inFlight--;
+        pump();
+      });
     }
   }
 
@@ -66,9 +76,12 @@ export function groupCalls<I, R>(opts: {
     call(item) {
       return new Promise<R>((resolve, reject) => {
         waiting.push({ item, resolve, reject });
-        if (busy) return;
-        busy = true;
-        queueMicrotask(() => void drain());
+        if (due || inFlight >= concurrency) return;
+        due = true;
+        queueMicrotask(() => {
+          due = false;
+          pump();
+        });
       });
     },
     stats: () => ({ ...counts }),

@@ -177,8 +177,11 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     request.runnerBundle = await authenticateRunner(db, request);
   };
 
+  // Two groups in flight: the `starts` of two instances' pools a few ms apart (a burst over two instances) do
+  // not wait for each other's statement.
   const starts = groupCalls<string, Bundle | null>({
     max: MAX_START_GROUP,
+    concurrency: 2,
     run: async (hashes) => {
       const moved = await markRunningByTokens(db, hashes, ACTOR);
       return hashes.map((h) => moved.get(h) ?? null);
