@@ -507,11 +507,17 @@ describeEachDb("REST server", (getDb) => {
         [{ tokens: Array.from({ length: 65 }, () => ta) }, "tokens"],
         [{ tokens: [ta, 7] }, "tokens[1]"],
         [{ tokens: [ta], more: 1 }, "more"],
+        [{ tokens: [ta, "x".repeat(201)] }, "tokens[1]"],
       ] as const) {
         const bad = await api("POST", "/api/v1/runner/starts", undefined, body);
         expect(bad.status, JSON.stringify(body).slice(0, 80)).toBe(400);
         expect(bad.body.error.path).toBe(path);
+        // The message names the field, never a token given.
+        expect(JSON.stringify(bad.body)).not.toContain(ta);
       }
+      // A body past the route's 64 KiB is refused before it is read as JSON.
+      const huge = await api("POST", "/api/v1/runner/starts", undefined, { tokens: ["y".repeat(70_000)] });
+      expect(huge).toMatchObject({ status: 413, body: { error: { code: "request.body_too_large" } } });
     });
 
     it("refuses start after the bundle was killed", async () => {
