@@ -23,11 +23,12 @@
  *   waits for the next one to be ready (at most PENDING_MAX_MS, and never after its sender gave up). The spare
  *   checks the document and, for a hand-off straight from the dispatcher (`start`), takes the bundle's lock
  *   itself; it answers with its pid (`pid <pid>`, passed back on the socket) or why not. For such a hand-off the
- *   pool then makes the bundle's runner `start` call (startTogether: one `starts` call for the bundles of one
- *   request; its HTTP client and connection are warm, where a spare's are cold, and a burst's spares do not each
- *   pay for theirs) and passes the answer to the spare; a call that fails in transit, or a pool that goes or is
- *   late, leaves the call to the spare. Having the answer, it
- *   leaves the IPC channel and is that bundle's supervisor, in its own session: the warm pool's death (or a
+ *   pool makes the bundle's runner `start` call as it hands the bundle over, when the checks the spare will make
+ *   pass in the pool too (startableDoc; startTogether: one `starts` call for the bundles handed in one turn; its
+ *   HTTP client and connection are warm, where a spare's are cold, a burst's spares do not each pay for theirs,
+ *   and the call does not wait for the spares to wake), and passes the answer to the spare; a call that fails in
+ *   transit, or a pool that goes or is late, leaves the call to the spare. Having the answer, it leaves the IPC
+ *   channel and is that bundle's supervisor, in its own session: the warm pool's death (or a
  *   restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
  *   lock and writes the spare's pid into it), the spare calls `start` itself, once the lock names it.
  * - A supervisor whose bundle has ended comes back (RETURN_QUIET_MS later, main.ts): it connects to the socket,
@@ -65,7 +66,8 @@ import {
   type SpareHandOff,
 } from "../lib/runner-protocol.ts";
 import type { StartsItem } from "./api-client.ts";
-import type { RunnerPaths } from "./paths.ts";
+import { BUNDLE_UUID_RE, lockFile, type RunnerPaths } from "./paths.ts";
+import { parseStartDocument } from "./start-doc.ts";
 
 export const SPARE_IDLE_MS = 10 * 60_000;
 const HAND_OFF_TIMEOUT_MS = 1000;
@@ -171,7 +173,9 @@ export function startWarmPool(
 export type PoolStart = StartsItem | { ok: null; why: string };
 
 /** The warm pool's messages to a spare and the spare's answers (over the Node IPC channel). */
-export type ToSpare = { type: "work"; work: SpareHandOff } | { type: "started"; start: PoolStart };
+export type ToSpare =
+  | { type: "work"; work: SpareHandOff }
+  | { type: "started"; uuid: string; start: PoolStart };
 export type FromSpare = { type: "ready" } | { type: "took"; pid: number } | { type: "refused"; why: string };
 
 /** A hand-off the spare took (lib/runner-protocol.ts). */
@@ -204,21 +208,17 @@ interface Pending {
   work: SpareWork;
   /** Sends this hand-off's answer (a single hand-off's socket ends with it; a `many` one's after the last). */
   reply: (answer: string) => void;
-  /** The hand-offs of its request (one, or a `many`'s), whose spares' `start` calls the pool makes together. */
-  group: HandOffGroup;
   /** Its sender gave up (the socket closed): never handed to a spare after that. */
   closed: boolean;
   timer: NodeJS.Timeout;
 }
 
-/**
- * The hand-offs of one request that spares hold (`inFlight`: given to a spare, not answered yet) and the spares
- * that took theirs (`taken`, from the dispatcher, `start`): once none is in flight, the pool makes their `start`
- * calls in one (startTogether). A hand-off still waiting for a spare to be ready does not hold the others up.
- */
-interface HandOffGroup {
-  inFlight: number;
-  taken: { doc: string; proc: SpareProc }[];
+/** A bundle whose runner `start` call the pool makes for the spare it handed the bundle to (startTogether). */
+interface EarlyStart {
+  uuid: string;
+  apiUrl: string;
+  token: string;
+  proc: SpareProc;
 }
 
 export interface WarmPoolOptions {
@@ -367,30 +367,42 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     if (!p.closed) p.reply(text);
   };
 
-  /** Gives waiting hand-offs to ready spares, oldest first. */
+  /**
+   * Gives waiting hand-offs to ready spares, oldest first. For hand-offs straight from the dispatcher, the pool
+   * makes the bundles' `start` calls as it hands them over (startableDoc, startTogether), not once the spares have
+   * woken and taken their locks; the calls leave first, and the spares get their work in the next turn of the
+   * event loop (their IPC messages would otherwise go before the request that the bundles wait for).
+   */
   const dispatch = () => {
+    const given: { spare: Spare; p: Pending; early: boolean }[] = [];
+    const early: EarlyStart[] = [];
     for (;;) {
       while (pending.length > 0 && pending[0]?.closed) pending.shift();
       const p = pending[0];
       const spare = [...spares].find((s) => s.ready && !s.busy);
-      if (p === undefined || spare === undefined) return;
+      if (p === undefined || spare === undefined) break;
       pending.shift();
-      giveTo(spare, p);
+      spare.busy = true;
+      clearTimeout(p.timer);
+      const doc = p.work.mode === "start" ? startableDoc(p.work, paths) : null;
+      if (doc !== null)
+        early.push({ uuid: p.work.uuid, apiUrl: doc.apiUrl, token: doc.token, proc: spare.proc });
+      given.push({ spare, p, early: doc !== null });
     }
+    if (early.length > 0) void startTogether(early);
+    if (given.length === 0) return;
+    setImmediate(() => {
+      for (const g of given) giveTo(g.spare, g.p, g.early);
+    });
   };
 
-  const giveTo = (spare: Spare, p: Pending) => {
-    spare.busy = true;
-    clearTimeout(p.timer);
-    const group = p.group;
-    group.inFlight++;
+  /** Sends a busy spare its hand-off (`early`: the pool makes its `start` call) and waits for its answer. */
+  const giveTo = (spare: Spare, p: Pending, early: boolean) => {
     const settle = (text: string) => {
       spare.proc.off("message", onAnswer);
       spare.proc.off("exit", onExit);
       clearTimeout(noAnswer);
       answer(p, text);
-      group.inFlight--;
-      if (group.inFlight === 0 && group.taken.length > 0) void startTogether(group.taken.splice(0));
     };
     const onAnswer = (m: FromSpare) => {
       if (m?.type === "took") {
@@ -399,7 +411,11 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
         spares.delete(spare);
         spare.proc.removeAllListeners("message");
         spare.proc.removeAllListeners("exit");
-        if (p.work.mode === "start") group.taken.push({ doc: p.work.doc, proc: spare.proc });
+        // One the pool made no call for (it did not look startable, yet the spare took it) makes its own.
+        if (p.work.mode === "start" && !early) {
+          const start: PoolStart = { ok: null, why: "the pool made no start call" };
+          spare.proc.send({ type: "started", uuid: p.work.uuid, start } satisfies ToSpare, () => {});
+        }
         settle(pidAnswer(m.pid));
         lent.set(m.pid, Date.now());
         refillSoon();
@@ -499,11 +515,9 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       const k = warmCountOf(works[0]!.doc);
       if (k !== null) target = k;
       let left = works.length;
-      const group: HandOffGroup = { inFlight: 0, taken: [] };
       const ps = works.map((work) => {
         const p: Pending = {
           work,
-          group,
           reply:
             many === null
               ? (a) => sock.end(a)
@@ -538,33 +552,45 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
 }
 
 /**
- * The runner `start` calls of the spares that took bundles straight from the dispatcher, made by the pool in
- * one `starts` call per server (the tokens are their documents'), each answer passed to its spare. The pool's
- * HTTP client and its connection to the server are warm, where a spare's are cold, and a burst's spares do not
- * each make a call of their own (docs/performance.md). One attempt; anything but the server's answer for a
- * bundle leaves its call to the spare.
+ * The start document of a hand-off straight from the dispatcher whose spare will take it, as far as the pool can
+ * tell (the checks a spare makes: the uuid, the document, the instance not preempted, no lock on the bundle
+ * yet); null otherwise. The pool makes the `start` call only for such a hand-off: a bundle whose spare then
+ * refuses it anyway (a lock taken meanwhile by another supervisor, which holds the bundle; a notice of
+ * preemption meanwhile; a spare that dies) is running with no supervisor here, which the dispatcher handles as
+ * it does a supervisor's death (its hand-off was refused, so it runs `--detach`, whose supervisor's own `start`
+ * under the same token succeeds; else the bundle is not listed and is requeued).
  */
-async function startTogether(taken: { doc: string; proc: SpareProc }[]): Promise<void> {
-  const starts = await startsFor(taken.map((t) => t.doc));
-  for (const [i, t] of taken.entries()) {
-    const start = starts[i] ?? { ok: null, why: "no answer" };
-    t.proc.send({ type: "started", start } satisfies ToSpare, () => {});
+function startableDoc(work: SpareWork, paths: RunnerPaths): { apiUrl: string; token: string } | null {
+  if (!BUNDLE_UUID_RE.test(work.uuid)) return null;
+  try {
+    const doc = parseStartDocument(work.doc, work.uuid);
+    if (existsSync(paths.preemptedFile) || existsSync(lockFile(paths, work.uuid))) return null;
+    return doc;
+  } catch {
+    return null;
   }
 }
 
-/** The `start` answers for the runners of these start documents, in their order (startTogether). */
-async function startsFor(docs: readonly string[]): Promise<PoolStart[]> {
-  const out: PoolStart[] = docs.map(() => ({ ok: null, why: "the start document has no apiUrl or token" }));
+/**
+ * The runner `start` calls of bundles the pool handed to spares (startableDoc), made by the pool in one `starts`
+ * call per server, each answer passed to its spare (which may not have woken yet: it keeps the answer until it
+ * has taken the bundle). The pool's HTTP client and its connection to the server are warm, where a spare's are
+ * cold, a burst's spares do not each make a call of their own, and the call does not wait for the spares
+ * (docs/performance.md). One attempt; anything but the server's answer for a bundle leaves its call to the spare.
+ */
+async function startTogether(taken: EarlyStart[]): Promise<void> {
+  const starts = await startsFor(taken);
+  for (const [i, t] of taken.entries()) {
+    const start = starts[i] ?? { ok: null, why: "no answer" };
+    t.proc.send({ type: "started", uuid: t.uuid, start } satisfies ToSpare, () => {});
+  }
+}
+
+/** The `start` answers for these runners, in their order (startTogether). */
+async function startsFor(taken: readonly EarlyStart[]): Promise<PoolStart[]> {
+  const out: PoolStart[] = taken.map(() => ({ ok: null, why: "no answer" }));
   const byServer = new Map<string, { index: number; token: string }[]>();
-  for (const [index, doc] of docs.entries()) {
-    let parsed: { apiUrl?: unknown; token?: unknown };
-    try {
-      parsed = JSON.parse(doc) as typeof parsed;
-    } catch {
-      continue;
-    }
-    const { apiUrl, token } = parsed;
-    if (typeof apiUrl !== "string" || typeof token !== "string") continue;
+  for (const [index, { apiUrl, token }] of taken.entries()) {
     const list = byServer.get(apiUrl) ?? [];
     list.push({ index, token });
     byServer.set(apiUrl, list);
@@ -744,7 +770,8 @@ export function rejoinPool(socketPath: string): Promise<SpareChannel | null> {
  * takes (it resolves to null, or to why it refuses) and resolves to it once the pool has its pid; resolves to
  * null when the pool goes first. Refused hand-offs leave the spare waiting. For a hand-off straight from the
  * dispatcher (`start`) it then waits for the pool's `start` call (`start`; at most POOL_START_WAIT_MS, and
- * `ok: null` when the pool goes or is late: the spare calls `start` itself).
+ * `ok: null` when the pool goes or is late: the spare calls `start` itself). The pool makes that call as it
+ * hands the bundle over, so its answer may come while the spare still takes the bundle: it is kept until then.
  */
 export function waitForWork(
   channel: SpareChannel,
@@ -765,21 +792,31 @@ export function waitForWork(
     const startedBy = (work: SpareWork, start: PoolStart) => settle({ work, start });
     /** The pool has this spare's `took` (sent): from then on the bundle is this process's, pool or no pool. */
     let tookSent: SpareWork | null = null;
+    /** The hand-off being taken (from its `work` to its `took` or refusal), and the pool's answer for it so far. */
+    let current: SpareWork | null = null;
+    let kept: PoolStart | null = null;
     channel.onClose(() =>
       tookSent === null ? settle(null) : startedBy(tookSent, { ok: null, why: "the pool went" }),
     );
     channel.onMessage((m: ToSpare) => {
-      if (m?.type === "started" && taken !== null) {
-        startedBy(taken, isPoolStart(m.start) ? m.start : { ok: null, why: "not a start answer" });
+      if (m?.type === "started") {
+        // Only for the bundle this spare is taking or took (an answer for one it refused is stale).
+        if (current === null || m.uuid !== current.uuid) return;
+        const start = isPoolStart(m.start) ? m.start : { ok: null, why: "not a start answer" };
+        if (tookSent !== null) startedBy(tookSent, start);
+        else kept ??= start;
         return;
       }
       if (taken !== null || busy || m?.type !== "work") return;
       busy = true;
       const work = m.work;
+      current = work;
+      kept = null;
       accept(work).then(
         (refusal) => {
           busy = false;
           if (refusal !== null) {
+            current = null;
             channel.send({ type: "refused", why: refusal });
             return;
           }
@@ -795,6 +832,10 @@ export function waitForWork(
               settle({ work, start: null });
               return;
             }
+            if (kept !== null) {
+              startedBy(work, kept);
+              return;
+            }
             late = setTimeout(
               () => startedBy(work, { ok: null, why: "the pool's start call was late" }),
               POOL_START_WAIT_MS,
@@ -803,6 +844,7 @@ export function waitForWork(
         },
         (err: unknown) => {
           busy = false;
+          current = null;
           channel.send({ type: "refused", why: String(err) });
         },
       );

@@ -278,6 +278,34 @@ describe("crunch-run warm pool (process runtime)", () => {
     }
   });
 
+  it("the pool's `start` call leaves as it hands the bundle over: the bundle is running while its spare has not woken", async () => {
+    await poolOf(1);
+    const socket = await socketOf();
+    const proxy = await apiProxy(h.apiUrl, "/api/v1/runner/start", {});
+    // Every spare stopped: none can take a bundle, answer, or call anything until it is continued. The pool gives
+    // a spare that has not answered ANSWER_MAX_MS (3 s) up, so each wait below ends well before that.
+    const stopped = pidsTitled(h.root, "crunch-run spare");
+    expect(stopped.length).toBeGreaterThan(0);
+    for (const pid of stopped) process.kill(pid, "SIGSTOP");
+    let answered: Promise<number> | null = null;
+    try {
+      const x = await h.newStartingBundle({ command: ["true"] });
+      answered = handOff(socket, "start", x.uuid, doc(x, { apiUrl: proxy.url }));
+      await waitFor(async () => (await getBundle(getDb(), x.uuid))?.state === "running", 2500, 20);
+      expect(proxy.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
+      for (const pid of stopped) process.kill(pid, "SIGCONT");
+      const pid = await answered;
+      expect(stopped).toContain(pid);
+      expect((await h.waitFinal(x.uuid)).state).toBe("ready");
+      // The spare used the pool's answer: no call of its own.
+      expect(proxy.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
+    } finally {
+      for (const pid of stopped) kill(pid, "SIGCONT");
+      await answered?.catch(() => {});
+      await proxy.close();
+    }
+  });
+
   it("a supervisor whose bundle ended goes back to the pool and supervises the next bundle; one stopped by a signal exits", async () => {
     await poolOf(1);
     // The pool's one spare, once no supervisor of an earlier bundle is still on its way back (they are let go).
@@ -572,18 +600,18 @@ async function apiProxy(
   };
 }
 
-function kill(pid: number): void {
+function kill(pid: number, signal: NodeJS.Signals = "SIGKILL"): void {
   try {
-    process.kill(pid, "SIGKILL");
+    process.kill(pid, signal);
   } catch {
     // gone
   }
 }
 
-async function waitFor(cond: () => Promise<boolean>, timeoutMs = 60_000): Promise<void> {
+async function waitFor(cond: () => Promise<boolean>, timeoutMs = 60_000, everyMs = 100): Promise<void> {
   const deadline = Date.now() + timeoutMs;
   while (!(await cond())) {
     if (Date.now() > deadline) throw new Error("condition not met in time");
-    await new Promise((r) => setTimeout(r, 100));
+    await new Promise((r) => setTimeout(r, everyMs));
   }
 }
