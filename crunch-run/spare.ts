@@ -778,8 +778,6 @@ export function waitForWork(
   accept: (work: SpareWork) => Promise<string | null>,
 ): Promise<{ work: SpareWork; start: PoolStart | null } | null> {
   return new Promise((resolve) => {
-    let taken: SpareWork | null = null;
-    let busy = false;
     let settled = false;
     let late: NodeJS.Timeout | undefined;
     const settle = (got: { work: SpareWork; start: PoolStart | null } | null) => {
@@ -792,7 +790,11 @@ export function waitForWork(
     const startedBy = (work: SpareWork, start: PoolStart) => settle({ work, start });
     /** The pool has this spare's `took` (sent): from then on the bundle is this process's, pool or no pool. */
     let tookSent: SpareWork | null = null;
-    /** The hand-off being taken (from its `work` to its `took` or refusal), and the pool's answer for it so far. */
+    /**
+     * The hand-off this spare is taking or took (from its `work` to its refusal, or for good), and the pool's
+     * answer for it so far. While there is one, other hand-offs are not looked at (the pool gives a spare one at a
+     * time).
+     */
     let current: SpareWork | null = null;
     let kept: PoolStart | null = null;
     channel.onClose(() =>
@@ -807,20 +809,17 @@ export function waitForWork(
         else kept ??= start;
         return;
       }
-      if (taken !== null || busy || m?.type !== "work") return;
-      busy = true;
+      if (current !== null || m?.type !== "work") return;
       const work = m.work;
       current = work;
       kept = null;
       accept(work).then(
         (refusal) => {
-          busy = false;
           if (refusal !== null) {
             current = null;
             channel.send({ type: "refused", why: refusal });
             return;
           }
-          taken = work;
           channel.send({ type: "took", pid: process.pid }, (err: Error | null) => {
             if (err) {
               // The pool cannot pass the pid on: whoever handed the bundle over falls back; not this process.
@@ -843,7 +842,6 @@ export function waitForWork(
           });
         },
         (err: unknown) => {
-          busy = false;
           current = null;
           channel.send({ type: "refused", why: String(err) });
         },

@@ -2,8 +2,8 @@
  * Calls that arrive together go to the database as one statement (docs/performance.md): most of a small
  * statement's cost is per statement, not per row. Calls made in the same turn of the event loop, and those that
  * arrive while a group's statement is in flight (while `concurrency` groups are), form the next group (at most
- * `max` items); a lone call waits only for a microtask. Each caller still gets its own result. A group whose statement throws is run again one
- * item at a time, so a bad item fails only its own call.
+ * `max` items); a lone call waits only for a microtask. Each caller still gets its own result. A group whose
+ * statement throws is run again one item at a time, so a bad item fails only its own call.
  */
 
 export interface GroupCalls<I, R> {
