@@ -26,8 +26,9 @@
  *   pool makes the bundle's runner `start` call as it hands the bundle over, when the checks the spare will make
  *   pass in the pool too (startableDoc; startTogether: one `starts` call for the bundles handed in one turn; its
  *   HTTP client and connection are warm, where a spare's are cold, a burst's spares do not each pay for theirs,
- *   and the call does not wait for the spares to wake), and passes the answer to the spare; a call that fails in
- *   transit, or a pool that goes or is late, leaves the call to the spare. Having the answer, it leaves the IPC
+ *   and the call does not wait for the spares to wake), gives the spares their work once it is answered (at most
+ *   HOLD_MAX_MS later), and passes the answer on; a call that fails in transit, or a pool that goes or is late,
+ *   leaves the call to the spare. Having the answer, it leaves the IPC
  *   channel and is that bundle's supervisor, in its own session: the warm pool's death (or a
  *   restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
  *   lock and writes the spare's pid into it), the spare calls `start` itself, once the lock names it.
@@ -369,12 +370,14 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
 
   /**
    * Gives waiting hand-offs to ready spares, oldest first. For hand-offs straight from the dispatcher, the pool
-   * makes the bundles' `start` calls as it hands them over (startableDoc, startTogether), not once the spares have
-   * woken and taken their locks; the calls leave first, and the spares get their work in the next turn of the
-   * event loop (their IPC messages would otherwise go before the request that the bundles wait for).
+   * makes the bundles' `start` calls as it hands them over (startableDoc, startTogether), and the spares get their
+   * work once those calls are answered (at most HOLD_MAX_MS later): ten spares waking at once (each parses its
+   * document, takes its lock and starts its bundle) would take the CPU from the calls the bundles wait for. Other
+   * hand-offs go to their spares in the next turn of the event loop.
    */
   const dispatch = () => {
-    const given: { spare: Spare; p: Pending; early: boolean }[] = [];
+    const held: { spare: Spare; p: Pending }[] = [];
+    const now: { spare: Spare; p: Pending }[] = [];
     const early: EarlyStart[] = [];
     for (;;) {
       while (pending.length > 0 && pending[0]?.closed) pending.shift();
@@ -385,15 +388,20 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       spare.busy = true;
       clearTimeout(p.timer);
       const doc = p.work.mode === "start" ? startableDoc(p.work, paths) : null;
-      if (doc !== null)
+      if (doc === null) now.push({ spare, p });
+      else {
+        held.push({ spare, p });
         early.push({ uuid: p.work.uuid, apiUrl: doc.apiUrl, token: doc.token, proc: spare.proc });
-      given.push({ spare, p, early: doc !== null });
+      }
     }
-    if (early.length > 0) void startTogether(early);
-    if (given.length === 0) return;
-    setImmediate(() => {
-      for (const g of given) giveTo(g.spare, g.p, g.early);
-    });
+    if (early.length > 0)
+      void startTogether(early, () => {
+        for (const g of held) giveTo(g.spare, g.p, true);
+      });
+    if (now.length > 0)
+      setImmediate(() => {
+        for (const g of now) giveTo(g.spare, g.p, false);
+      });
   };
 
   /** Sends a busy spare its hand-off (`early`: the pool makes its `start` call) and waits for its answer. */
@@ -573,18 +581,37 @@ function startableDoc(work: SpareWork, paths: RunnerPaths): { apiUrl: string; to
 
 /**
  * The runner `start` calls of bundles the pool handed to spares (startableDoc), made by the pool in one `starts`
- * call per server, each answer passed to its spare (which may not have woken yet: it keeps the answer until it
- * has taken the bundle). The pool's HTTP client and its connection to the server are warm, where a spare's are
- * cold, a burst's spares do not each make a call of their own, and the call does not wait for the spares
- * (docs/performance.md). One attempt; anything but the server's answer for a bundle leaves its call to the spare.
+ * call per server; `give` sends the spares their work once the answers are back, or HOLD_MAX_MS after the call
+ * left, whichever is first. Each answer then goes to its spare (which keeps it until it has taken the bundle, when
+ * the call was late). The pool's HTTP client and its connection to the server are warm, where a spare's are cold,
+ * a burst's spares do not each make a call of their own, and neither the call nor its statement on the server
+ * shares the CPU with the spares waking (docs/performance.md). One attempt; anything but the server's answer for a
+ * bundle leaves its call to the spare.
  */
-async function startTogether(taken: EarlyStart[]): Promise<void> {
+async function startTogether(taken: EarlyStart[], give: () => void): Promise<void> {
+  let given = false;
+  const giveOnce = () => {
+    if (given) return;
+    given = true;
+    give();
+  };
+  const late = setTimeout(giveOnce, HOLD_MAX_MS);
   const starts = await startsFor(taken);
+  clearTimeout(late);
+  giveOnce();
   for (const [i, t] of taken.entries()) {
     const start = starts[i] ?? { ok: null, why: "no answer" };
     t.proc.send({ type: "started", uuid: t.uuid, start } satisfies ToSpare, () => {});
   }
 }
+
+/**
+ * The longest the pool holds a spare's work back for its `start` call (startTogether). A spare does nothing with a
+ * bundle but take its lock before it has the answer, so holding costs the bundle that much; a slow server costs
+ * this, and the spare's own call (POOL_START_WAIT_MS after it took the bundle) stays within the dispatcher's
+ * 5 s hand-off exchange.
+ */
+const HOLD_MAX_MS = 1000;
 
 /** The `start` answers for these runners, in their order (startTogether). */
 async function startsFor(taken: readonly EarlyStart[]): Promise<PoolStart[]> {

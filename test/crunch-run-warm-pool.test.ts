@@ -306,6 +306,47 @@ describe("crunch-run warm pool (process runtime)", () => {
     }
   });
 
+  it("a spare gets its bundle once the pool's `start` call is answered, or a second after the call left", async () => {
+    await poolOf(2);
+    const socket = await socketOf();
+    const lockOf = (uuid: string) => readLockText(lockFile(runnerPaths(h.env), uuid));
+
+    // The server answers 400 ms late: until then no spare has taken the bundle (its lock is the spare's first act).
+    const slow = await apiProxy(h.apiUrl, "/api/v1/runner/start", { delayMs: 400 });
+    try {
+      const spares = pidsTitled(h.root, "crunch-run spare");
+      const x = await h.newStartingBundle({ command: ["true"] });
+      const answered = handOff(socket, "start", x.uuid, doc(x, { apiUrl: slow.url }));
+      await slow.held;
+      await new Promise((r) => setTimeout(r, 250));
+      expect(await lockOf(x.uuid)).toBeNull();
+      expect((await getBundle(getDb(), x.uuid))?.state).toBe("starting");
+      const pid = await answered;
+      expect((await getBundle(getDb(), x.uuid))?.state).toBe("running");
+      expect(spares).toContain(pid);
+      expect((await h.waitFinal(x.uuid)).state).toBe("ready");
+      expect(slow.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
+    } finally {
+      await slow.close();
+    }
+
+    // Answered 1.8 s late: the spare takes the bundle a second after the call left, before the answer, and then
+    // uses the pool's answer when it comes (its own call would come POOL_START_WAIT_MS, 2 s, after it took it).
+    const late = await apiProxy(h.apiUrl, "/api/v1/runner/start", { delayMs: 1800 });
+    try {
+      const y = await h.newStartingBundle({ command: ["true"] });
+      const answered = handOff(socket, "start", y.uuid, doc(y, { apiUrl: late.url }));
+      await late.held;
+      await waitFor(async () => (await lockOf(y.uuid)) !== null, 1500, 20);
+      expect((await getBundle(getDb(), y.uuid))?.state).toBe("starting");
+      await answered;
+      expect((await h.waitFinal(y.uuid)).state).toBe("ready");
+      expect(late.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
+    } finally {
+      await late.close();
+    }
+  });
+
   it("a supervisor whose bundle ended goes back to the pool and supervises the next bundle; one stopped by a signal exits", async () => {
     await poolOf(1);
     // The pool's one spare, once no supervisor of an earlier bundle is still on its way back (they are let go).
