@@ -306,7 +306,7 @@ describe("crunch-run warm pool (process runtime)", () => {
     }
   });
 
-  it("a spare gets its bundle once the pool's `start` call is answered, or a second after the call left", async () => {
+  it("a spare gets its bundle once the pool's `start` call is answered, or a second after the call left; a held spare that dies refuses it", async () => {
     await poolOf(2);
     const socket = await socketOf();
     const lockOf = (uuid: string) => readLockText(lockFile(runnerPaths(h.env), uuid));
@@ -344,6 +344,26 @@ describe("crunch-run warm pool (process runtime)", () => {
       expect(late.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
     } finally {
       await late.close();
+    }
+
+    // The spares die while the pool holds their work back: the hand-off is refused (the dispatcher then runs
+    // --detach, whose `start` under the same token finds the bundle running), never answered with a dead pid.
+    const third = await apiProxy(h.apiUrl, "/api/v1/runner/start", { delayMs: 500 });
+    try {
+      const z = await h.newStartingBundle({ command: ["true"] });
+      const answered = exchange(
+        socket,
+        formatHandOff({ mode: "start", uuid: z.uuid, doc: doc(z, { apiUrl: third.url }) }),
+      );
+      await third.held;
+      for (const pid of pidsTitled(h.root, "crunch-run spare")) kill(pid);
+      const answer = await answered;
+      expect(parsePidAnswer(answer)).toBeNull();
+      expect(answer).toMatch(/spare/);
+      expect((await getBundle(getDb(), z.uuid))?.state).toBe("running");
+      expect(await lockOf(z.uuid)).toBeNull();
+    } finally {
+      await third.close();
     }
   });
 
