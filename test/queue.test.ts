@@ -1,12 +1,12 @@
 import { Writable } from "node:stream";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, beforeEach, describe, expect, it } from "vitest";
-import { type BundleQueue, createBundleQueue } from "../dispatcher/queue/queue.ts";
+import { type BundleQueue, createBundleQueue, notifiedSeq } from "../dispatcher/queue/queue.ts";
 import { createLogger } from "../lib/logger.ts";
 import type { Db } from "../store/db.ts";
 import { changeSeqOlderThan, getBundle, setBundleInputManifests } from "../store/queries.ts";
 import { killBundle, stageBundle, startBundle } from "../store/transitions.ts";
-import type { Bundle, User } from "../store/types.ts";
+import { BUNDLE_CHANNEL, type Bundle, type User } from "../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, openTestDb, type TestDb } from "./db.ts";
 import { FakeClock } from "./fake-clock.ts";
 import { silentLogger as logger } from "./fixtures.ts";
@@ -71,6 +71,19 @@ function when(queue: BundleQueue, pred: () => boolean): Promise<void> {
     });
   });
 }
+
+describe("notifiedSeq", () => {
+  it("reads the change_seq of a one-row NOTIFY and nothing else", () => {
+    expect(notifiedSeq("zzzzz-bndl-0123456789abcde starting 42")).toBe(42);
+    expect(notifiedSeq("* staged 20")).toBeNull();
+    expect(notifiedSeq("* created 1")).toBeNull();
+    expect(notifiedSeq("zzzzz-bndl-0123456789abcde starting")).toBeNull();
+    expect(notifiedSeq("zzzzz-bndl-0123456789abcde starting 4x")).toBeNull();
+    expect(notifiedSeq("zzzzz-bndl-0123456789abcde starting -3")).toBeNull();
+    expect(notifiedSeq("zzzzz-bndl-0123456789abcde starting 1e400")).toBeNull();
+    expect(notifiedSeq("")).toBeNull();
+  });
+});
 
 describeEachDb("bundle queue", (getDb) => {
   let owner: User;
@@ -247,6 +260,36 @@ describeEachDb("bundle queue", (getDb) => {
     await stageBundle(db, b.uuid, { actor });
     await added;
     expect(clock.now()).toBe(t);
+  });
+
+  it("is not woken by a NOTIFY naming a change it already has (applied in process); is by one naming a change it lacks", async () => {
+    const db = getDb();
+    const reads: unknown[][] = [];
+    const a = await stagedBundle(db, owner);
+    const b = await stagedBundle(db, owner);
+    queue = createBundleQueue({ db: spyOnReads(db, reads), clock, logger, pollInterval: HOUR });
+    const q = queue;
+    await q.start();
+    await q.refresh();
+    const notifyChange = (x: Bundle) =>
+      db.query("SELECT pg_notify($1, $2)", [BUNDLE_CHANNEL, `${x.uuid} ${x.state} ${x.changeSeq}`]);
+
+    // A's change, applied as the dispatcher applies its own transitions, then its NOTIFY: nothing to read.
+    await db.query("UPDATE bundles SET priority = 7 WHERE uuid = $1", [a.uuid]);
+    const changedA = (await getBundle(db, a.uuid))!;
+    q.apply(changedA);
+    reads.length = 0;
+    await notifyChange(changedA);
+    await new Promise((r) => setTimeout(r, 200));
+    expect(reads).toEqual([]);
+
+    // B's change, not applied: its NOTIFY wakes one read, which brings it.
+    await db.query("UPDATE bundles SET priority = 8 WHERE uuid = $1", [b.uuid]);
+    const changedB = (await getBundle(db, b.uuid))!;
+    const seenB = when(q, () => q.get(b.uuid)?.priority === 8);
+    await notifyChange(changedB);
+    await seenB;
+    expect(reads.length).toBe(1);
   });
 
   it("apply(): a newer row wins at once, an older one is ignored, a final one removes", async () => {

@@ -25,6 +25,17 @@ import {
 import { BUNDLE_CHANNEL, type Bundle, type BundleState } from "../../store/types.ts";
 import type { QueueView } from "../types.ts";
 
+/** The reason a sleeping loop is woken with (AbortController's default reason is a DOMException, with a stack). */
+const WOKEN = Symbol("woken");
+
+/** The change_seq a one-row NOTIFY names (`<uuid> <state> <change_seq>`); null for any other payload. */
+export function notifiedSeq(payload: string): number | null {
+  const parts = payload.split(" ");
+  if (parts.length !== 3 || parts[0] === "*") return null;
+  const seq = Number(parts[2]);
+  return Number.isSafeInteger(seq) && seq > 0 ? seq : null;
+}
+
 /**
  * One change the queue learned of: a bundle's row with a newer change_seq. `from` is the state the queue held
  * for it (null: it was not in the queue); `to` is the row's state, active or not (a bundle leaving the queue is
@@ -324,9 +335,20 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     }
   }
 
-  const wakeUp = () => {
+  /** A sequence this queue has read or applied (a NOTIFY naming it brings nothing new). */
+  const seen = (seq: number) =>
+    seq <= safeSeq || (seq <= maxSeen && !holes.has(seq) && (seq > rescanTo || rescanTo <= safeSeq));
+
+  /**
+   * Wakes the loop for a NOTIFY, except one naming a row's change this queue already has (`<uuid> <state>
+   * <change_seq>`, most often a transition made in this process and applied before its NOTIFY came): a read for
+   * it would bring nothing. A notice for many rows (`* <state> <n>`) always wakes it.
+   */
+  const wakeUp = (payload: string) => {
+    const seq = notifiedSeq(payload);
+    if (woken || (seq !== null && seen(seq))) return;
     woken = true;
-    wake?.abort();
+    wake?.abort(WOKEN);
   };
 
   const applyAll = (rows: readonly Bundle[]) => {
@@ -365,7 +387,7 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     },
     async stop() {
       stopped = true;
-      wake?.abort();
+      wake?.abort(WOKEN);
       await loopDone;
       await unlisten?.();
       unlisten = null;
