@@ -310,61 +310,58 @@ describe("crunch-run warm pool (process runtime)", () => {
     await poolOf(2);
     const socket = await socketOf();
     const lockOf = (uuid: string) => readLockText(lockFile(runnerPaths(h.env), uuid));
+    /** Hands a new bundle over while the server answers `start` calls `delayMs` late; `check` runs once one is. */
+    const slowStart = async (
+      delayMs: number,
+      check: (x: { uuid: string }, answered: Promise<string>, proxy: { callers: string[] }) => Promise<void>,
+    ) => {
+      const proxy = await apiProxy(h.apiUrl, "/api/v1/runner/start", { delayMs });
+      try {
+        const x = await h.newStartingBundle({ command: ["true"] });
+        const answered = exchange(
+          socket,
+          formatHandOff({ mode: "start", uuid: x.uuid, doc: doc(x, { apiUrl: proxy.url }) }),
+        );
+        await proxy.held;
+        await check(x, answered, proxy);
+      } finally {
+        await proxy.close();
+      }
+    };
 
     // The server answers 400 ms late: until then no spare has taken the bundle (its lock is the spare's first act).
-    const slow = await apiProxy(h.apiUrl, "/api/v1/runner/start", { delayMs: 400 });
-    try {
-      const spares = pidsTitled(h.root, "crunch-run spare");
-      const x = await h.newStartingBundle({ command: ["true"] });
-      const answered = handOff(socket, "start", x.uuid, doc(x, { apiUrl: slow.url }));
-      await slow.held;
+    const spares = pidsTitled(h.root, "crunch-run spare");
+    await slowStart(400, async (x, answered, proxy) => {
       await new Promise((r) => setTimeout(r, 250));
       expect(await lockOf(x.uuid)).toBeNull();
       expect((await getBundle(getDb(), x.uuid))?.state).toBe("starting");
-      const pid = await answered;
+      const pid = parsePidAnswer(await answered);
       expect((await getBundle(getDb(), x.uuid))?.state).toBe("running");
       expect(spares).toContain(pid);
       expect((await h.waitFinal(x.uuid)).state).toBe("ready");
-      expect(slow.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
-    } finally {
-      await slow.close();
-    }
+      expect(proxy.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
+    });
 
     // Answered 1.8 s late: the spare takes the bundle a second after the call left, before the answer, and then
     // uses the pool's answer when it comes (its own call would come POOL_START_WAIT_MS, 2 s, after it took it).
-    const late = await apiProxy(h.apiUrl, "/api/v1/runner/start", { delayMs: 1800 });
-    try {
-      const y = await h.newStartingBundle({ command: ["true"] });
-      const answered = handOff(socket, "start", y.uuid, doc(y, { apiUrl: late.url }));
-      await late.held;
+    await slowStart(1800, async (y, answered, proxy) => {
       await waitFor(async () => (await lockOf(y.uuid)) !== null, 1500, 20);
       expect((await getBundle(getDb(), y.uuid))?.state).toBe("starting");
       await answered;
       expect((await h.waitFinal(y.uuid)).state).toBe("ready");
-      expect(late.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
-    } finally {
-      await late.close();
-    }
+      expect(proxy.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
+    });
 
     // The spares die while the pool holds their work back: the hand-off is refused (the dispatcher then runs
     // --detach, whose `start` under the same token finds the bundle running), never answered with a dead pid.
-    const third = await apiProxy(h.apiUrl, "/api/v1/runner/start", { delayMs: 500 });
-    try {
-      const z = await h.newStartingBundle({ command: ["true"] });
-      const answered = exchange(
-        socket,
-        formatHandOff({ mode: "start", uuid: z.uuid, doc: doc(z, { apiUrl: third.url }) }),
-      );
-      await third.held;
+    await slowStart(500, async (z, answered) => {
       for (const pid of pidsTitled(h.root, "crunch-run spare")) kill(pid);
       const answer = await answered;
       expect(parsePidAnswer(answer)).toBeNull();
       expect(answer).toMatch(/spare/);
       expect((await getBundle(getDb(), z.uuid))?.state).toBe("running");
       expect(await lockOf(z.uuid)).toBeNull();
-    } finally {
-      await third.close();
-    }
+    });
   });
 
   it("a supervisor whose bundle ended goes back to the pool and supervises the next bundle; one stopped by a signal exits", async () => {
