@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../lib/errors.ts";
-import type { Db } from "../store/db.ts";
+import { type Db, lastTimestampParser } from "../store/db.ts";
 import { listMigrations, migrate } from "../store/migrate.ts";
 import {
   bundlesChangedAfterOrIn,
@@ -100,6 +100,20 @@ describeEachDb("store", (getDb) => {
       const { rows } = await db().query("SELECT 1 FROM schema_migrations WHERE name = '999_broken.sql'");
       expect(rows).toEqual([]);
       expect((await db().query("SELECT to_regclass('half_done') AS t")).rows).toEqual([{ t: null }]);
+    });
+
+    it("returns each row's timestamps as Dates of its own, however many rows share one", async () => {
+      const { rows } = await db().query<{ t: Date; u: Date }>(
+        "SELECT t, t AS u FROM (VALUES ('2026-11-27 10:00:00.123+00'::timestamptz), ('2026-11-27 10:00:00.123+00'), ('2026-11-28 00:00:00+00')) v(t)",
+      );
+      expect(rows.map((r) => r.t.toISOString())).toEqual([
+        "2026-11-27T10:00:00.123Z",
+        "2026-11-27T10:00:00.123Z",
+        "2026-11-28T00:00:00.000Z",
+      ]);
+      rows[0]!.t.setTime(0);
+      expect(rows[0]!.u.toISOString()).toBe("2026-11-27T10:00:00.123Z");
+      expect(rows[1]!.t.toISOString()).toBe("2026-11-27T10:00:00.123Z");
     });
 
     it("returns int8 as JS numbers", async () => {
@@ -887,5 +901,30 @@ describeEachDb("store", (getDb) => {
       });
       expect(await countUsers(db())).toBe(before + 1);
     });
+  });
+});
+
+describe("lastTimestampParser", () => {
+  it("parses a repeated text once and returns a Date of its own each time; keeps no invalid value", () => {
+    let calls = 0;
+    const parse = lastTimestampParser((text) => {
+      calls++;
+      if (text === "infinity") return Number.POSITIVE_INFINITY;
+      return new Date(text);
+    });
+    const a = parse("2026-11-27T10:00:00.123Z") as Date;
+    const b = parse("2026-11-27T10:00:00.123Z") as Date;
+    expect(calls).toBe(1);
+    expect(b).not.toBe(a);
+    expect(b.getTime()).toBe(a.getTime());
+    a.setTime(0);
+    expect((parse("2026-11-27T10:00:00.123Z") as Date).toISOString()).toBe("2026-11-27T10:00:00.123Z");
+    expect(parse("infinity")).toBe(Number.POSITIVE_INFINITY);
+    expect(parse("infinity")).toBe(Number.POSITIVE_INFINITY);
+    expect(Number.isNaN((parse("not a time") as Date).getTime())).toBe(true);
+    expect(Number.isNaN((parse("not a time") as Date).getTime())).toBe(true);
+    expect(calls).toBe(5);
+    expect((parse("2026-11-28T00:00:00Z") as Date).toISOString()).toBe("2026-11-28T00:00:00.000Z");
+    expect(calls).toBe(6);
   });
 });
