@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../lib/errors.ts";
-import { type Db, lastTimestampParser } from "../store/db.ts";
+import { type Db, lastTimestampParser, sqlState } from "../store/db.ts";
 import { listMigrations, migrate } from "../store/migrate.ts";
 import {
   bundlesChangedAfterOrIn,
@@ -100,6 +100,44 @@ describeEachDb("store", (getDb) => {
       const { rows } = await db().query("SELECT 1 FROM schema_migrations WHERE name = '999_broken.sql'");
       expect(rows).toEqual([]);
       expect((await db().query("SELECT to_regclass('half_done') AS t")).rows).toEqual([{ t: null }]);
+    });
+
+    it("refuses an event for a bundle that does not exist, and a delete or rename of a bundle with events", async () => {
+      await setup();
+      const b = await createTestBundle(db(), owner);
+      const event = (uuid: string) =>
+        `(${[uuid, "created", "staged", "0", "test"].map((v) => `'${v}'`).join(", ")})`;
+      const insertEvents = (...uuids: string[]) =>
+        db().query(
+          `INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, actor) VALUES ${uuids.map(event).join(", ")}`,
+        );
+      const count = async () =>
+        (await db().query<{ n: number }>("SELECT count(*) AS n FROM bundle_events")).rows[0]!.n;
+      const before = await count();
+      // One unknown bundle among known ones: the whole statement is refused.
+      const ghost = testBundleUuid();
+      for (const uuids of [[ghost], [b.uuid, ghost, b.uuid]]) {
+        const err = await insertEvents(...uuids).catch((e: unknown) => e);
+        expect(sqlState(err)).toBe("23503");
+        expect((err as Error).message).toContain(ghost);
+      }
+      expect(await count()).toBe(before);
+      await insertEvents(b.uuid, b.uuid);
+      expect(await count()).toBe(before + 2);
+
+      const del = await db()
+        .query("DELETE FROM bundles WHERE uuid = $1", [b.uuid])
+        .catch((e: unknown) => e);
+      expect(sqlState(del)).toBe("23503");
+      expect((del as Error).message).toContain(b.uuid);
+      const rename = await db()
+        .query("UPDATE bundles SET uuid = $2 WHERE uuid = $1", [b.uuid, testBundleUuid()])
+        .catch((e: unknown) => e);
+      expect(sqlState(rename)).toBe("23503");
+      expect((await getBundle(db(), b.uuid))?.uuid).toBe(b.uuid);
+      // Other updates of the row are not affected.
+      await setSchedulingStatus(db(), b.uuid, "waiting");
+      expect((await getBundle(db(), b.uuid))?.schedulingStatus).toBe("waiting");
     });
 
     it("returns each row's timestamps as Dates of its own, however many rows share one", async () => {
