@@ -331,8 +331,10 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
   };
 
   /**
-   * Takes a spare in: one it started, or a supervisor come back after its bundle (`returned`), which is let go
-   * when the pool already has what it wants ready.
+   * Takes a spare in: one it started, or a supervisor come back after its bundle (`returned`). Either is let go
+   * when it gets ready while the pool already has what it wants ready: a supervisor whose bundle outlasted
+   * REFILL_DELAY_MS may come back while the spare started in its place still warms up, and whichever of the two
+   * is ready second is one too many (kept, the pool would hold K + 1 spares until one is used).
    */
   const adopt = (proc: SpareProc, returned: boolean) => {
     const spare: Spare = { proc, ready: false, busy: false };
@@ -340,7 +342,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     proc.on("error", () => {});
     proc.on("message", (m: FromSpare) => {
       if (m?.type !== "ready" || !spares.has(spare) || spare.ready) return;
-      if (returned && count((s) => s.ready && !s.busy) >= target + pending.length) {
+      if (count((s) => s.ready && !s.busy) >= target + pending.length) {
         spares.delete(spare);
         proc.kill("SIGTERM");
         return;

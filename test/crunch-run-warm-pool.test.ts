@@ -72,6 +72,8 @@ describe("crunch-run warm pool (process runtime)", () => {
     await waitFor(async () => {
       spares = pidsTitled(h.root, "crunch-run spare");
       return spares.length === k;
+    }, 20_000).catch(() => {
+      throw new Error(`the pool has ${spares.length} ready spares after 20 s, not ${k}`);
     });
     return spares;
   };
@@ -301,7 +303,8 @@ describe("crunch-run warm pool (process runtime)", () => {
       expect(proxy.callers).toEqual(["/api/v1/runner/starts crunch-run (warm pool)"]);
     } finally {
       for (const pid of stopped) kill(pid, "SIGCONT");
-      await answered?.catch(() => {});
+      // Bounded, so a failure above is what the test reports.
+      await Promise.race([answered?.catch(() => {}), new Promise((r) => setTimeout(r, 5000))]);
       await proxy.close();
     }
   });
@@ -557,6 +560,47 @@ describe("crunch-run warm pool (process runtime)", () => {
     } finally {
       bystander.kill("SIGKILL");
       for (const uuid of holds) expect((await h.crunchRun(["--kill", "TERM", uuid])).code).toBe(0);
+    }
+  });
+
+  it("keeps K spares when a lent supervisor comes back while the spare started in its place still warms up", async () => {
+    // A pool of one spare, started afresh.
+    for (const pid of pidsTitled(h.root, "crunch-run warm-pool")) kill(pid);
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 0, 10_000);
+    const [lent] = await poolOf(1);
+    const socket = await socketOf();
+    // The spare the pool starts in the lent one's place (REFILL_DELAY_MS, 3 s, after the hand-off) is stopped
+    // while it warms up, before its title says it is ready.
+    let fresh: number | null = null;
+    let watching = true;
+    const watch = (async () => {
+      while (watching && fresh === null) {
+        for (const pid of findPids({ env: ["DISPATCH_VM_ROOT", h.root] })) {
+          if ((readCmdline(pid) ?? []).at(-1) !== "--spare") continue;
+          process.kill(pid, "SIGSTOP");
+          fresh = pid;
+          break;
+        }
+        await new Promise((r) => setTimeout(r, 2));
+      }
+    })();
+    try {
+      // A bundle that outlasts the pool's wait for its supervisor (REFILL_DELAY_MS), by a little.
+      const x = await h.newStartingBundle({ command: ["sleep", "3.5"] });
+      expect(await handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 1 }))).toBe(lent);
+      await waitFor(async () => fresh !== null, 10_000);
+      expect((await h.waitFinal(x.uuid)).state).toBe("ready");
+      // The supervisor comes back while the new spare is still stopped: the pool takes it as its one spare.
+      await waitFor(async () => pidsTitled(h.root, "crunch-run spare").includes(lent as number), 10_000);
+      kill(fresh as unknown as number, "SIGCONT");
+      // Once ready, the new spare is one too many and goes.
+      await waitFor(async () => !isAlive(fresh as unknown as number), 10_000);
+      await new Promise((r) => setTimeout(r, 500));
+      expect(pidsTitled(h.root, "crunch-run spare")).toEqual([lent]);
+    } finally {
+      watching = false;
+      await watch;
+      if (fresh !== null) kill(fresh, "SIGCONT");
     }
   });
 
