@@ -571,14 +571,14 @@ describe("crunch-run warm pool (process runtime)", () => {
     const socket = await socketOf();
     // The spare the pool starts in the lent one's place (REFILL_DELAY_MS, 3 s, after the hand-off) is stopped
     // while it warms up, before its title says it is ready.
-    let fresh: number | null = null;
+    const stopped: { pid?: number } = {};
     let watching = true;
     const watch = (async () => {
-      while (watching && fresh === null) {
+      while (watching && stopped.pid === undefined) {
         for (const pid of findPids({ env: ["DISPATCH_VM_ROOT", h.root] })) {
           if ((readCmdline(pid) ?? []).at(-1) !== "--spare") continue;
           process.kill(pid, "SIGSTOP");
-          fresh = pid;
+          stopped.pid = pid;
           break;
         }
         await new Promise((r) => setTimeout(r, 2));
@@ -588,19 +588,20 @@ describe("crunch-run warm pool (process runtime)", () => {
       // A bundle that outlasts the pool's wait for its supervisor (REFILL_DELAY_MS), by a little.
       const x = await h.newStartingBundle({ command: ["sleep", "3.5"] });
       expect(await handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 1 }))).toBe(lent);
-      await waitFor(async () => fresh !== null, 10_000);
+      await waitFor(async () => stopped.pid !== undefined, 10_000);
+      const fresh = stopped.pid as number;
       expect((await h.waitFinal(x.uuid)).state).toBe("ready");
       // The supervisor comes back while the new spare is still stopped: the pool takes it as its one spare.
       await waitFor(async () => pidsTitled(h.root, "crunch-run spare").includes(lent as number), 10_000);
-      kill(fresh as unknown as number, "SIGCONT");
+      kill(fresh, "SIGCONT");
       // Once ready, the new spare is one too many and goes.
-      await waitFor(async () => !isAlive(fresh as unknown as number), 10_000);
+      await waitFor(async () => !isAlive(fresh), 10_000);
       await new Promise((r) => setTimeout(r, 500));
       expect(pidsTitled(h.root, "crunch-run spare")).toEqual([lent]);
     } finally {
       watching = false;
       await watch;
-      if (fresh !== null) kill(fresh, "SIGCONT");
+      if (stopped.pid !== undefined) kill(stopped.pid, "SIGCONT");
     }
   });
 
