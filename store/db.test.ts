@@ -3,6 +3,7 @@ import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
 import { describe, expect, it } from "vitest";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { testPgUrl } from "../test/db.ts";
 import { openDb, redactDbUrl, withRetries } from "./db.ts";
 
 describe("openDb", () => {
@@ -93,4 +94,25 @@ describe("withRetries", () => {
     ).rejects.toThrow("always");
     expect(calls).toBe(3);
   });
+});
+
+describe("openDb postgres", () => {
+  // pg's pool closes a connection idle for 10 s; ours keeps them (a burst after a quiet spell finds them).
+  it("keeps its idle connections open past pg's 10 s default", async () => {
+    const db = await openDb(testPgUrl());
+    try {
+      const backends = async () => {
+        const answers = await Promise.all(
+          [0, 1, 2].map(() => db.query<{ pid: number }>("SELECT pg_backend_pid() AS pid, pg_sleep(0.2)")),
+        );
+        return new Set(answers.map((a) => a.rows[0]?.pid));
+      };
+      const before = await backends();
+      expect(before.size).toBe(3);
+      await new Promise((r) => setTimeout(r, 10_500));
+      expect(await backends()).toEqual(before);
+    } finally {
+      await db.close();
+    }
+  }, 30_000);
 });

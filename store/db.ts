@@ -250,7 +250,16 @@ async function openPg(url: string, opts: OpenDbOptions): Promise<Db> {
   // yet) made one bundle manager pass spend 0.8 s compiling a query that runs in 4 ms. (An `options`
   // parameter in the URL takes precedence.)
   const config: pg.PoolConfig = { connectionString: url, types: pgTypes, options: "-c jit=off" };
-  const pool = new pg.Pool({ ...config, max: opts.maxConnections ?? 10 });
+  // Idle connections stay open (pg closes them after 10 s by default): a burst of bundles after a quiet spell
+  // would otherwise open its statements' connections again, each a new backend that loads its caches and
+  // prepares its statements, a few ms on the burst's path (docs/decisions.md). At most `max` are kept; an idle
+  // one does not keep the process alive (allowExitOnIdle), as pg's timeout used to let it end after 10 s.
+  const pool = new pg.Pool({
+    ...config,
+    max: opts.maxConnections ?? 10,
+    idleTimeoutMillis: 0,
+    allowExitOnIdle: true,
+  });
   pool.on("error", (err) => logger?.warn({ err }, "idle database connection failed"));
   // Fail fast (with a clear message) when the server cannot be reached.
   try {
