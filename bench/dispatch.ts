@@ -294,9 +294,19 @@ interface Phase {
   toRunning: number[];
   warm: number;
   count: number;
+  /** submit -> start p50 of each group submitted together (each burst), in order. */
+  groups: number[];
 }
 
-const newPhase = (): Phase => ({ total: [], toStaged: [], toStarting: [], toRunning: [], warm: 0, count: 0 });
+const newPhase = (): Phase => ({
+  total: [],
+  toStaged: [],
+  toStarting: [],
+  toRunning: [],
+  warm: 0,
+  count: 0,
+  groups: [],
+});
 
 function record(p: Phase, t0: number, v: View): void {
   const at = (s: string | null) => Date.parse(s ?? "");
@@ -330,6 +340,8 @@ function printPhase(title: string, p: Phase, floor: number): void {
     `    starting -> running:      ${summary(p.toRunning)}   (hand-off to a warm spare or --detach, start call)`,
   );
   console.log(`  started by a warm spare: ${p.warm} of ${p.count} (the rest by crunch-run --detach)`);
+  if (p.groups.length > 0)
+    console.log(`  p50 of each burst, in order: ${p.groups.map((g) => `${g} ms`).join(", ")}`);
   const ok = (b: boolean) => (b ? "met" : "NOT met");
   console.log(
     `  target p50 <= 3 x (SSH round trip + guarded UPDATE) = ${(3 * floor).toFixed(1)} ms: ${ok(p50 <= 3 * floor)} (p50 = ${(p50 / floor).toFixed(2)} x)`,
@@ -399,7 +411,9 @@ async function main(): Promise<void> {
       await sparesReady();
       const t0 = Date.now();
       const batch = await submitBurst();
+      const from = burst.total.length;
       for (const v of await waitEnded(batch.map((b) => b.uuid))) record(burst, t0, v);
+      burst.groups.push(p50of(burst.total.slice(from)));
       progress(`bench:dispatch: burst ${i + 1}/${BURSTS} started`);
     }
     ssh = await sshRoundTrips(COUNT);
