@@ -21,8 +21,8 @@ export async function startBenchServer(opts: {
   db: "pg" | "pglite";
   dataDir: string;
   maxRequestBodySize: number;
-  /** As `serve` passes new bundles to its dispatcher's queue (RestServerOptions.onBundlesCreated). */
-  onBundlesCreated?: (bundles: readonly Bundle[]) => void;
+  /** As `serve` passes new bundles to its dispatcher's queue (RestServerOptions.onBundlesWritten). */
+  onBundlesWritten?: (bundles: readonly Bundle[]) => void;
 }): Promise<BenchServer> {
   const db = await openTestDb(opts.db);
   const token = newUserToken();
@@ -39,7 +39,7 @@ export async function startBenchServer(opts: {
     maxRequestBodySize: opts.maxRequestBodySize,
     defaultMaxAttempts: 3,
     dataDir: opts.dataDir,
-    ...(opts.onBundlesCreated === undefined ? {} : { onBundlesCreated: opts.onBundlesCreated }),
+    ...(opts.onBundlesWritten === undefined ? {} : { onBundlesWritten: opts.onBundlesWritten }),
   });
   const url = await app.listen({ host: "127.0.0.1", port: 0 });
   return { db, app, url, token };

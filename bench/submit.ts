@@ -74,7 +74,7 @@ async function serve(kind: "pg" | "pglite"): Promise<void> {
     db: kind,
     dataDir: dir,
     maxRequestBodySize: 2 ** 20,
-    onBundlesCreated: (bundles) => queue?.applyAll(bundles),
+    onBundlesWritten: (bundles) => queue?.applyAll(bundles),
   });
   const manager = createBundleManager({ db, logger, pollInterval: 10_000, batchSize: 5000 });
   queue = createBundleQueue({ db, clock: systemClock, logger, pollInterval: 1000 });

@@ -85,11 +85,11 @@ export interface Dispatcher {
   /** One queue refresh, scheduler pass and sync pass, now (serialised with the loops). */
   runOnce(): Promise<void>;
   /**
-   * Committed rows of new bundles, from a REST server in the same process: applied to the queue at once (while
-   * active), so the scheduler need not wait for their NOTIFY and the read it wakes. That read still comes and
-   * changes nothing (rows are applied by change_seq).
+   * Committed rows from a REST server in the same process (new bundles, runners' transitions): applied to the
+   * queue at once (while active), so the scheduler need not wait for their NOTIFY and the read it wakes. That
+   * read still comes and changes nothing (rows are applied by change_seq).
    */
-  bundlesCreated(bundles: readonly Bundle[]): void;
+  bundlesWritten(bundles: readonly Bundle[]): void;
   /** Resolves when this dispatcher becomes active. */
   whenActive(): Promise<void>;
   readonly active: boolean;
@@ -414,7 +414,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
         await p.sync.syncOnce();
       });
     },
-    bundlesCreated(bundles) {
+    bundlesWritten(bundles) {
       parts?.queue.applyAll(bundles);
     },
     whenActive: () => activeOnce,

@@ -40,11 +40,12 @@ export interface RouteContext {
   /** Groups single submissions that no limit applies to into multi-row inserts. */
   submitCoalescer: SubmitCoalescer;
   /**
-   * Told of bundles a submission created, once committed (RestServerOptions.onBundlesCreated: in `serve`, the
-   * dispatcher's queue in the same process); null without a listener. With one, a batch answered briefly still
-   * reads the whole rows back from its insert, for the listener.
+   * Told of bundle rows this server wrote, once committed: the bundles a submission created, and those a runner
+   * moved (`start`, `starts`, `finish`, `preempted`, `requeue`). RestServerOptions.onBundlesWritten: in `serve`,
+   * the dispatcher's queue in the same process; null without a listener. With one, a batch answered briefly
+   * still reads the whole rows back from its insert, for the listener.
    */
-  bundlesCreated: ((bundles: readonly Bundle[]) => void) | null;
+  bundlesWritten: ((bundles: readonly Bundle[]) => void) | null;
   /** Live tokens looked up in the last second (auth.ts); cleared when a token is revoked. */
   tokenCache: TokenCache;
   /** Largest body of a batch submission (restServer.maxBatchRequestBodySize). */

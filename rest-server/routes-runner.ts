@@ -184,6 +184,7 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     concurrency: 2,
     run: async (hashes) => {
       const moved = await markRunningByTokens(db, hashes, ACTOR);
+      if (moved.size > 0) ctx.bundlesWritten?.([...moved.values()]);
       return hashes.map((h) => moved.get(h) ?? null);
     },
   });
@@ -314,6 +315,7 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       actor: ACTOR,
     });
     if (!result.ok) throw notCurrent(bundle, result);
+    ctx.bundlesWritten?.([result.bundle]);
     // What staging by manifest cost (crunch-run's figures in the usage), for the store's metrics: counted once,
     // by the finish that moved the bundle (a retried finish is refused above and counts nothing).
     const u = body.resourceUsage;
@@ -345,6 +347,7 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       reason: preemptedReason(body),
     });
     if (!result.ok) throw notCurrent(bundle, result);
+    ctx.bundlesWritten?.([result.bundle]);
     request.log.info(
       { bundleUuid: bundle.uuid, attempt: bundle.attempt, state: result.bundle.state },
       "runner reported a spot interruption notice",
@@ -366,6 +369,7 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
           })
         : await loseBundle(db, bundle.uuid, bundle.attempt, { actor: ACTOR, reason });
     if (!result.ok) throw notCurrent(bundle, result);
+    ctx.bundlesWritten?.([result.bundle]);
     request.log.info(
       { bundleUuid: bundle.uuid, attempt: bundle.attempt, state: result.bundle.state },
       "runner requeued its bundle",

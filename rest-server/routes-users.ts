@@ -167,7 +167,7 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
           insert: (tx) => insertBundle(tx, uuid, newBundle, "submitted"),
         });
     if (!result.ok) return sendRefusal(reply, result.refusal);
-    ctx.bundlesCreated?.([result.value]);
+    ctx.bundlesWritten?.([result.value]);
     request.log.info(
       { bundleUuid: result.value.uuid, owner: caller.uuid, image: result.value.image },
       "bundle created",
@@ -217,7 +217,7 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
       const minimal = prefersMinimal(request.headers.prefer);
       // Whole rows when someone in this process wants them (`serve`'s queue, which would otherwise read them
       // back after the insert's NOTIFY), however briefly the caller is answered.
-      const whole = !minimal || ctx.bundlesCreated !== null;
+      const whole = !minimal || ctx.bundlesWritten !== null;
       const result = await insertWithinLimits(db, {
         owner: caller,
         count: items.length,
@@ -230,7 +230,7 @@ export function registerUserRoutes(app: FastifyInstance, ctx: RouteContext): voi
       });
       if (!result.ok) return sendRefusal(reply, result.refusal);
       request.log.info({ owner: caller.uuid, count: items.length }, "bundles created (batch)");
-      if (whole) ctx.bundlesCreated?.(result.value as Bundle[]);
+      if (whole) ctx.bundlesWritten?.(result.value as Bundle[]);
       if (minimal) {
         return reply
           .code(201)

@@ -99,10 +99,11 @@ export interface RestServerOptions {
    */
   imageResolvers?: ImageResolver[];
   /**
-   * Told of the bundles a submission created, once committed (whole rows): `serve` hands them to its own
-   * dispatcher's queue, which then need not wait for the NOTIFY and its read. Default: nobody.
+   * Told of the bundle rows this server wrote, once committed (whole rows): new bundles, and the transitions of
+   * the runners' `start`, `finish`, `preempted` and `requeue` calls. `serve` hands them to its own dispatcher's
+   * queue, which then need not wait for the NOTIFY and its read. Default: nobody.
    */
-  onBundlesCreated?: (bundles: readonly Bundle[]) => void;
+  onBundlesWritten?: (bundles: readonly Bundle[]) => void;
   /** containers.unavailableImageRequeues (default its default). */
   unavailableImageRequeues?: number;
   /** Users' own workers (docs/workers.md). */
@@ -160,7 +161,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
           { component: "rest-server" },
           { redact: { paths: REDACTED_PATHS, censor: "[redacted]" } },
         );
-  const { onBundlesCreated } = opts;
+  const { onBundlesWritten } = opts;
   const ctx: RouteContext = {
     db: opts.db,
     clusterId: opts.clusterId,
@@ -179,15 +180,15 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     },
     submitLimits: opts.quotas ?? NO_SUBMIT_LIMITS,
     submitCoalescer: createSubmitCoalescer(opts.db),
-    bundlesCreated:
-      onBundlesCreated === undefined
+    bundlesWritten:
+      onBundlesWritten === undefined
         ? null
         : (bundles) => {
             // The submission is committed whatever the listener does: its failure is logged, never answered.
             try {
-              onBundlesCreated(bundles);
+              onBundlesWritten(bundles);
             } catch (err) {
-              logger.error({ err, count: bundles.length }, "telling of new bundles failed");
+              logger.error({ err, count: bundles.length }, "telling of written bundles failed");
             }
           },
     tokenCache: new TokenCache(),

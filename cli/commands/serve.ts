@@ -213,11 +213,11 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
             }),
           ];
     // The dispatcher `serve` starts below learns of new bundles from the REST server at once (no NOTIFY wait).
-    let bundlesCreated: ((bundles: readonly Bundle[]) => void) | null = null;
+    let bundlesWritten: ((bundles: readonly Bundle[]) => void) | null = null;
     const app = await createRestServer({
       db,
       logger,
-      onBundlesCreated: (bundles) => bundlesCreated?.(bundles),
+      onBundlesWritten: (bundles) => bundlesWritten?.(bundles),
       clusterId: config.clusterId,
       maxRequestBodySize: config.restServer.maxRequestBodySize,
       maxBatchRequestBodySize: config.restServer.maxBatchRequestBodySize,
@@ -283,7 +283,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
         runnerApiUrl: config.restServer.publicUrl !== "" ? config.restServer.publicUrl : address,
       });
       opened.push({ what: "the dispatcher", close: () => dispatcher.stop() });
-      bundlesCreated = (bundles) => dispatcher.bundlesCreated(bundles);
+      bundlesWritten = (bundles) => dispatcher.bundlesWritten(bundles);
       const m = await listenManagement(config, { dispatcher, db, registry, logger, env: io.env });
       management = m;
       opened.push({ what: "the management API", close: () => m.app.close() });

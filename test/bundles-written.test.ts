@@ -1,7 +1,7 @@
 /**
- * `serve` hands the bundles its REST server creates straight to its own dispatcher's queue
- * (RestServerOptions.onBundlesCreated -> Dispatcher.bundlesCreated), so the scheduler need not wait for their
- * NOTIFY and the read it wakes (docs/performance.md, bench:dispatch).
+ * `serve` hands the bundle rows its REST server writes (new bundles, and the transitions of the runners' calls)
+ * straight to its own dispatcher's queue (RestServerOptions.onBundlesWritten -> Dispatcher.bundlesWritten), so
+ * the scheduler need not wait for their NOTIFY and the read it wakes (docs/performance.md, bench:dispatch).
  */
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -9,10 +9,19 @@ import { pino } from "pino";
 import { describe, expect, it } from "vitest";
 import { createRestServer } from "../rest-server/server.ts";
 import { insertBundleRows } from "../store/queries.ts";
+import { stageBundle } from "../store/transitions.ts";
 import type { Bundle } from "../store/types.ts";
-import { createTestUserWithToken, testBundleUuid, testNewBundle } from "./db.ts";
+import {
+  createTestBundle,
+  createTestUser,
+  createTestUserWithToken,
+  startWithRunnerToken,
+  testBundleUuid,
+  testNewBundle,
+} from "./db.ts";
 import { createHarness, settle, useTestDb } from "./dispatcher-harness.ts";
 import { restServerBasics } from "./fixtures.ts";
+import { injectClient } from "./rest-client.ts";
 
 const logger = pino({ level: process.env["DC_TEST_LOG"] ?? "silent" });
 
@@ -26,7 +35,7 @@ for (const kind of ["pg", "pglite"] as const)
       let failing = false;
       const app = await createRestServer({
         ...restServerBasics(db, join(tmpdir(), "dispatch-cloud-bundles-created")),
-        onBundlesCreated: (bundles) => {
+        onBundlesWritten: (bundles) => {
           told.push([...bundles]);
           if (failing) throw new Error("the listener broke");
         },
@@ -89,6 +98,66 @@ for (const kind of ["pg", "pglite"] as const)
       }
     });
 
+    it("the REST server tells of the rows its runners' start, starts, finish, requeue and preempted calls move", async () => {
+      const db = getDb();
+      const told: { uuid: string; state: string; changeSeq: number }[][] = [];
+      const app = await createRestServer({
+        ...restServerBasics(db, join(tmpdir(), "dispatch-cloud-bundles-written")),
+        onBundlesWritten: (bundles) =>
+          told.push(bundles.map(({ uuid, state, changeSeq }) => ({ uuid, state, changeSeq }))),
+      });
+      try {
+        const api = injectClient(app);
+        const owner = (await createTestUser(db)).uuid;
+        const runners: { uuid: string; token: string }[] = [];
+        for (let i = 0; i < 4; i++) {
+          const b = await createTestBundle(db, owner);
+          await stageBundle(db, b.uuid, { actor: "test" });
+          runners.push({ uuid: b.uuid, token: (await startWithRunnerToken(db, b.uuid)).token });
+        }
+        const [a, b, c, d] = runners as [
+          (typeof runners)[0],
+          (typeof runners)[0],
+          (typeof runners)[0],
+          (typeof runners)[0],
+        ];
+        // A finish before start is refused (409) and tells nobody.
+        expect((await api("POST", "/api/v1/runner/finish", d.token, { exitCode: 0 })).status).toBe(409);
+        expect(told).toEqual([]);
+        expect((await api("POST", "/api/v1/runner/start", a.token, {})).status).toBe(200);
+        const many = await api("POST", "/api/v1/runner/starts", undefined, { tokens: [b.token, c.token] });
+        expect(many.status).toBe(200);
+        expect((await api("POST", "/api/v1/runner/finish", a.token, { exitCode: 0 })).status).toBe(200);
+        expect((await api("POST", "/api/v1/runner/requeue", b.token, { reason: "disk full" })).status).toBe(
+          200,
+        );
+        expect((await api("POST", "/api/v1/runner/preempted", c.token, {})).status).toBe(200);
+        // d starts; its retried start finds its attempt running and moves nothing: nobody is told again.
+        expect((await api("POST", "/api/v1/runner/start", d.token, {})).status).toBe(200);
+        expect((await api("POST", "/api/v1/runner/start", d.token, {})).status).toBe(200);
+        const states = (t: typeof told) => t.map((rows) => rows.map((r) => `${r.uuid} ${r.state}`).sort());
+        expect(states(told)).toEqual([
+          [`${a.uuid} running`],
+          [`${b.uuid} running`, `${c.uuid} running`].sort(),
+          [`${a.uuid} ready`],
+          [`${b.uuid} staged`],
+          [`${c.uuid} staged`],
+          [`${d.uuid} running`],
+        ]);
+        // Each is the committed row as the database has it now, or an earlier one (applied by change_seq).
+        const last = new Map(told.flat().map((r) => [r.uuid, r]));
+        for (const r of last.values()) {
+          const { rows } = await db.query<{ state: string; change_seq: string }>(
+            "SELECT state, change_seq::text AS change_seq FROM bundles WHERE uuid = $1",
+            [r.uuid],
+          );
+          expect(rows[0]).toEqual({ state: r.state, change_seq: String(r.changeSeq) });
+        }
+      } finally {
+        await app.close();
+      }
+    });
+
     it("the dispatcher applies them to its queue at once and runs them", async () => {
       const h = await createHarness({ db: getDb(), logger });
       try {
@@ -107,7 +176,7 @@ for (const kind of ["pg", "pglite"] as const)
         expect(uuids.map((u) => d.parts?.queue.get(u))).toEqual([undefined, undefined, undefined]);
         const told: number[] = [];
         const unsubscribe = d.parts!.queue.subscribe((changes) => told.push(changes.length));
-        d.bundlesCreated(rows);
+        d.bundlesWritten(rows);
         unsubscribe();
         expect(uuids.map((u) => d.parts?.queue.get(u)?.state)).toEqual(["staged", "staged", "staged"]);
         // The listeners (the scheduler's wake-up among them) hear of a batch once.
@@ -115,7 +184,7 @@ for (const kind of ["pg", "pglite"] as const)
         await h.drive(async () => [...(await h.states(uuids)).values()].every((s) => s === "ready"));
         // A standby (or stopped) dispatcher has no queue: it ignores them.
         await d.stop();
-        expect(() => d.bundlesCreated(rows)).not.toThrow();
+        expect(() => d.bundlesWritten(rows)).not.toThrow();
       } finally {
         await h.close();
       }
