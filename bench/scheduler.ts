@@ -17,7 +17,9 @@
  * pass's starts (not part of the pass); and the process's peak RSS. Targets (issue 21): p90 and max
  * <= 100 ms in both phases, RSS <= 1 GiB. BENCH_BUNDLES, BENCH_INSTANCES and BENCH_PASSES shrink it;
  * BENCH_INPUTS=<share> gives that share of the staged bundles inputs and every instance a cache line (locality);
- * BENCH_CPU_PROFILE=<prefix> writes each phase's CPU profile.
+ * BENCH_CPU_PROFILE=<prefix> writes each phase's CPU profile. `npm run bench:scheduler` runs it with the young
+ * generation bin/dispatch-cloud gives the dispatcher's process (`--max-semi-space-size=64`, docs/operations.md),
+ * since the scheduler runs here, in the bench's own process. It also prints each pass's time in order.
  */
 
 import { writeFileSync } from "node:fs";
@@ -345,6 +347,7 @@ async function main(): Promise<void> {
       writeFileSync(`${PROFILE}-${name}.cpuprofile`, JSON.stringify(profile));
       session.disconnect();
     }
+    const inOrder = times.map((t) => t.toFixed(0)).join(", ");
     const figures = (xs: number[]) => {
       xs.sort((a, b) => a - b);
       return (
@@ -355,7 +358,7 @@ async function main(): Promise<void> {
     console.log(
       `${label}: runOnce over ${PASSES} passes: ${figures(times)} (target: p90 and max <= 100 ms)\n` +
         `  CPU time per pass: ${figures(cpu)}\n  the pool between passes (handling the answers to the pass's ` +
-        `starts): ${figures(between)}`,
+        `starts): ${figures(between)}\n  each pass, in order (ms): ${inOrder}`,
     );
   };
   // Worst case: every start is refused, so each pass places, and explains, the whole queue again.

@@ -61,6 +61,14 @@ describe("dispatch-cloud serve and the CLI, as real processes", () => {
     expect(serve.stderr()).not.toContain(token);
   });
 
+  it("runs serve's node with the heap flags bin/dispatch-cloud gives it (docs/operations.md)", async () => {
+    const argv = (await readFile(`/proc/${serve.child.pid}/cmdline`, "utf8")).split("\0");
+    expect(argv[0]).toMatch(/node$/);
+    expect(argv).toEqual(
+      expect.arrayContaining(["--initial-old-space-size=128", "--max-semi-space-size=64"]),
+    );
+  });
+
   it("submits with flags, then lists, shows, shows events and kills the bundle", async () => {
     const sub = await cli(serve, [
       "submit",
