@@ -184,7 +184,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
       onBundlesWritten === undefined
         ? null
         : (bundles) => {
-            // The submission is committed whatever the listener does: its failure is logged, never answered.
+            // The write is committed whatever the listener does: its failure is logged, never answered.
             try {
               onBundlesWritten(bundles);
             } catch (err) {
