@@ -13,7 +13,8 @@ interface Sleeper {
 export class FakeClock implements Clock {
   private t: number;
   private seq = 0;
-  private sleepers: Sleeper[] = [];
+  /** A Set: a sleep aborted or woken leaves in O(1) (benches hold thousands of sleepers). */
+  private sleepers = new Set<Sleeper>();
 
   constructor(start = Date.UTC(2026, 0, 1)) {
     this.t = start;
@@ -30,7 +31,7 @@ export class FakeClock implements Clock {
         return;
       }
       const onAbort = () => {
-        this.sleepers = this.sleepers.filter((s) => s !== sleeper);
+        this.sleepers.delete(sleeper);
         reject(signal?.reason);
       };
       // Like systemClock: a sleep that ends removes its abort listener (loops sleep on one signal for ever).
@@ -42,23 +43,28 @@ export class FakeClock implements Clock {
           resolve();
         },
       };
-      this.sleepers.push(sleeper);
+      this.sleepers.add(sleeper);
       signal?.addEventListener("abort", onAbort, { once: true });
     });
   }
 
   /** Number of pending sleeps (a test can wait for a component to reach its next sleep). */
   get pending(): number {
-    return this.sleepers.length;
+    return this.sleepers.size;
   }
 
   async advance(ms: number): Promise<void> {
     const end = this.t + ms;
     for (;;) {
       await flushMicrotasks();
-      const due = this.sleepers.filter((s) => s.at <= end).sort((a, b) => a.at - b.at || a.seq - b.seq)[0];
+      // The earliest due, in time order and then in the order the sleeps began.
+      let due: Sleeper | undefined;
+      for (const s of this.sleepers) {
+        if (s.at <= end && (due === undefined || s.at < due.at || (s.at === due.at && s.seq < due.seq)))
+          due = s;
+      }
       if (due === undefined) break;
-      this.sleepers = this.sleepers.filter((s) => s !== due);
+      this.sleepers.delete(due);
       this.t = Math.max(this.t, due.at);
       due.resolve();
     }
