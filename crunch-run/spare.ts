@@ -13,7 +13,7 @@
  *   supervisors that have loaded their modules, run their hand-off path once (spare-warmup.ts), and wait for one
  *   start document. K is the start document's
  *   `warmSupervisors` (the dispatcher sends min(dispatcher.warmSupervisors, the instance's slots)); every
- *   hand-off updates it. Spares are started again in the background (REFILL_DELAY_MS after a hand-off), at most
+ *   hand-off updates it, and a lower K lets the extra ready spares go. Spares are started again in the background (REFILL_DELAY_MS after a hand-off), at most
  *   half the CPUs' worth at a time
  *   (one on a 2-core instance, so that refilling does not slow the bundles just started), and at once for
  *   hand-offs that wait;
@@ -365,6 +365,19 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     });
   };
 
+  /**
+   * Lets ready spares go, newest first, while the pool holds more than it wants: a hand-off that lowered K (the
+   * operator lowered dispatcher.warmSupervisors) would otherwise leave the extra processes idle until the pool
+   * exits. Spares still warming up go when they are ready (adopt).
+   */
+  const retireExtra = () => {
+    const free = [...spares].filter((s) => s.ready && !s.busy);
+    for (const spare of free.slice(target + pending.length)) {
+      spares.delete(spare);
+      spare.proc.kill("SIGTERM");
+    }
+  };
+
   const answer = (p: Pending, text: string) => {
     clearTimeout(p.timer);
     if (!p.closed) p.reply(text);
@@ -551,6 +564,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       });
       pending.push(...ps);
       dispatch();
+      if (k !== null) retireExtra();
       // A hand-off still waiting needs a spare now; else the refill waits until the one just handed has started.
       if (pending.length > 0) fill();
       else refillSoon();

@@ -605,6 +605,27 @@ describe("crunch-run warm pool (process runtime)", () => {
     }
   });
 
+  it("a hand-off that lowers K lets the extra ready spares go at once, and keeps K afterwards", async () => {
+    for (const pid of pidsTitled(h.root, "crunch-run warm-pool")) kill(pid);
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 0, 10_000);
+    const spares = await poolOf(3);
+    const socket = await socketOf();
+    // The operator lowered dispatcher.warmSupervisors to 1: the next start document says so.
+    const x = await h.newStartingBundle({ command: ["true"] });
+    const pid = await handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 1 }));
+    expect(spares).toContain(pid);
+    const others = spares.filter((p) => p !== pid);
+    // One of the two spares left goes at once.
+    await waitFor(async () => others.filter((p) => isAlive(p)).length === 1, 5_000).catch(() => {
+      throw new Error(`spares ${others.join(", ")} are all still alive 5 s after a hand-off with K = 1`);
+    });
+    expect((await h.waitFinal(x.uuid)).state).toBe("ready");
+    // Past the refill (REFILL_DELAY_MS after the hand-off) and the supervisor's return: still one spare.
+    await new Promise((r) => setTimeout(r, 4_000));
+    expect(pidsTitled(h.root, "crunch-run spare")).toEqual(others.filter((p) => isAlive(p)));
+    expect(pidsTitled(h.root, "crunch-run spare")).toHaveLength(1);
+  });
+
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
     const paths = runnerPaths({ DISPATCH_VM_ROOT: "/r" });
     const old = spareSocketPath(paths, ["/tmp/dispatch-cloud/crunch-run~aaaa"]);
