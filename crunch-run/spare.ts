@@ -93,6 +93,12 @@ export const RETURN_QUIET_MS = 250;
 const RETURN_LINE = /^spare (\d{1,10})$/;
 /** How long a spare may take to answer a hand-off before it is killed and the hand-off refused. */
 const ANSWER_MAX_MS = 3000;
+/**
+ * How long a spare the pool started may take to be ready (its start-up is hundreds of ms, seconds on a busy
+ * instance) before the pool kills it and starts another; a supervisor come back says so at once.
+ */
+const SPARE_READY_MAX_MS = 30_000;
+const RETURN_READY_MAX_MS = 5_000;
 /** sun_path holds 108 bytes with its NUL (so a local VM's root may be up to 74 bytes long for spares). */
 const MAX_SOCKET_PATH = 107;
 
@@ -340,8 +346,19 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     const spare: Spare = { proc, ready: false, busy: false };
     spares.add(spare);
     proc.on("error", () => {});
+    // One that is never ready would count as warming up for ever, and hold back the refill (fill).
+    const notReady = setTimeout(
+      () => {
+        if (!spares.has(spare) || spare.ready) return;
+        proc.kill("SIGKILL");
+        lost(spare, returned);
+      },
+      returned ? RETURN_READY_MAX_MS : SPARE_READY_MAX_MS,
+    );
+    notReady.unref();
     proc.on("message", (m: FromSpare) => {
       if (m?.type !== "ready" || !spares.has(spare) || spare.ready) return;
+      clearTimeout(notReady);
       if (count((s) => s.ready && !s.busy) >= target + pending.length) {
         spares.delete(spare);
         proc.kill("SIGTERM");
@@ -353,16 +370,22 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       fill();
     });
     proc.once("exit", () => {
-      if (!spares.delete(spare)) return;
-      // A spare that died while it held a hand-off answered nothing: the hand-off's own listener refuses it.
-      if (returned) {
-        fill();
-        return;
-      }
-      // Spares that die before they are ready are started again later and later (1 s, doubling, at most 1 min).
-      if (!spare.ready) earlyExits++;
-      setTimeout(fill, Math.min(60_000, 1000 * 2 ** Math.min(6, earlyExits))).unref();
+      clearTimeout(notReady);
+      lost(spare, returned);
     });
+  };
+
+  /** A spare gone (it exited, or was let go for never being ready): the pool starts another in its place. */
+  const lost = (spare: Spare, returned: boolean) => {
+    if (!spares.delete(spare)) return;
+    // A spare that died while it held a hand-off answered nothing: the hand-off's own listener refuses it.
+    if (returned) {
+      fill();
+      return;
+    }
+    // Spares that die before they are ready are started again later and later (1 s, doubling, at most 1 min).
+    if (!spare.ready) earlyExits++;
+    setTimeout(fill, Math.min(60_000, 1000 * 2 ** Math.min(6, earlyExits))).unref();
   };
 
   /**

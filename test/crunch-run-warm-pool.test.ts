@@ -626,6 +626,41 @@ describe("crunch-run warm pool (process runtime)", () => {
     expect(pidsTitled(h.root, "crunch-run spare")).toHaveLength(1);
   });
 
+  it("a supervisor come back that never says it is ready is let go, and a new spare takes its place", async () => {
+    for (const pid of pidsTitled(h.root, "crunch-run warm-pool")) kill(pid);
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 0, 10_000);
+    const [lent] = await poolOf(1);
+    const socket = await socketOf();
+    // Its one spare takes a long bundle; a peer then comes back in its name and says nothing more, as a
+    // supervisor stuck on its way back would. Counted as warming up, it would hold back the refill for ever.
+    const x = await h.newStartingBundle({ command: ["sleep", "30"] });
+    try {
+      expect(await handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 1 }))).toBe(lent);
+      const stuck = net.connect(socket);
+      await new Promise<void>((resolve) => stuck.on("connect", resolve));
+      stuck.on("error", () => {});
+      const dropped = new Promise<number>((resolve) => stuck.on("close", () => resolve(Date.now())));
+      const t0 = Date.now();
+      stuck.write(`spare ${lent}\n`);
+      // Let go after RETURN_READY_MAX_MS (5 s); then a spare of the pool's own is started and ready.
+      const droppedAt = await Promise.race([
+        dropped,
+        new Promise<number>((_, reject) =>
+          setTimeout(() => reject(new Error("the pool still holds the stuck peer after 15 s")), 15_000),
+        ),
+      ]);
+      expect(droppedAt - t0).toBeGreaterThanOrEqual(4_500);
+      let spares: number[] = [];
+      await waitFor(async () => {
+        spares = pidsTitled(h.root, "crunch-run spare");
+        return spares.length === 1;
+      }, 20_000);
+      expect(spares).not.toContain(lent);
+    } finally {
+      expect((await h.crunchRun(["--kill", "TERM", x.uuid])).code).toBe(0);
+    }
+  });
+
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
     const paths = runnerPaths({ DISPATCH_VM_ROOT: "/r" });
     const old = spareSocketPath(paths, ["/tmp/dispatch-cloud/crunch-run~aaaa"]);
