@@ -8,14 +8,14 @@
  * instance's and not the bundle's (the container runtime could not start the container), with the runner's
  * reason. Raw bodies (log chunks, archives) are streamed, never parsed as JSON.
  */
-import { Type } from "@sinclair/typebox";
+import { type Static, Type } from "@sinclair/typebox";
 import type { FastifyInstance, FastifyRequest } from "fastify";
 import { formatDigest, parseDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { groupCalls } from "../lib/group-calls.ts";
 import { MAX_HAND_OFFS } from "../lib/runner-protocol.ts";
 import { outputManifestsByBundle, setOutputManifest } from "../store/cas-queries.ts";
-import { appendLogChunk, getBundle, recordHeartbeat } from "../store/queries.ts";
+import { appendLogChunk, getBundle, recordHeartbeat, recordHeartbeatByToken } from "../store/queries.ts";
 import {
   finishBundle,
   loseBundle,
@@ -269,12 +269,24 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     };
   });
 
-  app.post("/api/v1/runner/heartbeat", { onRequest }, async (request) => {
-    const bundle = runnerBundleOf(request);
-    const body = validate(HeartbeatRequest, request.body);
-    const state = await recordHeartbeat(db, bundle.uuid, bundle.attempt, body.resourceUsage, body.status);
-    if (state === null) throw notCurrentNow(bundle, await getBundle(db, bundle.uuid));
-    return { state };
+  // The most frequent runner call (each runner's every heartbeatIntervalMs): one statement by the token's hash
+  // when the token is current, without looking it up first; otherwise the error every runner route gives.
+  app.post("/api/v1/runner/heartbeat", async (request) => {
+    const tokenHash = runnerTokenHashOf(request);
+    let body: Static<typeof HeartbeatRequest>;
+    try {
+      body = validate(HeartbeatRequest, request.body);
+    } catch (err) {
+      await runnerBundleByTokenHash(db, tokenHash); // a bad token is told so before a bad body
+      throw err;
+    }
+    const state = await recordHeartbeatByToken(db, tokenHash, body.resourceUsage, body.status);
+    if (state !== null) return { state };
+    const bundle = await runnerBundleByTokenHash(db, tokenHash);
+    // Current again by now (it was not a moment ago): recorded by the bundle's attempt, as before.
+    const again = await recordHeartbeat(db, bundle.uuid, bundle.attempt, body.resourceUsage, body.status);
+    if (again === null) throw notCurrentNow(bundle, await getBundle(db, bundle.uuid));
+    return { state: again };
   });
 
   app.post("/api/v1/runner/finish", { onRequest }, async (request) => {

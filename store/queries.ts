@@ -998,6 +998,26 @@ export async function recordHeartbeat(
   return rows[0]?.state ?? null;
 }
 
+/**
+ * recordHeartbeat() by the runner token's hash, in one statement (no lookup of the token first): the state, or
+ * null when no starting or running bundle holds that token (a bad or stale token: the caller looks closer).
+ */
+export async function recordHeartbeatByToken(
+  db: Db,
+  tokenHash: string,
+  resourceUsage: Record<string, number>,
+  status?: string | null,
+): Promise<BundleState | null> {
+  const { rows } = await db.query<{ state: BundleState }>(
+    prepared(`UPDATE bundles SET resource_usage = $2::jsonb, last_heartbeat_at = ${NOW},
+       scheduling_status = CASE WHEN $3::boolean THEN $4::text ELSE scheduling_status END
+     WHERE runner_token_hash = $1 AND state IN ('starting', 'running')
+     RETURNING state`),
+    [tokenHash, JSON.stringify(resourceUsage), status !== undefined, status ?? null],
+  );
+  return rows[0]?.state ?? null;
+}
+
 export type AppendLogResult =
   | { ok: true; stored: number; truncated?: boolean }
   | { ok: false; reason: "gap"; stored: number }

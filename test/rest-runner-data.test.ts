@@ -215,6 +215,76 @@ describeEachDb("REST runner data", (getDb) => {
       }
     });
 
+    it("costs one statement when the token is current; a bad, stale or missing token is refused as before", async () => {
+      // The same routes on a Db that counts its statements.
+      let statements: string[] = [];
+      const db = getDb();
+      const counting = new Proxy(db, {
+        get(target, key) {
+          const v = Reflect.get(target, key, target) as unknown;
+          if (key === "query")
+            return (sql: string, params?: readonly unknown[]) => {
+              statements.push(typeof sql === "string" ? sql : String(sql));
+              return db.query(sql, params);
+            };
+          return typeof v === "function" ? v.bind(target) : v;
+        },
+      });
+      const counted = await createRestServer({
+        db: counting,
+        logger: false,
+        clusterId: CLUSTER,
+        maxRequestBodySize: 64 * 1024,
+        defaultMaxAttempts: 3,
+        dataDir,
+        logPollInterval: 600_000,
+      });
+      try {
+        const capi = client(counted);
+        const { uuid, token } = await running();
+        statements = [];
+        const hb = await capi("POST", "/api/v1/runner/heartbeat", token, {
+          resourceUsage: { cpuSeconds: 7 },
+        });
+        expect(hb).toMatchObject({ status: 200, body: { state: "running" } });
+        expect(statements).toHaveLength(1);
+        expect((await getBundle(db, uuid))?.resourceUsage).toEqual({ cpuSeconds: 7 });
+        // A bad token is told so before a bad body; a malformed one costs no statement.
+        const unknown = "dcr_" + "a".repeat(43);
+        expect(await capi("POST", "/api/v1/runner/heartbeat", unknown, { resourceUsage: "x" })).toMatchObject(
+          {
+            status: 401,
+            body: { error: { code: "auth.invalid_token" } },
+          },
+        );
+        statements = [];
+        expect(
+          await capi("POST", "/api/v1/runner/heartbeat", "nonsense", { resourceUsage: {} }),
+        ).toMatchObject({
+          status: 401,
+        });
+        expect(statements).toHaveLength(0);
+        // Tokens that are no longer current (a requeued attempt's, a finished bundle's): the refusal every
+        // runner route gives them, and the bundle's heartbeat is left alone.
+        const requeued = await running();
+        const rq = await capi("POST", "/api/v1/runner/requeue", requeued.token, { reason: "disk full" });
+        expect(rq.status, JSON.stringify(rq.body)).toBe(200);
+        const finished = await running();
+        await finish(finished.token, { exitCode: 0 });
+        for (const stale of [requeued, finished]) {
+          const spec = await capi("GET", "/api/v1/runner/spec", stale.token);
+          expect(spec.status).toBeGreaterThanOrEqual(400);
+          const late = await capi("POST", "/api/v1/runner/heartbeat", stale.token, {
+            resourceUsage: { x: 1 },
+          });
+          expect(late).toEqual(expect.objectContaining({ status: spec.status, body: spec.body }));
+          expect((await getBundle(db, stale.uuid))?.resourceUsage).not.toEqual({ x: 1 });
+        }
+      } finally {
+        await counted.close();
+      }
+    });
+
     it("is refused by the store for an attempt that is not current", async () => {
       const { uuid } = await running();
       expect(await recordHeartbeat(getDb(), uuid, 2, { cpuSeconds: 1 })).toBeNull();
