@@ -424,6 +424,8 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       if (!request.raw.readableEnded) reply.header("connection", "close");
     });
 
+    // The token is looked up before the body is read (so only a runner's upload may be slow, server.ts); the
+    // chunk is then stored in one statement (append_log_chunk).
     scope.post("/api/v1/runner/logs", { onRequest }, async (request) => {
       const bundle = runnerBundleOf(request);
       const { stream, offset } = parseLogChunkQuery(request.query);

@@ -1026,9 +1026,10 @@ export type AppendLogResult =
 /**
  * Stores the chunk `data` of `stream` that starts at byte `offset`, once: bytes the server already has are
  * ignored (a retried or overlapping chunk), only the new tail is written. A chunk starting beyond what is
- * stored is a gap and writes nothing. In one transaction that holds the bundle row (KEY SHARE: a transition
- * out of starting/running waits for it, heartbeats do not) and the stream's advisory lock, so a log follower
- * that sees the bundle final afterwards also sees every chunk; NOTIFYs LOG_CHANNEL when it wrote something.
+ * stored is a gap and writes nothing. In one statement (the function append_log_chunk, migration 014) that holds
+ * the bundle's row, which must be starting or running in `attempt` (KEY SHARE: a transition out of
+ * starting/running waits for it, heartbeats do not), and the stream's advisory lock, so a log follower that sees
+ * the bundle final afterwards also sees every chunk; NOTIFYs LOG_CHANNEL when it wrote something.
  *
  * With `maxBytes`, a stream keeps its first maxBytes bytes and then a one-line truncation notice; from then on
  * every chunk is acknowledged (`stored` is the runner's own offset after it, `truncated: true`) and dropped.
@@ -1045,46 +1046,33 @@ export async function appendLogChunk(
   },
 ): Promise<AppendLogResult> {
   const maxBytes = args.maxBytes ?? Number.POSITIVE_INFINITY;
-  return db.transaction(async (tx) => {
-    const { rows: cur } = await tx.query<{ state: BundleState; attempt: number }>(
-      "SELECT state, attempt FROM bundles WHERE uuid = $1 FOR KEY SHARE",
-      [args.uuid],
-    );
-    const row = cur[0];
-    if (
-      row === undefined ||
-      row.attempt !== args.attempt ||
-      (row.state !== "starting" && row.state !== "running")
-    )
-      return { ok: false, reason: "not_current", current: row ?? null };
-    await tx.query("SELECT pg_advisory_xact_lock(hashtext($1)::bigint)", [
-      `log ${args.uuid} ${args.attempt} ${args.stream}`,
-    ]);
-    const stored = await storedLogBytes(tx, args.uuid, args.attempt, args.stream);
-    const end = args.offset + args.data.length;
-    // Past the limit (the notice makes the stored bytes exceed it): acknowledged and dropped.
-    if (stored > maxBytes) return { ok: true, stored: Math.max(end, stored), truncated: true };
-    if (args.offset > stored) return { ok: false, reason: "gap", stored };
-    if (end <= stored) return { ok: true, stored };
-    let tail: Uint8Array = args.data.subarray(stored - args.offset);
-    const truncated = stored + tail.length > maxBytes;
-    if (truncated) {
-      const notice = Buffer.from(
-        `\n[dispatch-cloud] the ${args.stream} log reached its limit of ${maxBytes} bytes (restServer.maxLogBytesPerStream); later bytes were dropped\n`,
-      );
-      tail = Buffer.concat([tail.subarray(0, maxBytes - stored), notice]);
-    }
-    await tx.query(
-      `INSERT INTO bundle_logs (bundle_uuid, attempt, stream, byte_offset, data) VALUES ($1, $2, $3, $4, $5)`,
-      [args.uuid, args.attempt, args.stream, stored, tail],
-    );
-    const now = stored + tail.length;
-    await tx.query("SELECT pg_notify($1, $2)", [
+  const { rows } = await db.query<{
+    outcome: "ok" | "gap" | "not_current";
+    state: BundleState | null;
+    attempt: number | null;
+    stored: string | number | null;
+    truncated: boolean;
+  }>(
+    prepared(
+      "SELECT outcome, state, attempt, stored, truncated FROM append_log_chunk($1, $2, $3, $4, $5, $6, $7)",
+    ),
+    [
+      args.uuid,
+      args.attempt,
+      args.stream,
+      args.offset,
+      args.data,
+      Number.isFinite(maxBytes) ? maxBytes : null,
       LOG_CHANNEL,
-      `${args.uuid} ${args.attempt} ${args.stream} ${now}`,
-    ]);
-    return truncated ? { ok: true, stored: Math.max(end, now), truncated: true } : { ok: true, stored: end };
-  });
+    ],
+  );
+  const r = rows[0];
+  if (r === undefined) throw new Error("append_log_chunk returned no row");
+  const stored = Number(r.stored);
+  if (r.outcome === "ok") return r.truncated ? { ok: true, stored, truncated: true } : { ok: true, stored };
+  if (r.outcome === "gap") return { ok: false, reason: "gap", stored };
+  const current = r.state === null || r.attempt === null ? null : { state: r.state, attempt: r.attempt };
+  return { ok: false, reason: "not_current", current };
 }
 
 /** How many bytes of a stream are stored (the offset the next chunk must start at). */

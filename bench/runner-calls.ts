@@ -1,13 +1,14 @@
 /**
- * bench:heartbeat — how many runner heartbeats the REST server records per second. A heartbeat is the most
- * frequent runner call (every running bundle's, every heartbeatIntervalMs: 5 s unless the start document says
- * otherwise), so this rate bounds how many bundles one server keeps running. For each database, a server process
- * (the REST server on a fresh migrated database holding --bundles bundles, --running of them running, each with
- * its own runner token) takes heartbeats from 32 clients over keep-alive connections, the clients cycling
- * through the tokens, for --rounds rounds of --seconds each. It prints each round's rate and how many running
- * bundles that rate carries at the 5 s interval.
+ * bench:runner-calls — how many of the runners' two frequent calls the REST server answers per second: the
+ * heartbeat (every running bundle's, every heartbeatIntervalMs: 5 s unless the start document says otherwise)
+ * and a log chunk (a bundle's output, flushed every 250 ms while it comes). These rates bound how many bundles one
+ * server keeps running. For each database, a server process (the REST server on a fresh migrated database holding
+ * --bundles bundles, --running of them running, each with its own runner token) takes, from 32 clients over
+ * keep-alive connections, each client cycling through its own share of the tokens: heartbeats, then 1 KiB stdout
+ * chunks (each at its stream's next offset), each for --rounds rounds of --seconds. It prints each round's rate
+ * and how many running bundles the heartbeats' best round carries at the 5 s interval.
  *
- * Usage: npm run bench:heartbeat [-- --db pg,pglite] [--running N] [--bundles N] [--seconds S] [--rounds R]
+ * Usage: npm run bench:runner-calls [-- --db pg,pglite] [--running N] [--bundles N] [--seconds S] [--rounds R]
  * PostgreSQL: DISPATCH_CLOUD_TEST_PG_URL (scripts/test-services.sh starts one and prints it).
  */
 import type { ChildProcess } from "node:child_process";
@@ -23,7 +24,7 @@ import { benchArgs } from "./args.ts";
 import { forkBenchServer, startBenchServer } from "./rest-server.ts";
 
 const USAGE =
-  "Usage: npm run bench:heartbeat [-- --db pg,pglite] [--running N] [--bundles N] [--seconds S] [--rounds R]";
+  "Usage: npm run bench:runner-calls [-- --db pg,pglite] [--running N] [--bundles N] [--seconds S] [--rounds R]";
 const { values } = benchArgs(USAGE, {
   options: {
     db: { type: "string", default: "pg,pglite" },
@@ -57,7 +58,7 @@ type ToParent = { ready: { url: string; token: string } } | { tokens: string[] }
 
 /** The server side, in its own process: fills the database, makes RUNNING bundles running. */
 async function serve(kind: "pg" | "pglite"): Promise<void> {
-  const dir = mkdtempSync(path.join(tmpdir(), "dc-bench-heartbeat-"));
+  const dir = mkdtempSync(path.join(tmpdir(), "dc-bench-runner-calls-"));
   const { db, app, url, token } = await startBenchServer({
     db: kind,
     dataDir: dir,
@@ -118,41 +119,48 @@ function askTokens(child: ChildProcess): Promise<string[]> {
   });
 }
 
-/** Heartbeats from CLIENTS clients for `ms`; the rate per second. Any answer but 200 stops the bench. */
-async function round(url: URL, tokens: string[], ms: number, agent: http.Agent): Promise<number> {
-  const body = JSON.stringify({
-    resourceUsage: { cpuSeconds: 1.5, memoryBytes: 2 ** 27, maxMemoryBytes: 2 ** 28 },
+/** One call; any answer but 200 stops the bench. */
+function post(url: URL, agent: http.Agent, path: string, token: string, type: string, body: Buffer | string) {
+  return new Promise<void>((resolve, reject) => {
+    const req = http.request(
+      {
+        host: url.hostname,
+        port: url.port,
+        path,
+        method: "POST",
+        agent,
+        headers: { authorization: `Bearer ${token}`, "content-type": type },
+      },
+      (res) => {
+        res.resume();
+        res.on("end", () =>
+          res.statusCode === 200 ? resolve() : reject(new Error(`${path} was answered ${res.statusCode}`)),
+        );
+      },
+    );
+    req.on("error", reject);
+    req.end(body);
   });
-  const one = (token: string) =>
-    new Promise<void>((resolve, reject) => {
-      const req = http.request(
-        {
-          host: url.hostname,
-          port: url.port,
-          path: "/api/v1/runner/heartbeat",
-          method: "POST",
-          agent,
-          headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
-        },
-        (res) => {
-          res.resume();
-          res.on("end", () =>
-            res.statusCode === 200
-              ? resolve()
-              : reject(new Error(`a heartbeat was answered ${res.statusCode}`)),
-          );
-        },
-      );
-      req.on("error", reject);
-      req.end(body);
-    });
+}
+
+const HEARTBEAT = JSON.stringify({
+  resourceUsage: { cpuSeconds: 1.5, memoryBytes: 2 ** 27, maxMemoryBytes: 2 ** 28 },
+});
+const CHUNK = Buffer.alloc(1024, "log line\n");
+
+/**
+ * Calls from CLIENTS clients for `ms`, client c cycling through tokens c, c + CLIENTS, ... (so a token's log
+ * stream has one writer); the rate per second.
+ */
+async function round(tokens: string[], ms: number, call: (token: string) => Promise<void>): Promise<number> {
   let n = 0;
   const t0 = performance.now();
   const until = t0 + ms;
   await Promise.all(
     Array.from({ length: CLIENTS }, async (_, c) => {
-      for (let i = c; performance.now() < until; i += CLIENTS) {
-        await one(tokens[i % tokens.length] as string);
+      const mine = tokens.filter((_, i) => i % CLIENTS === c);
+      for (let i = 0; mine.length > 0 && performance.now() < until; i++) {
+        await call(mine[i % mine.length] as string);
         n++;
       }
     }),
@@ -165,26 +173,45 @@ async function main(): Promise<void> {
   for (const k of kinds)
     if (k !== "pg" && k !== "pglite") throw new Error(`--db: ${k} is neither pg nor pglite`);
   console.log(
-    `bench:heartbeat: ${availableParallelism()} CPUs (${cpus()[0]?.model ?? "?"}), ${(totalmem() / 2 ** 30).toFixed(0)} GiB; ${BUNDLES} bundles, ${RUNNING} running; ${CLIENTS} clients, keep-alive`,
+    `bench:runner-calls: ${availableParallelism()} CPUs (${cpus()[0]?.model ?? "?"}), ${(totalmem() / 2 ** 30).toFixed(0)} GiB; ${BUNDLES} bundles, ${RUNNING} running; ${CLIENTS} clients, keep-alive`,
   );
   for (const kind of kinds) {
-    process.stderr.write(`bench:heartbeat [${kind}]: filling the database...\n`);
+    process.stderr.write(`bench:runner-calls [${kind}]: filling the database...\n`);
     const server = await forkBenchServer(import.meta.filename, ["--serve", kind]);
     const agent = new http.Agent({ keepAlive: true, maxSockets: CLIENTS });
     try {
       const tokens = await askTokens(server.child);
       const url = new URL(server.url);
-      const rates: number[] = [];
-      // One untimed second first: connections opened, statements prepared.
-      await round(url, tokens, 1000, agent);
-      for (let r = 0; r < ROUNDS; r++) {
-        process.stderr.write(`bench:heartbeat [${kind}]: round ${r + 1}/${ROUNDS}...\n`);
-        rates.push(await round(url, tokens, SECONDS * 1000, agent));
+      const offsets = new Map<string, number>();
+      const phases: [string, (token: string) => Promise<void>][] = [
+        ["heartbeats", (t) => post(url, agent, "/api/v1/runner/heartbeat", t, "application/json", HEARTBEAT)],
+        [
+          "log chunks of 1 KiB",
+          async (t) => {
+            const at = offsets.get(t) ?? 0;
+            const path = `/api/v1/runner/logs?stream=stdout&offset=${at}`;
+            await post(url, agent, path, t, "application/octet-stream", CHUNK);
+            offsets.set(t, at + CHUNK.length);
+          },
+        ],
+      ];
+      const db = kind === "pg" ? "PostgreSQL" : "PGlite";
+      for (const [name, call] of phases) {
+        const rates: number[] = [];
+        // One untimed second first: connections opened, statements prepared.
+        await round(tokens, 1000, call);
+        for (let r = 0; r < ROUNDS; r++) {
+          process.stderr.write(`bench:runner-calls [${kind}] ${name}: round ${r + 1}/${ROUNDS}...\n`);
+          rates.push(await round(tokens, SECONDS * 1000, call));
+        }
+        const carries =
+          name === "heartbeats"
+            ? `; at ${DEFAULT_INTERVAL_S} s a heartbeat, the best round carries ${(Math.max(...rates) * DEFAULT_INTERVAL_S).toFixed(0)} running bundles`
+            : "";
+        console.log(
+          `  ${db}, ${name}: ${rates.map((x) => `${x.toFixed(0)}/s`).join(", ")} (${SECONDS} s rounds)${carries}`,
+        );
       }
-      const best = Math.max(...rates);
-      console.log(
-        `  ${kind === "pg" ? "PostgreSQL" : "PGlite"}: ${rates.map((x) => `${x.toFixed(0)}/s`).join(", ")} (${SECONDS} s rounds); at ${DEFAULT_INTERVAL_S} s a heartbeat, the best round carries ${(best * DEFAULT_INTERVAL_S).toFixed(0)} running bundles`,
-      );
     } finally {
       agent.destroy();
       await server.stop();
