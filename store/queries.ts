@@ -979,7 +979,7 @@ export async function changeSeqOlderThan(db: Db, ageMs: number): Promise<number>
  * attempt is current and the bundle is starting or running; returns the bundle's state, or null when the
  * guard did not hold. Does not bump change_seq (see migration 002).
  */
-export async function recordHeartbeat(
+export function recordHeartbeat(
   db: Db,
   uuid: string,
   attempt: number,
@@ -988,32 +988,37 @@ export async function recordHeartbeat(
    * clears it; undefined leaves it. */
   status?: string | null,
 ): Promise<BundleState | null> {
-  const { rows } = await db.query<{ state: BundleState }>(
-    prepared(`UPDATE bundles SET resource_usage = $3::jsonb, last_heartbeat_at = ${NOW},
-       scheduling_status = CASE WHEN $4::boolean THEN $5::text ELSE scheduling_status END
-     WHERE uuid = $1 AND attempt = $2 AND state IN ('starting', 'running')
-     RETURNING state`),
-    [uuid, attempt, JSON.stringify(resourceUsage), status !== undefined, status ?? null],
-  );
-  return rows[0]?.state ?? null;
+  return heartbeat(db, "uuid = $1 AND attempt = $2", [uuid, attempt], resourceUsage, status);
 }
 
 /**
  * recordHeartbeat() by the runner token's hash, in one statement (no lookup of the token first): the state, or
  * null when no starting or running bundle holds that token (a bad or stale token: the caller looks closer).
  */
-export async function recordHeartbeatByToken(
+export function recordHeartbeatByToken(
   db: Db,
   tokenHash: string,
   resourceUsage: Record<string, number>,
   status?: string | null,
 ): Promise<BundleState | null> {
+  return heartbeat(db, "runner_token_hash = $1", [tokenHash], resourceUsage, status);
+}
+
+/** The heartbeat's UPDATE of the bundle `where` (over the parameters `key`) picks. */
+async function heartbeat(
+  db: Db,
+  where: string,
+  key: readonly unknown[],
+  resourceUsage: Record<string, number>,
+  status: string | null | undefined,
+): Promise<BundleState | null> {
+  const [usage, given, text] = [key.length + 1, key.length + 2, key.length + 3];
   const { rows } = await db.query<{ state: BundleState }>(
-    prepared(`UPDATE bundles SET resource_usage = $2::jsonb, last_heartbeat_at = ${NOW},
-       scheduling_status = CASE WHEN $3::boolean THEN $4::text ELSE scheduling_status END
-     WHERE runner_token_hash = $1 AND state IN ('starting', 'running')
+    prepared(`UPDATE bundles SET resource_usage = $${usage}::jsonb, last_heartbeat_at = ${NOW},
+       scheduling_status = CASE WHEN $${given}::boolean THEN $${text}::text ELSE scheduling_status END
+     WHERE ${where} AND state IN ('starting', 'running')
      RETURNING state`),
-    [tokenHash, JSON.stringify(resourceUsage), status !== undefined, status ?? null],
+    [...key, JSON.stringify(resourceUsage), status !== undefined, status ?? null],
   );
   return rows[0]?.state ?? null;
 }
