@@ -185,7 +185,14 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     run: async (hashes) => {
       const moved = await markRunningByTokens(db, hashes, ACTOR);
       if (moved.size > 0) ctx.bundlesWritten?.([...moved.values()]);
-      return hashes.map((h) => moved.get(h) ?? null);
+      // A token given twice in one group moved its bundle once: the second is answered as a retried start is.
+      const answered = new Set<string>();
+      return hashes.map((h) => {
+        const b = moved.get(h);
+        if (b === undefined || answered.has(h)) return null;
+        answered.add(h);
+        return b;
+      });
     },
   });
 

@@ -6,6 +6,7 @@
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { pino } from "pino";
 import { afterAll, beforeAll, expect, it } from "vitest";
 import { newRunnerToken } from "../lib/tokens.ts";
 import { createRestServer } from "../rest-server/server.ts";
@@ -74,5 +75,29 @@ describeEachDb("runner start calls", (getDb) => {
     }
     expect(answers[8]).toMatchObject({ status: 401, body: { error: { code: "auth.invalid_token" } } });
     await app.close();
+  });
+
+  it("a token given twice in one `starts` call moves its bundle once, logs it once, and answers both", async () => {
+    const db = getDb();
+    const lines: { msg?: string; bundleUuid?: string }[] = [];
+    const logger = pino({ level: "info" }, { write: (line: string) => lines.push(JSON.parse(line)) });
+    const app = await createRestServer({ ...restServerBasics(db, join(dir, "data-twice")), logger });
+    try {
+      const api = injectClient(app);
+      const b = await createTestBundle(db, (await createTestUser(db)).uuid);
+      await stageBundle(db, b.uuid, { actor: "test" });
+      const { token } = await startWithRunnerToken(db, b.uuid);
+      const res = await api("POST", "/api/v1/runner/starts", undefined, { tokens: [token, token] });
+      expect(res.status).toBe(200);
+      expect(res.body.items).toEqual([
+        expect.objectContaining({ uuid: b.uuid, state: "running", attempt: 1 }),
+        expect.objectContaining({ uuid: b.uuid, state: "running", attempt: 1 }),
+      ]);
+      expect(lines.filter((l) => l.msg === "bundle running" && l.bundleUuid === b.uuid)).toHaveLength(1);
+      const events = await listEvents(db, b.uuid);
+      expect(events.filter((e) => e.toState === "running")).toHaveLength(1);
+    } finally {
+      await app.close();
+    }
   });
 });
