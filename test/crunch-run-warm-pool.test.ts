@@ -661,6 +661,46 @@ describe("crunch-run warm pool (process runtime)", () => {
     }
   });
 
+  it("kills a spare it started that is not ready within 30 s, and starts another", async () => {
+    for (const pid of pidsTitled(h.root, "crunch-run warm-pool")) kill(pid);
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 0, 10_000);
+    // The first spare the new pool starts is stopped before it is ready: counted as warming up, it would hold
+    // back the refill (one spare at a time on a 2-core instance) for ever.
+    const stopped: { pid?: number } = {};
+    let watching = true;
+    const watch = (async () => {
+      while (watching && stopped.pid === undefined) {
+        for (const pid of findPids({ env: ["DISPATCH_VM_ROOT", h.root] })) {
+          if ((readCmdline(pid) ?? []).at(-1) !== "--spare") continue;
+          process.kill(pid, "SIGSTOP");
+          stopped.pid = pid;
+          break;
+        }
+        await new Promise((r) => setTimeout(r, 2));
+      }
+    })();
+    try {
+      const first = await h.newStartingBundle({ command: ["true"] });
+      const res = await h.detach(first, { warmSupervisors: 1 });
+      expect(res.code, res.stderr).toBe(0);
+      await waitFor(async () => stopped.pid !== undefined, 10_000);
+      const stuck = stopped.pid as number;
+      const t0 = Date.now();
+      await waitFor(async () => !isAlive(stuck), 45_000);
+      expect(Date.now() - t0).toBeGreaterThan(25_000);
+      let spares: number[] = [];
+      await waitFor(async () => {
+        spares = pidsTitled(h.root, "crunch-run spare");
+        return spares.length === 1;
+      }, 20_000);
+      expect(spares).not.toContain(stuck);
+    } finally {
+      watching = false;
+      await watch;
+      if (stopped.pid !== undefined) kill(stopped.pid, "SIGCONT");
+    }
+  }, 90_000);
+
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
     const paths = runnerPaths({ DISPATCH_VM_ROOT: "/r" });
     const old = spareSocketPath(paths, ["/tmp/dispatch-cloud/crunch-run~aaaa"]);
