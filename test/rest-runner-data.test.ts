@@ -190,9 +190,16 @@ describeEachDb("REST runner data", (getDb) => {
           resourceUsage: {},
           ...(status === undefined ? {} : { status }),
         });
+      const seq = async () => (await getBundle(getDb(), uuid))?.changeSeq;
+      const before = await seq();
       expect((await hb(line)).status).toBe(200);
       expect((await api("GET", `/api/v1/bundles/${uuid}`, alice)).body.schedulingStatus).toBe(line);
+      // A new status is news for the dispatcher's queue (change_seq moves); the same status again, or none, is not.
+      const afterStatus = await seq();
+      expect(afterStatus).toBeGreaterThan(before as number);
+      expect((await hb(line)).status).toBe(200);
       expect((await hb(undefined)).status).toBe(200);
+      expect(await seq()).toBe(afterStatus);
       expect((await getBundle(getDb(), uuid))?.schedulingStatus).toBe(line);
       expect((await hb(null)).status).toBe(200);
       expect((await api("GET", `/api/v1/bundles/${uuid}`, alice)).body.schedulingStatus).toBeNull();
