@@ -11,12 +11,11 @@
  *   deployed runner never hands work to an old one's pool; mode 0600: the document holds the runner token). It
  *   keeps K spare processes (`crunch-run --spare`, each in its own session, spoken to over a Node IPC channel):
  *   supervisors that have loaded their modules, run their hand-off path once (spare-warmup.ts), and wait for one
- *   start document. K is the start document's
- *   `warmSupervisors` (the dispatcher sends min(dispatcher.warmSupervisors, the instance's slots)); every
- *   hand-off updates it, and a lower K lets the extra ready spares go. Spares are started again in the background (REFILL_DELAY_MS after a hand-off), at most
- *   half the CPUs' worth at a time
- *   (one on a 2-core instance, so that refilling does not slow the bundles just started), and at once for
- *   hand-offs that wait;
+ *   start document. K is the start document's `warmSupervisors` (the dispatcher sends
+ *   min(dispatcher.warmSupervisors, the instance's slots)); every hand-off updates it, and a lower K lets the
+ *   extra ready spares go. Spares are started again in the background (REFILL_DELAY_MS after a hand-off), at
+ *   most half the CPUs' worth at a time (one on a 2-core instance, so that refilling does not slow the bundles
+ *   just started), and at once for hand-offs that wait;
  *   spares that die before they are ready are started again later and later (1 s doubling to 1 min).
  * - A hand-off (`<mode> <uuid>\n<start document>`, lib/runner-protocol.ts; the dispatcher sends the starts of one
  *   pass as one `many <n>` request and gets a line per bundle) on the socket goes to the oldest ready spare, or

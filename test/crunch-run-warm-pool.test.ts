@@ -78,6 +78,34 @@ describe("crunch-run warm pool (process runtime)", () => {
     return spares;
   };
 
+  /**
+   * Stops (SIGSTOP) the next spare process to appear, while it warms up (before its title says it is ready).
+   * `pid()` is its pid once stopped; `done()` ends the watch and lets it go on (SIGCONT).
+   */
+  const stopNextSpare = () => {
+    let stopped: number | undefined;
+    let watching = true;
+    const watch = (async () => {
+      while (watching && stopped === undefined) {
+        for (const pid of findPids({ env: ["DISPATCH_VM_ROOT", h.root] })) {
+          if ((readCmdline(pid) ?? []).at(-1) !== "--spare") continue;
+          process.kill(pid, "SIGSTOP");
+          stopped = pid;
+          break;
+        }
+        await new Promise((r) => setTimeout(r, 2));
+      }
+    })();
+    return {
+      pid: () => stopped,
+      async done() {
+        watching = false;
+        await watch;
+        if (stopped !== undefined) kill(stopped, "SIGCONT");
+      },
+    };
+  };
+
   it("keeps K spares ready; back-to-back starts and a burst of K each go to a spare that was waiting", async () => {
     const spares = await poolOf(3);
     const socket = await socketOf();
@@ -571,25 +599,13 @@ describe("crunch-run warm pool (process runtime)", () => {
     const socket = await socketOf();
     // The spare the pool starts in the lent one's place (REFILL_DELAY_MS, 3 s, after the hand-off) is stopped
     // while it warms up, before its title says it is ready.
-    const stopped: { pid?: number } = {};
-    let watching = true;
-    const watch = (async () => {
-      while (watching && stopped.pid === undefined) {
-        for (const pid of findPids({ env: ["DISPATCH_VM_ROOT", h.root] })) {
-          if ((readCmdline(pid) ?? []).at(-1) !== "--spare") continue;
-          process.kill(pid, "SIGSTOP");
-          stopped.pid = pid;
-          break;
-        }
-        await new Promise((r) => setTimeout(r, 2));
-      }
-    })();
+    const stopped = stopNextSpare();
     try {
       // A bundle that outlasts the pool's wait for its supervisor (REFILL_DELAY_MS), by a little.
       const x = await h.newStartingBundle({ command: ["sleep", "3.5"] });
       expect(await handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 1 }))).toBe(lent);
-      await waitFor(async () => stopped.pid !== undefined, 10_000);
-      const fresh = stopped.pid as number;
+      await waitFor(async () => stopped.pid() !== undefined, 10_000);
+      const fresh = stopped.pid() as number;
       expect((await h.waitFinal(x.uuid)).state).toBe("ready");
       // The supervisor comes back while the new spare is still stopped: the pool takes it as its one spare.
       await waitFor(async () => pidsTitled(h.root, "crunch-run spare").includes(lent as number), 10_000);
@@ -599,9 +615,7 @@ describe("crunch-run warm pool (process runtime)", () => {
       await new Promise((r) => setTimeout(r, 500));
       expect(pidsTitled(h.root, "crunch-run spare")).toEqual([lent]);
     } finally {
-      watching = false;
-      await watch;
-      if (stopped.pid !== undefined) kill(stopped.pid, "SIGCONT");
+      await stopped.done();
     }
   });
 
@@ -666,25 +680,13 @@ describe("crunch-run warm pool (process runtime)", () => {
     await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 0, 10_000);
     // The first spare the new pool starts is stopped before it is ready: counted as warming up, it would hold
     // back the refill (one spare at a time on a 2-core instance) for ever.
-    const stopped: { pid?: number } = {};
-    let watching = true;
-    const watch = (async () => {
-      while (watching && stopped.pid === undefined) {
-        for (const pid of findPids({ env: ["DISPATCH_VM_ROOT", h.root] })) {
-          if ((readCmdline(pid) ?? []).at(-1) !== "--spare") continue;
-          process.kill(pid, "SIGSTOP");
-          stopped.pid = pid;
-          break;
-        }
-        await new Promise((r) => setTimeout(r, 2));
-      }
-    })();
+    const stopped = stopNextSpare();
     try {
       const first = await h.newStartingBundle({ command: ["true"] });
       const res = await h.detach(first, { warmSupervisors: 1 });
       expect(res.code, res.stderr).toBe(0);
-      await waitFor(async () => stopped.pid !== undefined, 10_000);
-      const stuck = stopped.pid as number;
+      await waitFor(async () => stopped.pid() !== undefined, 10_000);
+      const stuck = stopped.pid() as number;
       const t0 = Date.now();
       await waitFor(async () => !isAlive(stuck), 45_000);
       expect(Date.now() - t0).toBeGreaterThan(25_000);
@@ -695,9 +697,7 @@ describe("crunch-run warm pool (process runtime)", () => {
       }, 20_000);
       expect(spares).not.toContain(stuck);
     } finally {
-      watching = false;
-      await watch;
-      if (stopped.pid !== undefined) kill(stopped.pid, "SIGCONT");
+      await stopped.done();
     }
   }, 90_000);
 
