@@ -21,7 +21,7 @@ import { ERROR_CODES } from "../lib/errors.ts";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createManagementServer } from "../management-api/server.ts";
 import { createRestServer, type RestServerOptions } from "../rest-server/server.ts";
-import { createUser } from "../store/queries.ts";
+import { createUser, getBundle } from "../store/queries.ts";
 import { markRunning, stageBundle } from "../store/transitions.ts";
 import { createTestBundle, describeEachDb, startWithRunnerToken } from "./db.ts";
 import { stubConfig } from "./dispatcher-harness.ts";
@@ -191,6 +191,19 @@ describeEachDb("hostile HTTP clients on real sockets", (getDb) => {
       const { responses, writes } = await exchange(port, head, { chunk: "y".repeat(100), times: 20 });
       expect(writes).toBe(20);
       expect(responses.map((r) => [r.status, r.body])).toEqual([[200, JSON.stringify({ stored: 2000 })]]);
+    });
+
+    it("holds a runner's heartbeat to requestTimeout: its body is small, only uploads may trickle", async () => {
+      const { uuid, token } = await running();
+      const head =
+        "POST /api/v1/runner/heartbeat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+        `Authorization: Bearer ${token}\r\nContent-Length: 2000\r\n\r\n{`;
+      // The same pace as the upload above, which is let through.
+      const { responses, writes } = await exchange(port, head, { chunk: " ".repeat(100), times: 19 });
+      expect(responses).toHaveLength(1);
+      expectError(responses[0], "request.timeout");
+      expect(writes).toBeLessThan(19);
+      expect((await getBundle(getDb(), uuid))?.lastHeartbeatAt).toBeNull();
     });
 
     it("keeps a followed log open past every timeout and sends what the runner stores", async () => {
