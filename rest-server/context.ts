@@ -32,6 +32,12 @@ export interface RouteContext {
   maxOutputSize: number;
   maxOutputFiles: number;
   maxLogBytesPerStream: number;
+  /**
+   * A log chunk of at most this many bytes (its Content-Length) is stored without a token lookup before its body
+   * (routes-runner.ts): it arrives within restServer.requestTimeout at restServer.minUploadRate, so it needs no
+   * runner's allowance to be slow, which only that lookup can give.
+   */
+  smallLogChunk: number;
   logNotifier: LogNotifier;
   logPollInterval: number;
   instancePrice(instanceType: string): number | undefined;

@@ -15,7 +15,13 @@ import { DispatchCloudError } from "../lib/errors.ts";
 import { groupCalls } from "../lib/group-calls.ts";
 import { MAX_HAND_OFFS } from "../lib/runner-protocol.ts";
 import { outputManifestsByBundle, setOutputManifest } from "../store/cas-queries.ts";
-import { appendLogChunk, getBundle, recordHeartbeat, recordHeartbeatByToken } from "../store/queries.ts";
+import {
+  appendLogChunk,
+  appendLogChunkByToken,
+  getBundle,
+  recordHeartbeat,
+  recordHeartbeatByToken,
+} from "../store/queries.ts";
 import {
   finishBundle,
   loseBundle,
@@ -161,6 +167,19 @@ export function preemptedReason(notice: { action?: string; time?: string }): str
 
 /** Largest log chunk a runner may send in one call. */
 export const MAX_LOG_CHUNK = 2 ** 20;
+
+/** Bytes a log chunk may declare to be stored without a token lookup before its body (RouteContext.smallLogChunk). */
+const SMALL_LOG_CHUNK_MAX = 64 * 1024;
+
+/**
+ * The largest upload that arrives within requestTimeout at minUploadRate (so needs no runner's allowance to be
+ * slow), at most 64 KiB: what a client may make the server read before its token is checked. With no
+ * minUploadRate no upload has that allowance.
+ */
+export function smallUploadBytes(t: { requestTimeout: number; minUploadRate: number }): number {
+  if (t.minUploadRate <= 0) return SMALL_LOG_CHUNK_MAX;
+  return Math.min(SMALL_LOG_CHUNK_MAX, Math.floor((t.minUploadRate * t.requestTimeout) / 1000));
+}
 
 const ACTOR = "runner";
 
@@ -431,21 +450,43 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       if (!request.raw.readableEnded) reply.header("connection", "close");
     });
 
-    // The token is looked up before the body is read (so only a runner's upload may be slow, server.ts); the
-    // chunk is then stored in one statement (append_log_chunk).
-    scope.post("/api/v1/runner/logs", { onRequest }, async (request) => {
-      const bundle = runnerBundleOf(request);
-      const { stream, offset } = parseLogChunkQuery(request.query);
-      requireContentType(request, "application/octet-stream");
+    // A chunk small enough to arrive within requestTimeout at minUploadRate is stored in one statement that finds
+    // the token's bundle (append_log_chunk_by_token). A larger one (or one of unknown length) has its token looked
+    // up before its body is read, the only way a runner's upload may be slow (server.ts), then is stored in one
+    // statement (append_log_chunk). A bad or stale token gets the error every runner route gives either way.
+    const logsOnRequest = async (request: FastifyRequest) => {
+      const declared = Number(request.headers["content-length"]);
+      if (Number.isSafeInteger(declared) && declared >= 0 && declared <= ctx.smallLogChunk) {
+        runnerTokenHashOf(request); // a malformed token is refused before anything is read
+        return;
+      }
+      request.runnerBundle = await authenticateRunner(db, request);
+    };
+    scope.post("/api/v1/runner/logs", { onRequest: logsOnRequest }, async (request) => {
+      let stream: LogStream;
+      let offset: number;
+      try {
+        ({ stream, offset } = parseLogChunkQuery(request.query));
+        requireContentType(request, "application/octet-stream");
+      } catch (err) {
+        if (request.runnerBundle === null) await authenticateRunner(db, request); // the token's error first
+        throw err;
+      }
       const data = await readBody(request, MAX_LOG_CHUNK);
-      const result = await appendLogChunk(db, {
-        uuid: bundle.uuid,
-        attempt: bundle.attempt,
-        stream,
-        offset,
-        data,
-        maxBytes: ctx.maxLogBytesPerStream,
-      });
+      const chunk = { stream, offset, data, maxBytes: ctx.maxLogBytesPerStream };
+      let stored =
+        request.runnerBundle === null
+          ? await appendLogChunkByToken(db, { tokenHash: runnerTokenHashOf(request), ...chunk })
+          : null;
+      if (stored === null) {
+        // Looked up before the body, or not a current token: the lookup says why, as on every runner route.
+        const b = request.runnerBundle ?? (await runnerBundleByTokenHash(db, runnerTokenHashOf(request)));
+        stored = {
+          bundle: b,
+          result: await appendLogChunk(db, { uuid: b.uuid, attempt: b.attempt, ...chunk }),
+        };
+      }
+      const { bundle, result } = stored;
       if (result.ok)
         return result.truncated ? { stored: result.stored, truncated: true } : { stored: result.stored };
       if (result.reason === "gap") {
@@ -484,7 +525,10 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
 const tooLarge = (max: number) =>
   new DispatchCloudError("runner.output_too_large", `the outputs are larger than the ${max} bytes allowed`);
 
-function notCurrentNow(bundle: Bundle, now: Pick<Bundle, "state" | "attempt"> | null): DispatchCloudError {
+function notCurrentNow(
+  bundle: Pick<Bundle, "uuid" | "attempt">,
+  now: Pick<Bundle, "state" | "attempt"> | null,
+): DispatchCloudError {
   const what = now === null ? "is gone" : `is ${now.state} at attempt ${now.attempt}`;
   return new DispatchCloudError(
     "runner.not_current",

@@ -49,7 +49,7 @@ import { usersApiDocument } from "./openapi.ts";
 import { createOutputStore } from "./outputs.ts";
 import { registerPipelineRoutes } from "./pipelines/routes.ts";
 import { NO_SUBMIT_LIMITS, type SubmitLimits } from "./quotas.ts";
-import { registerRunnerRoutes } from "./routes-runner.ts";
+import { registerRunnerRoutes, smallUploadBytes } from "./routes-runner.ts";
 import { registerTokenRoutes } from "./routes-tokens.ts";
 import { registerUserRoutes } from "./routes-users.ts";
 import { createSubmitCoalescer } from "./submit-coalescer.ts";
@@ -161,6 +161,11 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
           { component: "rest-server" },
           { redact: { paths: REDACTED_PATHS, censor: "[redacted]" } },
         );
+  const timeouts = {
+    headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,
+    requestTimeout: opts.requestTimeout ?? defaults.requestTimeout,
+    minUploadRate: opts.minUploadRate ?? defaults.minUploadRate,
+  };
   const { onBundlesWritten } = opts;
   const ctx: RouteContext = {
     db: opts.db,
@@ -171,6 +176,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     maxOutputSize: opts.maxOutputSize ?? DEFAULT_MAX_OUTPUT_SIZE,
     maxOutputFiles: opts.maxOutputFiles ?? defaults.maxOutputFiles,
     maxLogBytesPerStream: opts.maxLogBytesPerStream ?? defaults.maxLogBytesPerStream,
+    smallLogChunk: smallUploadBytes(timeouts),
     logNotifier: createLogNotifier(opts.db, logger),
     logPollInterval: opts.logPollInterval ?? 5000,
     instancePrice: opts.instancePrice ?? (() => undefined),
@@ -210,11 +216,6 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     unavailableImageRequeues:
       opts.unavailableImageRequeues ?? defaultConfig().containers.unavailableImageRequeues,
     runnerArtifact: opts.workers?.artifact ?? null,
-  };
-  const timeouts = {
-    headersTimeout: opts.headersTimeout ?? defaults.headersTimeout,
-    requestTimeout: opts.requestTimeout ?? defaults.requestTimeout,
-    minUploadRate: opts.minUploadRate ?? defaults.minUploadRate,
   };
   const app = Fastify({
     loggerInstance: logger as FastifyBaseLogger,

@@ -1050,28 +1050,52 @@ export async function appendLogChunk(
     maxBytes?: number;
   },
 ): Promise<AppendLogResult> {
-  const maxBytes = args.maxBytes ?? Number.POSITIVE_INFINITY;
-  const { rows } = await db.query<{
-    outcome: "ok" | "gap" | "not_current";
-    state: BundleState | null;
-    attempt: number | null;
-    stored: string | number | null;
-    truncated: boolean;
-  }>(
+  const { rows } = await db.query<LogChunkRow>(
     prepared(
       "SELECT outcome, state, attempt, stored, truncated FROM append_log_chunk($1, $2, $3, $4, $5, $6, $7)",
     ),
-    [
-      args.uuid,
-      args.attempt,
-      args.stream,
-      args.offset,
-      args.data,
-      Number.isFinite(maxBytes) ? maxBytes : null,
-      LOG_CHANNEL,
-    ],
+    [args.uuid, args.attempt, ...logChunkParams(args)],
+  );
+  return logChunkResult(rows[0]);
+}
+
+/**
+ * appendLogChunk() for the bundle whose runner token hashes to `tokenHash` (append_log_chunk_by_token, migration
+ * 016): one statement where a lookup of the token and appendLogChunk() make two. Null when no starting or running
+ * bundle holds that token (nothing is written; the caller looks the token up to say why); otherwise the bundle's
+ * uuid and attempt, and appendLogChunk()'s result for them.
+ */
+export async function appendLogChunkByToken(
+  db: Db,
+  args: { tokenHash: string; stream: LogStream; offset: number; data: Uint8Array; maxBytes?: number },
+): Promise<{ bundle: { uuid: string; attempt: number }; result: AppendLogResult } | null> {
+  const { rows } = await db.query<LogChunkRow & { bundle_uuid: string | null }>(
+    prepared(
+      "SELECT outcome, bundle_uuid, state, attempt, stored, truncated FROM append_log_chunk_by_token($1, $2, $3, $4, $5, $6)",
+    ),
+    [args.tokenHash, ...logChunkParams(args)],
   );
   const r = rows[0];
+  if (r === undefined) throw new Error("append_log_chunk_by_token returned no row");
+  if (r.outcome === "no_token" || r.bundle_uuid === null || r.attempt === null) return null;
+  return { bundle: { uuid: r.bundle_uuid, attempt: r.attempt }, result: logChunkResult(r) };
+}
+
+interface LogChunkRow {
+  outcome: "ok" | "gap" | "not_current" | "no_token";
+  state: BundleState | null;
+  attempt: number | null;
+  stored: string | number | null;
+  truncated: boolean;
+}
+
+/** The parameters both log chunk functions end with: stream, offset, data, the limit (null: none), channel. */
+function logChunkParams(args: { stream: LogStream; offset: number; data: Uint8Array; maxBytes?: number }) {
+  const maxBytes = args.maxBytes ?? Number.POSITIVE_INFINITY;
+  return [args.stream, args.offset, args.data, Number.isFinite(maxBytes) ? maxBytes : null, LOG_CHANNEL];
+}
+
+function logChunkResult(r: LogChunkRow | undefined): AppendLogResult {
   if (r === undefined) throw new Error("append_log_chunk returned no row");
   const stored = Number(r.stored);
   if (r.outcome === "ok") return r.truncated ? { ok: true, stored, truncated: true } : { ok: true, stored };

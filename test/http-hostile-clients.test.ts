@@ -21,7 +21,7 @@ import { ERROR_CODES } from "../lib/errors.ts";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createManagementServer } from "../management-api/server.ts";
 import { createRestServer, type RestServerOptions } from "../rest-server/server.ts";
-import { createUser, getBundle } from "../store/queries.ts";
+import { createUser, getBundle, storedLogBytes } from "../store/queries.ts";
 import { markRunning, stageBundle } from "../store/transitions.ts";
 import { createTestBundle, describeEachDb, startWithRunnerToken } from "./db.ts";
 import { stubConfig } from "./dispatcher-harness.ts";
@@ -204,6 +204,21 @@ describeEachDb("hostile HTTP clients on real sockets", (getDb) => {
       expectError(responses[0], "request.timeout");
       expect(writes).toBeLessThan(19);
       expect((await getBundle(getDb(), uuid))?.lastHeartbeatAt).toBeNull();
+    });
+
+    it("holds a log chunk that arrives within requestTimeout at minUploadRate to requestTimeout", async () => {
+      const { uuid, token } = await running();
+      // requestTimeout 500 ms at 100 bytes/s: 50 bytes. The chunk's token is checked with its body, so the
+      // body is not let through slowly.
+      const head =
+        "POST /api/v1/runner/logs?stream=stdout&offset=0 HTTP/1.1\r\nHost: x\r\n" +
+        `Content-Type: application/octet-stream\r\nAuthorization: Bearer ${token}\r\nContent-Length: 40\r\n\r\n`;
+      const { responses, writes } = await exchange(port, head, { chunk: "y", times: 39 });
+      expect(responses).toHaveLength(1);
+      expectError(responses[0], "request.timeout");
+      expect(writes).toBeLessThan(39);
+      const attempt = (await getBundle(getDb(), uuid))?.attempt ?? -1;
+      expect(await storedLogBytes(getDb(), uuid, attempt, "stdout")).toBe(0);
     });
 
     it("keeps a followed log open past every timeout and sends what the runner stores", async () => {

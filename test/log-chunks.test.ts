@@ -1,21 +1,23 @@
 /**
  * appendLogChunk (store/queries.ts, the function append_log_chunk of migration 014) on both databases: chunks of
- * one stream from writers at once, the stream's limit and its notice, gaps, and attempts that are not current.
+ * one stream from writers at once, the stream's limit and its notice, gaps, and attempts that are not current;
+ * appendLogChunkByToken (append_log_chunk_by_token, migration 016): the same by the runner's token.
  */
 import { expect, it } from "vitest";
-import { appendLogChunk, readLogChunks } from "../store/queries.ts";
-import { markRunning, stageBundle } from "../store/transitions.ts";
+import { hashToken } from "../lib/tokens.ts";
+import { appendLogChunk, appendLogChunkByToken, readLogChunks } from "../store/queries.ts";
+import { finishBundle, markRunning, stageBundle } from "../store/transitions.ts";
 import { createTestBundle, createTestUser, describeEachDb, startWithRunnerToken } from "./db.ts";
 
 describeEachDb("log chunks in one statement", (getDb) => {
-  /** A running bundle's uuid and attempt. */
-  const running = async (): Promise<{ uuid: string; attempt: number }> => {
+  /** A running bundle's uuid and attempt (and its runner token's hash). */
+  const running = async (): Promise<{ uuid: string; attempt: number; tokenHash: string }> => {
     const db = getDb();
     const b = await createTestBundle(db, (await createTestUser(db)).uuid);
     expect((await stageBundle(db, b.uuid, { actor: "test" })).ok).toBe(true);
-    const { bundle } = await startWithRunnerToken(db, b.uuid);
+    const { bundle, token } = await startWithRunnerToken(db, b.uuid);
     expect((await markRunning(db, b.uuid, bundle.attempt, { actor: "test" })).ok).toBe(true);
-    return { uuid: b.uuid, attempt: bundle.attempt };
+    return { uuid: b.uuid, attempt: bundle.attempt, tokenHash: hashToken(token) };
   };
   const stream = async (b: { uuid: string; attempt: number }, name: "stdout" | "stderr" = "stdout") =>
     Buffer.concat(
@@ -83,5 +85,36 @@ describeEachDb("log chunks in one statement", (getDb) => {
       current: null,
     });
     expect(await stream(b)).toBe("xy");
+  });
+
+  it("stores a chunk by the runner's token for its bundle's attempt, under the same rules; nothing for a token that is not current", async () => {
+    const b = await running();
+    const put = (tokenHash: string, offset: number, data = "xy") =>
+      appendLogChunkByToken(getDb(), {
+        tokenHash,
+        stream: "stdout",
+        offset,
+        data: Buffer.from(data),
+        maxBytes: 6,
+      });
+    const self = { uuid: b.uuid, attempt: b.attempt };
+    expect(await put(b.tokenHash, 0)).toEqual({ bundle: self, result: { ok: true, stored: 2 } });
+    expect(await put(b.tokenHash, 0, "xyz")).toEqual({ bundle: self, result: { ok: true, stored: 3 } });
+    expect(await put(b.tokenHash, 5)).toEqual({
+      bundle: self,
+      result: { ok: false, reason: "gap", stored: 3 },
+    });
+    expect(await put(b.tokenHash, 3, "abcd")).toMatchObject({
+      bundle: self,
+      result: { ok: true, truncated: true },
+    });
+    expect(await put(hashToken("dcr_unknown"), 0)).toBeNull();
+    expect(await stream(b)).toMatch(/^xyzabc\n\[dispatch-cloud\] the stdout log reached its limit/);
+    // A finished bundle's token (its hash cleared) stores nothing.
+    const done = await running();
+    const fin = await finishBundle(getDb(), done.uuid, done.attempt, { exitCode: 0, actor: "test" });
+    expect(fin.ok).toBe(true);
+    expect(await put(done.tokenHash, 0)).toBeNull();
+    expect(await stream(done)).toBe("");
   });
 });

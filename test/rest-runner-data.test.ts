@@ -222,7 +222,7 @@ describeEachDb("REST runner data", (getDb) => {
       }
     });
 
-    it("costs one statement when the token is current (a log chunk two); a bad or stale token is refused as before", async () => {
+    it("costs one statement when the token is current (a log chunk over 64 KiB two); a bad or stale token is refused as before", async () => {
       // The same routes on a Db that counts its statements.
       let statements: string[] = [];
       const db = getDb();
@@ -265,23 +265,44 @@ describeEachDb("REST runner data", (getDb) => {
           BIN,
         );
         expect(chunk).toMatchObject({ status: 200, body: { stored: 3 } });
-        // Its token looked up before its body is read (only a runner's upload may be slow), then stored in one.
+        expect(statements).toHaveLength(1);
+        // Past 64 KiB its token is looked up before its body is read (only a runner's upload may be slow), then
+        // the chunk is stored in one statement.
+        statements = [];
+        const big = Buffer.alloc(64 * 1024 + 1, "x");
+        const bigChunk = await capi("POST", "/api/v1/runner/logs?stream=stdout&offset=3", token, big, BIN);
+        expect(bigChunk).toMatchObject({ status: 200, body: { stored: 3 + big.length } });
         expect(statements).toHaveLength(2);
-        expect((await api("GET", `/api/v1/bundles/${uuid}/logs?stream=stdout`, alice)).body).toBe("hi\n");
-        // A bad token is told so before a bad body; a malformed one costs no statement.
-        const unknown = "dcr_" + "a".repeat(43);
-        expect(await capi("POST", "/api/v1/runner/heartbeat", unknown, { resourceUsage: "x" })).toMatchObject(
-          {
-            status: 401,
-            body: { error: { code: "auth.invalid_token" } },
-          },
+        expect((await api("GET", `/api/v1/bundles/${uuid}/logs?stream=stdout`, alice)).body).toBe(
+          `hi\n${big.toString()}`,
         );
+        // A bad token is told so before a bad body or query; a malformed one costs no statement.
+        const unknown = "dcr_" + "a".repeat(43);
+        const invalidToken = { status: 401, body: { error: { code: "auth.invalid_token" } } };
+        expect(await capi("POST", "/api/v1/runner/heartbeat", unknown, { resourceUsage: "x" })).toMatchObject(
+          invalidToken,
+        );
+        for (const query of ["stream=stdin&offset=0", "stream=stdout&offset=-1"]) {
+          const bad = await capi("POST", `/api/v1/runner/logs?${query}`, unknown, Buffer.from("x"), BIN);
+          expect(bad).toMatchObject(invalidToken);
+        }
+        expect(
+          await capi("POST", "/api/v1/runner/logs?stream=stdout&offset=0", unknown, Buffer.from("x"), BIN),
+        ).toMatchObject(invalidToken);
         statements = [];
         expect(
           await capi("POST", "/api/v1/runner/heartbeat", "nonsense", { resourceUsage: {} }),
         ).toMatchObject({
           status: 401,
         });
+        const malformed = await capi(
+          "POST",
+          "/api/v1/runner/logs?stream=stdout&offset=0",
+          "nonsense",
+          Buffer.from("x"),
+          BIN,
+        );
+        expect(malformed.status).toBe(401);
         expect(statements).toHaveLength(0);
         // Tokens that are no longer current (a requeued attempt's, a finished bundle's): the refusal every
         // runner route gives them, and the bundle's heartbeat is left alone.
@@ -299,8 +320,10 @@ describeEachDb("REST runner data", (getDb) => {
           expect(late).toEqual(expect.objectContaining({ status: spec.status, body: spec.body }));
           expect((await getBundle(db, stale.uuid))?.resourceUsage).not.toEqual({ x: 1 });
           const path = "/api/v1/runner/logs?stream=stderr&offset=0";
-          const lateLog = await capi("POST", path, stale.token, Buffer.from("late\n"), BIN);
-          expect(lateLog).toEqual(expect.objectContaining({ status: spec.status, body: spec.body }));
+          for (const late of [Buffer.from("late\n"), Buffer.alloc(64 * 1024 + 1, "l")]) {
+            const lateLog = await capi("POST", path, stale.token, late, BIN);
+            expect(lateLog).toEqual(expect.objectContaining({ status: spec.status, body: spec.body }));
+          }
         }
       } finally {
         await counted.close();
