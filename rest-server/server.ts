@@ -33,6 +33,7 @@ import type { RuntimeEngine } from "../lib/runner-protocol.ts";
 import type { Db } from "../store/db.ts";
 import type { Bundle } from "../store/types.ts";
 import { TokenCache } from "./auth.ts";
+import { createAuthRefusals } from "./auth-refusals.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { BlobBackend } from "./cas/backend.ts";
 import { createFsBackend } from "./cas/backend-fs.ts";
@@ -108,6 +109,10 @@ export interface RestServerOptions {
   unavailableImageRequeues?: number;
   /** Users' own workers (docs/workers.md). */
   workers?: WorkerServerOptions;
+  /** Registry for the REST server's own metrics (requests refused for their token); none: no such metrics. */
+  metricsRegistry?: Registry;
+  /** Milliseconds between the warnings that sum requests refused for their token (auth-refusals.ts); 1 minute. */
+  authRefusalLogInterval?: number;
 }
 
 export interface WorkerServerOptions {
@@ -273,6 +278,17 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
   });
 
   app.setErrorHandler(errorHandler("request.invalid_body"));
+
+  // Requests refused for their token: counted, and summed in one warning a minute (auth-refusals.ts).
+  const refusals = createAuthRefusals({
+    logger: logger as Logger,
+    registry: opts.metricsRegistry,
+    interval: opts.authRefusalLogInterval,
+  });
+  app.addHook("onError", async (request, _reply, err) => {
+    if (err instanceof DispatchCloudError && err.status === 401) refusals.record(request, err.code);
+  });
+  app.addHook("onClose", async () => refusals.close());
 
   // A runner's upload (its token checked by the route's onRequest hook) may outlast requestTimeout while its
   // bytes keep coming at restServer.minUploadRate; anybody else's body must arrive within requestTimeout.

@@ -2,24 +2,14 @@
  * `promtool check metrics` (Debian's `prometheus` package) on the Prometheus text of a dispatcher on the stub
  * cloud that has booted instances and run bundles to completion, and the values that run must have left.
  */
-import { spawnSync } from "node:child_process";
 import { pino } from "pino";
 import { Registry } from "prom-client";
 import { describe, expect, it } from "vitest";
 import { isFinalState } from "../store/types.ts";
 import { createHarness, useTestDb } from "./dispatcher-harness.ts";
+import { promtool } from "./promtool.ts";
 
 const logger = pino({ level: process.env["DC_TEST_LOG"] ?? "silent" });
-
-function promtool(text: string): { status: number | null; output: string } {
-  const r = spawnSync("promtool", ["check", "metrics"], { input: text, encoding: "utf8" });
-  if (r.error !== undefined) {
-    throw new Error(
-      `cannot run promtool (${r.error.message}): apt-get install prometheus (or run scripts/test-services.sh as root)`,
-    );
-  }
-  return { status: r.status, output: `${r.stdout}${r.stderr}` };
-}
 
 /** The value of one series in the exposition text (the line `name{labels} value`). */
 function seriesValue(text: string, series: string): number {

@@ -188,8 +188,8 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
     opened.push({ what: "the database", close: () => db.close() });
     await ensureAdmin(db, config, logger);
     await mkdir(join(dataDir, "outputs"), { recursive: true, mode: 0o700 });
-    // One registry holds the REST server's content-addressed store metrics and (serve) the dispatcher's, which
-    // the management API serves at /metrics.
+    // One registry holds the REST server's metrics (refused tokens, the content-addressed store) and (serve) the
+    // dispatcher's, which the management API serves at /metrics.
     const registry = new Registry();
     const casBackend = await createCasBackend(config.cas, dataDir, {
       s3: (c) =>
@@ -239,6 +239,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
         runtimeEngine: config.dispatcher.runtimeEngine,
         artifact: runner,
       },
+      metricsRegistry: registry,
       cas: {
         backend: casBackend,
         retention: config.cas.retention,

@@ -1,0 +1,107 @@
+/**
+ * Requests the REST server refuses for their token (rest-server/auth-refusals.ts): counted by the token's kind
+ * and the error's code, summed in one warning per interval with the addresses that sent them, never a token.
+ */
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { Registry } from "prom-client";
+import { afterAll, beforeAll, expect, it } from "vitest";
+import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
+import { tokenKind } from "../rest-server/auth-refusals.ts";
+import { createRestServer } from "../rest-server/server.ts";
+import { createUser } from "../store/queries.ts";
+import { describeEachDb } from "./db.ts";
+import { capturingLogger } from "./fixtures.ts";
+import { promtool } from "./promtool.ts";
+import { injectClient } from "./rest-client.ts";
+
+it("names a token's kind by its prefix alone", () => {
+  expect(tokenKind(undefined)).toBe("none");
+  expect(tokenKind("Basic abc")).toBe("none");
+  expect(tokenKind("Bearer dcu_x")).toBe("user");
+  expect(tokenKind("bearer dcr_x")).toBe("runner");
+  expect(tokenKind("Bearer dcw_x")).toBe("worker");
+  expect(tokenKind("Bearer nonsense")).toBe("other");
+});
+
+describeEachDb("requests refused for their token", (getDb) => {
+  let dataDir: string;
+  beforeAll(async () => {
+    dataDir = await mkdtemp(join(tmpdir(), "dc-refusals-"));
+  });
+  afterAll(async () => {
+    if (dataDir !== undefined) await rm(dataDir, { recursive: true, force: true });
+  });
+
+  it("counts them by token kind and code, and sums them in one warning with the addresses, no token in it", async () => {
+    const { logger, lines } = capturingLogger("info");
+    const registry = new Registry();
+    const app = await createRestServer({
+      db: getDb(),
+      logger,
+      clusterId: "zzzzz",
+      maxRequestBodySize: 64 * 1024,
+      defaultMaxAttempts: 3,
+      dataDir,
+      metricsRegistry: registry,
+      // Longer than the test: its warning comes when the server closes.
+      authRefusalLogInterval: 600_000,
+    });
+    const api = injectClient(app);
+    const alice = newUserToken();
+    await createUser(getDb(), {
+      uuid: newUserUuid("zzzzz"),
+      name: `alice-${Math.random()}`,
+      isAdmin: false,
+      tokenHash: hashToken(alice),
+    });
+    const unknownUser = newUserToken();
+    const unknownRunner = `dcr_${"q".repeat(43)}`;
+    const unknownWorker = `dcw_${"w".repeat(43)}`;
+    const refused = [
+      await api("GET", "/api/v1/bundles"),
+      await api("GET", "/api/v1/bundles", unknownUser),
+      await api("GET", "/api/v1/users/current", unknownUser),
+      await api("POST", "/api/v1/runner/heartbeat", unknownRunner, { resourceUsage: {} }),
+      await api("POST", "/api/v1/runner/logs?stream=stdout&offset=0", "nonsense", Buffer.from("x"), {
+        "content-type": "application/octet-stream",
+      }),
+      await api("POST", "/api/v1/workers/checkin", unknownWorker, {}),
+    ];
+    expect(refused.map((r) => r.status)).toEqual([401, 401, 401, 401, 401, 401]);
+    // Allowed, or refused for what the token may do (403): not counted.
+    expect((await api("GET", "/api/v1/users/current", alice)).status).toBe(200);
+    expect((await api("POST", "/api/v1/users", alice, { name: "bob" })).status).toBe(403);
+
+    const counted = (await registry.getSingleMetric("dispatchcloud_rest_auth_refusals_total")?.get())?.values;
+    expect(
+      Object.fromEntries((counted ?? []).map((v) => [`${v.labels["token"]} ${v.labels["code"]}`, v.value])),
+    ).toEqual({
+      "none auth.missing_token": 1,
+      "user auth.invalid_token": 2,
+      "runner auth.invalid_token": 1,
+      "other auth.invalid_token": 1,
+      "worker auth.invalid_token": 1,
+    });
+    const text = await registry.metrics();
+    expect(promtool(text)).toEqual({ status: 0, output: "" });
+
+    expect(lines.filter((l) => l["msg"] === "requests refused for their token")).toEqual([]);
+    await app.close();
+    const warnings = lines.filter((l) => l["msg"] === "requests refused for their token");
+    expect(warnings).toEqual([
+      expect.objectContaining({
+        level: 40,
+        refusals: 6,
+        byToken: { none: 1, user: 2, runner: 1, other: 1, worker: 1 },
+        addresses: 1,
+        topAddresses: [{ address: "127.0.0.1", count: 6 }],
+      }),
+    ]);
+    const logged = JSON.stringify(lines);
+    for (const secret of [alice, unknownUser, unknownRunner, unknownWorker, "nonsense"]) {
+      expect(logged).not.toContain(secret);
+    }
+  });
+});
