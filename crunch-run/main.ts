@@ -24,7 +24,7 @@ import { constants as osConstants } from "node:os";
 import { formatDigest } from "../lib/cas/digest.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import type { Logger } from "../lib/logger.ts";
-import { formatList, MAX_WARM_SUPERVISORS, versionLine } from "../lib/runner-protocol.ts";
+import { formatDetachAnswer, formatList, MAX_WARM_SUPERVISORS, versionLine } from "../lib/runner-protocol.ts";
 import { selfCommand } from "../lib/self.ts";
 import { VERSION } from "../lib/version.ts";
 import { readHeldManifests } from "./cas-cache.ts";
@@ -497,7 +497,7 @@ async function detach(
       await releaseLock(file, process.pid);
       throw err;
     }
-    io.out(JSON.stringify({ uuid, pid: sparePid }));
+    io.out(formatDetachAnswer({ uuid, pid: sparePid, spare: socket }));
     return 0;
   }
   let child: ReturnType<typeof spawn>;
@@ -530,9 +530,10 @@ async function detach(
     await new Promise<void>((resolve) => stdin.end(text, () => resolve()));
   }
   child.unref();
-  io.out(JSON.stringify({ uuid, pid: child.pid }));
-  // No pool took it: start one (a second pool for a live one's socket exits at once).
-  if (socket !== null) startWarmPool(paths, command, env, doc.warmSupervisors);
+  // No pool took it: start one (a second pool for a live one's socket exits at once), and name its socket.
+  const pool = socket !== null && doc.warmSupervisors > 0 ? socket : null;
+  io.out(formatDetachAnswer({ uuid, pid: child.pid, spare: pool }));
+  if (pool !== null) startWarmPool(paths, command, env, doc.warmSupervisors);
   return 0;
 }
 

@@ -3,6 +3,8 @@ import {
   CACHE_KEY_HEX,
   cacheKey,
   clampSpotCheckIntervalMs,
+  detachAnswerSpare,
+  formatDetachAnswer,
   formatHandOff,
   formatHandOffs,
   formatList,
@@ -50,6 +52,19 @@ describe("the runner protocol", () => {
     for (const bad of ["spare relative.sock", "spare /a b.sock", "spare /x/../y.sock", "spare /x/y"]) {
       expect(parseList(`${bad}\n`)).toMatchObject({ spare: null, unknown: [bad] });
     }
+  });
+
+  it("names a warm pool's socket in --detach's answer, and reads back only a socket path", () => {
+    const sock = "/vm/1/var/run/cr-spare-0123456789.sock";
+    const uuid = "zzzzz-bndl-000000000000001";
+    expect(formatDetachAnswer({ uuid, pid: 42, spare: null })).toBe(`{"uuid":"${uuid}","pid":42}`);
+    expect(detachAnswerSpare(formatDetachAnswer({ uuid, pid: 42, spare: sock }))).toBe(sock);
+    expect(detachAnswerSpare(`${formatDetachAnswer({ uuid, pid: 42, spare: sock })}\n`)).toBe(sock);
+    expect(detachAnswerSpare(formatDetachAnswer({ uuid, pid: 42, spare: null }))).toBeNull();
+    for (const bad of ["relative.sock", "/a b.sock", "/x/../y.sock", "/x/y", 7, null]) {
+      expect(detachAnswerSpare(JSON.stringify({ uuid, pid: 1, spare: bad }))).toBeNull();
+    }
+    for (const text of ["", "pid 42", "[", "null", '"x"']) expect(detachAnswerSpare(text)).toBeNull();
   });
 
   it("parses --list: preempted (a spot interruption notice) beside runners, broken and a spare", () => {

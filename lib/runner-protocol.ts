@@ -141,7 +141,12 @@ export function clampSpotCheckIntervalMs(ms: number): number {
 // ---- --list ----
 
 const UUID = /^[a-z0-9]{5}-bndl-[a-z0-9]{15}$/;
-const SPARE_SOCKET = /^spare (\/[A-Za-z0-9._/+-]*\.sock)$/;
+const SPARE_SOCKET_PATH = /^\/[A-Za-z0-9._/+-]*\.sock$/;
+
+/** A warm pool's socket path as `--list` and `--detach` may name it: absolute, `.sock`, no `..` step. */
+export function isSpareSocketPath(path: unknown): path is string {
+  return typeof path === "string" && SPARE_SOCKET_PATH.test(path) && !path.includes("/../");
+}
 
 export interface ListedRunners {
   /** uuid -> listed state. */
@@ -281,9 +286,9 @@ export function parseList(stdout: string): ListedRunners {
       out.preempted = true;
       continue;
     }
-    const spare = SPARE_SOCKET.exec(line);
-    if (spare !== null && !spare[1]!.includes("/../")) {
-      out.spare = spare[1]!;
+    const spare = line.startsWith("spare ") ? line.slice("spare ".length) : null;
+    if (isSpareSocketPath(spare)) {
+      out.spare = spare;
       continue;
     }
     const [uuid, flag, ...rest] = line.split(/\s+/);
@@ -299,6 +304,28 @@ export function parseList(stdout: string): ListedRunners {
     }
   }
   return out;
+}
+
+// ---- --detach's answer ----
+
+/**
+ * What `crunch-run --detach <uuid>` prints on success: one JSON line, `{"uuid", "pid"}`, and `spare` when the
+ * instance has a warm pool at that socket (one took the document, or --detach has just started one), so the
+ * dispatcher can hand its next bundles to the pool without waiting for the next probe's `--list`.
+ */
+export function formatDetachAnswer(answer: { uuid: string; pid: number; spare: string | null }): string {
+  const { uuid, pid, spare } = answer;
+  return JSON.stringify(spare === null ? { uuid, pid } : { uuid, pid, spare });
+}
+
+/** The warm pool's socket a `--detach` answer names (formatDetachAnswer); null when none, or not a socket path. */
+export function detachAnswerSpare(stdout: string): string | null {
+  try {
+    const spare = (JSON.parse(stdout.trim()) as { spare?: unknown } | null)?.spare;
+    return isSpareSocketPath(spare) ? spare : null;
+  } catch {
+    return null;
+  }
 }
 
 // ---- the spare supervisor's hand-off ----

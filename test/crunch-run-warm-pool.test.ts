@@ -18,6 +18,7 @@ import { probeList } from "../dispatcher/pool/probe.ts";
 import { runnerCommands } from "../dispatcher/pool/runner-commands.ts";
 import type { Executor } from "../lib/executor.ts";
 import {
+  detachAnswerSpare,
   formatHandOff,
   formatHandOffs,
   LIST_REQUEST,
@@ -26,7 +27,7 @@ import {
 } from "../lib/runner-protocol.ts";
 import { newRunnerToken } from "../lib/tokens.ts";
 import { getBundle } from "../store/queries.ts";
-import { type RunnerHarness, startRunnerHarness } from "./crunch-run-harness.ts";
+import { type RunnerHarness, startRunnerHarness, stopProcessesOf } from "./crunch-run-harness.ts";
 import { useTestDb } from "./db.ts";
 
 type Started = { uuid: string; token: string; attempt: number };
@@ -75,6 +76,8 @@ describe("crunch-run warm pool (process runtime)", () => {
     }, 20_000).catch(() => {
       throw new Error(`the pool has ${spares.length} ready spares after 20 s, not ${k}`);
     });
+    // --detach named the pool it started: the socket --list shows.
+    expect(detachAnswerSpare(res.stdout)).toBe(await socketOf());
     return spares;
   };
 
@@ -213,6 +216,7 @@ describe("crunch-run warm pool (process runtime)", () => {
     expect(res.code, res.stderr).toBe(0);
     const { pid } = JSON.parse(res.stdout) as { pid: number };
     expect(pid).not.toBe(supervisor);
+    expect(detachAnswerSpare(res.stdout)).toBe(socket);
     expect((await h.waitFinal(next.uuid)).state).toBe("ready");
     // ...and a new pool replaces the dead one's socket.
     await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 2);
@@ -700,6 +704,17 @@ describe("crunch-run warm pool (process runtime)", () => {
       await stopped.done();
     }
   }, 90_000);
+
+  it("--detach with warmSupervisors 0 starts no pool and names none in its answer", async () => {
+    expect(await stopProcessesOf(h.root)).toEqual([]);
+    const b = await h.newStartingBundle({ command: ["true"] });
+    const res = await h.detach(b, { warmSupervisors: 0 });
+    expect(res.code, res.stderr).toBe(0);
+    expect(Object.keys(JSON.parse(res.stdout) as object).sort()).toEqual(["pid", "uuid"]);
+    expect(detachAnswerSpare(res.stdout)).toBeNull();
+    expect((await h.waitFinal(b.uuid)).state).toBe("ready");
+    expect(pidsTitled(h.root, "crunch-run warm-pool")).toEqual([]);
+  });
 
   it("names its socket after the runner's own command, so a new deployment never reaches an old pool", () => {
     const paths = runnerPaths({ DISPATCH_VM_ROOT: "/r" });

@@ -29,6 +29,8 @@ export interface SystemOptions {
   cloudYaml?: string;
   /** cloud.timeoutIdle (default 10m) and cloud.maxInstances (default 3). */
   timeoutIdle?: string;
+  /** cloud.probeInterval (default 500ms). */
+  probeInterval?: string;
   maxInstances?: number;
   /** Serve the management API on a free port, its token from the environment (`env:`). */
   management?: boolean;
@@ -137,7 +139,7 @@ export class E2eSystem {
             ...(user === undefined ? [] : [`    user: ${user}`]),
             ...(opts.addressPrefix === undefined ? [] : [`    addressPrefix: "${opts.addressPrefix}"`]),
           ]),
-      "  probeInterval: 500ms",
+      `  probeInterval: ${opts.probeInterval ?? "500ms"}`,
       "  syncInterval: 5s",
       `  timeoutIdle: ${opts.timeoutIdle ?? "10m"}`,
       `  maxInstances: ${opts.maxInstances ?? 3}`,

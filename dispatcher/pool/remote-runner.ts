@@ -14,6 +14,7 @@ import type { Logger } from "../../lib/logger.ts";
 import {
   clampSpotCheckIntervalMs,
   DEFAULT_IMAGE_PULL_RETRY_MS,
+  detachAnswerSpare,
   formatHandOffs,
   IMAGE_PULL_RETRY_RANGE_MS,
   MAX_HAND_OFFS,
@@ -38,6 +39,8 @@ export interface RunnerHost {
   readonly gone: boolean;
   readonly preempted: boolean;
   readonly spareSocket: string | null;
+  /** A warm pool's socket named by `--detach`'s answer (null: none); the next `--list` says whether it is there. */
+  learnSpareSocket(socket: string | null): void;
   /** When the last successful probe's `--list` was sent. */
   readonly probedAt: number | null;
   readonly runners: Map<string, RemoteRunner>;
@@ -221,6 +224,8 @@ export class RemoteRunner implements RunnerView {
         });
         if (res.exitCode !== 0)
           failure = `crunch-run --detach exited ${res.exitCode}: ${tail(res.stderr, 200)}`;
+        // The pool --detach found or started: the next starts go to it, not only after the next --list.
+        else if (w.spareSocket === null) w.learnSpareSocket(detachAnswerSpare(res.stdout.toString("utf8")));
       }
     } catch (err) {
       failure = `crunch-run --detach failed: ${err instanceof Error ? err.message : String(err)}`;

@@ -447,6 +447,12 @@ export class Worker implements WorkerView {
     return false;
   }
 
+  learnSpareSocket(socket: string | null): void {
+    if (socket === null || this.spareSocket === socket) return;
+    this.spareSocket = socket;
+    this.log.debug({ socket }, "warm pool named by --detach");
+  }
+
   /** What `--list` said of the instance (broken, preempted, a spare) and of its runners (remote-runner.ts). */
   private applyList(listed: ListedRunners, now: number): void {
     if (listed.unknown.length > 0) this.log.warn({ lines: listed.unknown }, "unexpected lines from --list");
