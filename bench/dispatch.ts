@@ -16,7 +16,8 @@
  * the SSH round trip after IDLE_MS of idleness, as a burst finds the machine (its VMs quiet for at least that
  * long): on some virtual machines every process is much slower to answer after a rest (docs/performance.md).
  *
- * Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs] [--db pglite|pg]
+ * Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs] [--db pglite|pg] [--probe-interval D]
+ * --probe-interval: cloud.probeInterval of the server (default 2s); the warm path must not depend on it.
  * --db pg: the server on a fresh database of DISPATCH_CLOUD_TEST_PG_URL's PostgreSQL (scripts/test-services.sh).
  * BENCH_KEEP_DIR=1 keeps the run's directory; BENCH_SERVE_LOG=FILE copies the server's log there.
  */
@@ -44,18 +45,22 @@ import { openTestDb, testBundleUuid, testNewBundle } from "../test/db.ts";
 import { benchArgs } from "./args.ts";
 
 const { values } = benchArgs(
-  "Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs] [--db pglite|pg]",
+  "Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs] [--db pglite|pg] [--probe-interval D]",
   {
     options: {
       bundles: { type: "string", default: "200" },
       bursts: { type: "string", default: "5" },
       runner: { type: "string", default: "sea" },
       db: { type: "string", default: "pglite" },
+      "probe-interval": { type: "string", default: "2s" },
     },
   },
 );
 if (values.runner !== "sea" && values.runner !== "cjs") throw new Error("--runner is sea or cjs");
 if (values.db !== "pglite" && values.db !== "pg") throw new Error("--db is pglite or pg");
+const PROBE_INTERVAL = values["probe-interval"] as string;
+if (!/^[0-9]+(ms|s|m)$/.test(PROBE_INTERVAL))
+  throw new Error("--probe-interval is a duration such as 2s or 1m");
 const COUNT = Number(values.bundles);
 const BURSTS = Number(values.bursts);
 const BURST = 20;
@@ -117,7 +122,7 @@ function startServe(): Promise<ChildProcess> {
       `logging:\n  level: ${process.env["BENCH_LOG_LEVEL"] ?? "info"}\n  format: json`,
       `dispatcher:\n  runtimeEngine: process\n  warmSupervisors: ${WARM}`,
       `cloud:\n  driver: local\n  driverParameters:\n    stateDir: ${dir}/vms\n  timeoutIdle: 1h\n  maxInstances: 2`,
-      `  maxRunningBundlesPerInstance: ${SLOTS}\n  probeInterval: 2s`,
+      `  maxRunningBundlesPerInstance: ${SLOTS}\n  probeInterval: ${PROBE_INTERVAL}`,
       ...(runnerBinary === "" ? [] : [`  deployRunnerBinary: ${runnerBinary}`]),
       "instanceTypes:\n  bench.large:\n    vcpus: 64\n    ram: 256GiB\n    price: 1",
       "",
@@ -434,7 +439,7 @@ async function main(): Promise<void> {
       `bench:dispatch: ${availableParallelism()} CPUs (${cpus()[0]?.model ?? "?"}), ${(totalmem() / 2 ** 30).toFixed(0)} GiB; load average ${load0.map((x) => x.toFixed(2)).join(" ")} at the start, ${load1.map((x) => x.toFixed(2)).join(" ")} at the end`,
     );
     console.log(
-      `  crunch-run deployed from ${values.runner === "sea" ? "the single executable" : "the one-file .cjs"}; two local VMs, ${SLOTS} bundle slots and ${WARM} warm spare supervisors each`,
+      `  crunch-run deployed from ${values.runner === "sea" ? "the single executable" : "the one-file .cjs"}; two local VMs, ${SLOTS} bundle slots and ${WARM} warm spare supervisors each; probes every ${PROBE_INTERVAL}`,
     );
     console.log(`  SSH exec round trip (same VM, same run): ${summary(ssh)}`);
     console.log(
