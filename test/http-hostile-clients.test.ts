@@ -208,15 +208,16 @@ describeEachDb("hostile HTTP clients on real sockets", (getDb) => {
 
     it("holds a log chunk that arrives within requestTimeout at minUploadRate to requestTimeout", async () => {
       const { uuid, token } = await running();
-      // requestTimeout 500 ms at 100 bytes/s: 50 bytes. The chunk's token is checked with its body, so the
-      // body is not let through slowly.
+      // requestTimeout 500 ms at 100 bytes/s: 50 bytes. Its token is checked with its body, so it is not let
+      // through slowly: 42 bytes, 3 every 50 ms (about 700 ms), which a runner's upload would be allowed
+      // (500 ms + 42 bytes at 100 bytes/s), is cut at 500 ms.
       const head =
-        "POST /api/v1/runner/logs?stream=stdout&offset=0 HTTP/1.1\r\nHost: x\r\n" +
-        `Content-Type: application/octet-stream\r\nAuthorization: Bearer ${token}\r\nContent-Length: 40\r\n\r\n`;
-      const { responses, writes } = await exchange(port, head, { chunk: "y", times: 39 });
+        "POST /api/v1/runner/logs?stream=stdout&offset=0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" +
+        `Content-Type: application/octet-stream\r\nAuthorization: Bearer ${token}\r\nContent-Length: 42\r\n\r\n`;
+      const { responses, writes } = await exchange(port, head, { chunk: "yyy", times: 14 });
       expect(responses).toHaveLength(1);
       expectError(responses[0], "request.timeout");
-      expect(writes).toBeLessThan(39);
+      expect(writes).toBeLessThan(14);
       const attempt = (await getBundle(getDb(), uuid))?.attempt ?? -1;
       expect(await storedLogBytes(getDb(), uuid, attempt, "stdout")).toBe(0);
     });
