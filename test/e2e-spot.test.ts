@@ -101,7 +101,12 @@ describe("end to end: a spot interruption notice (PostgreSQL, OpenSSH VMs, Docke
     })();
 
     imds.interrupt(first);
-    // A bundle that would fit on the preempted instance, submitted right after the notice.
+    // A bundle that would fit on the preempted instance, submitted once crunch-run there has the notice (its
+    // supervisor asks every 250 ms here; a start handed to a warm spare before that runs, and is requeued with
+    // the others when the notice is seen).
+    await until("crunch-run has the notice", () =>
+      existsSync(join(root, "var", "lock", "crunch-run-preempted")) ? true : undefined,
+    );
     const other = await sys.submit({
       image: IMAGE,
       command: ["sh", "-c", "echo other > /out/y"],
