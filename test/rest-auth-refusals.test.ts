@@ -5,10 +5,11 @@
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import type { FastifyRequest } from "fastify";
 import { Registry } from "prom-client";
 import { afterAll, beforeAll, expect, it } from "vitest";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
-import { tokenKind } from "../rest-server/auth-refusals.ts";
+import { createAuthRefusals, tokenKind } from "../rest-server/auth-refusals.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import { createUser } from "../store/queries.ts";
 import { describeEachDb } from "./db.ts";
@@ -23,6 +24,26 @@ it("names a token's kind by its prefix alone", () => {
   expect(tokenKind("bearer dcr_x")).toBe("runner");
   expect(tokenKind("Bearer dcw_x")).toBe("worker");
   expect(tokenKind("Bearer nonsense")).toBe("other");
+});
+
+it("keeps at most 10,000 addresses an interval however many send refused requests, and counts them all", () => {
+  const { logger, lines } = capturingLogger("info");
+  const refusals = createAuthRefusals({ logger, interval: 600_000 });
+  const from = (ip: string) =>
+    ({ ip, headers: { authorization: "Bearer dcu_x" } }) as unknown as FastifyRequest;
+  for (let i = 0; i < 10_050; i++)
+    refusals.record(from(`10.${i >> 16}.${(i >> 8) & 255}.${i & 255}`), "auth.invalid_token");
+  for (let i = 0; i < 5; i++) refusals.record(from("192.0.2.7"), "auth.invalid_token");
+  refusals.close();
+  const [warning, ...more] = lines.filter((l) => l["msg"] === "requests refused for their token");
+  expect(more).toEqual([]);
+  expect(warning).toMatchObject({ refusals: 10_055, byToken: { user: 10_055 }, addresses: 10_000 });
+  // An address first seen once 10,000 are kept counts in the total only.
+  expect(warning?.["topAddresses"]).toHaveLength(10);
+  expect(JSON.stringify(warning)).not.toContain("192.0.2.7");
+  // A new interval starts empty: nothing more to say.
+  refusals.flush();
+  expect(lines.filter((l) => l["msg"] === "requests refused for their token")).toHaveLength(1);
 });
 
 describeEachDb("requests refused for their token", (getDb) => {
