@@ -12,6 +12,7 @@ import { pino } from "pino";
 import type { Registry } from "prom-client";
 import type { Config } from "../config/schema.ts";
 import { resolveSecret } from "../config/secrets.ts";
+import { createAuthRefusals } from "../lib/auth-refusals.ts";
 import type { Clock } from "../lib/clock.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import {
@@ -42,6 +43,8 @@ export interface ManagementServerOptions {
   /** A pino logger (the server logs through a child of it), or false for no logging. */
   logger: Logger | false;
   clock?: Pick<Clock, "now">;
+  /** Milliseconds between the warnings that sum refused tokens (lib/auth-refusals.ts); default a minute. */
+  authRefusalLogInterval?: number;
   /** Where env: secrets are read; default process.env. */
   env?: Readonly<Record<string, string | undefined>>;
 }
@@ -97,6 +100,22 @@ export async function createManagementServer(opts: ManagementServerOptions): Pro
   });
 
   app.setErrorHandler(errorHandler("request.invalid_query"));
+
+  // Requests with no token or not the management token (not those refused because none is configured): counted
+  // on their own metric, and summed in one warning a minute with the addresses that sent them.
+  if (token !== "") {
+    const refusals = createAuthRefusals({
+      logger: logger as Logger,
+      registry: opts.registry,
+      interval: opts.authRefusalLogInterval,
+      api: "management",
+    });
+    app.addHook("onError", async (request, _reply, err) => {
+      if (err instanceof DispatchCloudError && (err.status === 401 || err.code === "auth.forbidden"))
+        refusals.record(request, err.code);
+    });
+    app.addHook("onClose", async () => refusals.close());
+  }
 
   registerManagementRoutes(app, {
     dispatcher: opts.dispatcher,

@@ -10,6 +10,7 @@ import Fastify, { type FastifyBaseLogger, type FastifyInstance } from "fastify";
 import { pino } from "pino";
 import type { Registry } from "prom-client";
 import { defaultConfig } from "../config/load.ts";
+import { createAuthRefusals } from "../lib/auth-refusals.ts";
 import type { Clock } from "../lib/clock.ts";
 import { systemClock } from "../lib/clock.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
@@ -33,7 +34,6 @@ import type { RuntimeEngine } from "../lib/runner-protocol.ts";
 import type { Db } from "../store/db.ts";
 import type { Bundle } from "../store/types.ts";
 import { TokenCache } from "./auth.ts";
-import { createAuthRefusals } from "./auth-refusals.ts";
 import type { BundleMinimums } from "./bundle-request.ts";
 import type { BlobBackend } from "./cas/backend.ts";
 import { createFsBackend } from "./cas/backend-fs.ts";
@@ -111,7 +111,7 @@ export interface RestServerOptions {
   workers?: WorkerServerOptions;
   /** Registry for the REST server's own metrics (requests refused for their token); none: no such metrics. */
   metricsRegistry?: Registry;
-  /** Milliseconds between the warnings that sum requests refused for their token (auth-refusals.ts); 1 minute. */
+  /** Milliseconds between the warnings that sum requests refused for their token (lib/auth-refusals.ts); 1 minute. */
   authRefusalLogInterval?: number;
 }
 
@@ -279,7 +279,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
 
   app.setErrorHandler(errorHandler("request.invalid_body"));
 
-  // Requests refused for their token: counted, and summed in one warning a minute (auth-refusals.ts).
+  // Requests refused for their token: counted, and summed in one warning a minute (lib/auth-refusals.ts).
   const refusals = createAuthRefusals({
     logger: logger as Logger,
     registry: opts.metricsRegistry,

@@ -1,6 +1,7 @@
 /**
- * Requests the REST server refuses for their token (rest-server/auth-refusals.ts): counted by the token's kind
- * and the error's code, summed in one warning per interval with the addresses that sent them, never a token.
+ * Requests the REST server and the management API refuse for their token (lib/auth-refusals.ts): counted by
+ * the token's kind and the error's code, summed in one warning per interval with the addresses that sent them,
+ * never a token.
  */
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
@@ -8,11 +9,14 @@ import { join } from "node:path";
 import type { FastifyRequest } from "fastify";
 import { Registry } from "prom-client";
 import { afterAll, beforeAll, expect, it } from "vitest";
+import type { Config } from "../config/schema.ts";
+import { createAuthRefusals, tokenKind } from "../lib/auth-refusals.ts";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
-import { createAuthRefusals, tokenKind } from "../rest-server/auth-refusals.ts";
+import { createManagementServer } from "../management-api/server.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import { createUser } from "../store/queries.ts";
 import { describeEachDb } from "./db.ts";
+import { stubConfig } from "./dispatcher-harness.ts";
 import { capturingLogger } from "./fixtures.ts";
 import { promtool } from "./promtool.ts";
 import { injectClient } from "./rest-client.ts";
@@ -124,5 +128,67 @@ describeEachDb("requests refused for their token", (getDb) => {
     for (const secret of [alice, unknownUser, unknownRunner, unknownWorker, "nonsense"]) {
       expect(logged).not.toContain(secret);
     }
+  });
+
+  it("counts the management API's refusals on their own metric and warning, never the token", async () => {
+    const token = `dcm-${"m".repeat(40)}`;
+    const management = async (configured: string) => {
+      const { logger, lines } = capturingLogger("info");
+      const registry = new Registry();
+      const c = stubConfig();
+      const app = await createManagementServer({
+        config: { ...c, management: { ...c.management, token: configured } } as Config,
+        dispatcher: { active: false, parts: null },
+        db: getDb(),
+        registry,
+        logger,
+        env: {},
+        authRefusalLogInterval: 600_000,
+      });
+      return { app, lines, registry };
+    };
+    const { app, lines, registry } = await management(token);
+    const call = (authorization?: string) =>
+      app.inject({
+        method: "GET",
+        url: "/management/v1/instances",
+        headers: authorization === undefined ? {} : { authorization },
+      });
+    const wrongUser = newUserToken();
+    const statuses = [
+      (await call()).statusCode,
+      (await call(`Bearer ${wrongUser}`)).statusCode,
+      (await call("Bearer nonsense")).statusCode,
+      (await call(`Bearer ${token}x`)).statusCode,
+    ];
+    expect(statuses).toEqual([401, 403, 403, 403]);
+    // The right token: not counted.
+    expect((await call(`Bearer ${token}`)).statusCode).not.toBe(403);
+    const counted = (await registry.getSingleMetric("dispatchcloud_management_auth_refusals_total")?.get())
+      ?.values;
+    expect(
+      Object.fromEntries((counted ?? []).map((v) => [`${v.labels["token"]} ${v.labels["code"]}`, v.value])),
+    ).toEqual({ "none auth.missing_token": 1, "user auth.forbidden": 1, "other auth.forbidden": 2 });
+    expect(registry.getSingleMetric("dispatchcloud_rest_auth_refusals_total")).toBeUndefined();
+    expect(promtool(await registry.metrics())).toEqual({ status: 0, output: "" });
+    await app.close();
+    const message = "management API requests refused for their token";
+    expect(lines.filter((l) => l["msg"] === message)).toEqual([
+      expect.objectContaining({
+        level: 40,
+        refusals: 4,
+        byToken: { none: 1, user: 1, other: 2 },
+        topAddresses: [{ address: "127.0.0.1", count: 4 }],
+      }),
+    ]);
+    const logged = JSON.stringify(lines);
+    for (const secret of [token, wrongUser, "nonsense"]) expect(logged).not.toContain(secret);
+
+    // With no management token configured every request is refused the same way: nothing to count.
+    const off = await management("");
+    expect((await off.app.inject({ method: "GET", url: "/management/v1/instances" })).statusCode).toBe(403);
+    await off.app.close();
+    expect(off.registry.getSingleMetric("dispatchcloud_management_auth_refusals_total")).toBeUndefined();
+    expect(off.lines.filter((l) => l["msg"] === message)).toEqual([]);
   });
 });

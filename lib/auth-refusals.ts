@@ -1,8 +1,10 @@
 /**
- * Requests the REST server refused for their token (401: `auth.missing_token`, `auth.invalid_token`), made visible
- * to the operator without a line per request: a counter by the kind of token (its prefix: user, runner, worker,
- * other, or none) and error code, and every `interval` one warning that sums the refusals of that interval with
- * the client addresses that sent most of them. No token, nor any part of one, is logged or labelled.
+ * Requests refused for their token, made visible to the operator without a line per request: a counter by the
+ * kind of token (its prefix: user, runner, worker, other, or none) and error code, and every `interval` one
+ * warning that sums the refusals of that interval with the client addresses that sent most of them. No token, nor
+ * any part of one, is logged or labelled. The REST server counts its 401s (`auth.missing_token`,
+ * `auth.invalid_token`); the management API its 401s and its 403s for a wrong management token (`auth.forbidden`),
+ * each on its own metric and warning (API_NAMES).
  *
  * Nothing is refused for having been refused before (docs/decisions.md): tokens are 256-bit random strings, and a
  * runner whose bundle ended holds a token that stopped working, so a block by address would stop live runners
@@ -19,6 +21,20 @@ const MAX_ADDRESSES = 10_000;
 const TOP_ADDRESSES = 10;
 
 export type TokenKind = "user" | "runner" | "worker" | "other" | "none";
+
+/** Which server's refusals: the metric's name and help, and the warning's message. */
+export const API_NAMES = {
+  rest: {
+    metric: "dispatchcloud_rest_auth_refusals_total",
+    help: "Requests the REST server refused for their token (401), by the token's kind (its prefix) and error code.",
+    message: "requests refused for their token",
+  },
+  management: {
+    metric: "dispatchcloud_management_auth_refusals_total",
+    help: "Requests the management API refused for their token (401 none, 403 not the management token), by the token's kind (its prefix) and error code.",
+    message: "management API requests refused for their token",
+  },
+} as const;
 
 export interface AuthRefusals {
   /** Counts one refused request (its token's kind from the Authorization header, the error's code). */
@@ -48,13 +64,16 @@ export function createAuthRefusals(opts: {
   registry?: Registry | undefined;
   /** Milliseconds between warnings (each sums its interval); default one minute. */
   interval?: number | undefined;
+  /** Whose refusals (default the REST server's). */
+  api?: keyof typeof API_NAMES;
 }): AuthRefusals {
+  const names = API_NAMES[opts.api ?? "rest"];
   const counter =
     opts.registry === undefined
       ? null
       : new Counter({
-          name: "dispatchcloud_rest_auth_refusals_total",
-          help: "Requests the REST server refused for their token (401), by the token's kind (its prefix) and error code.",
+          name: names.metric,
+          help: names.help,
           labelNames: ["token", "code"],
           registers: [opts.registry],
         });
@@ -75,7 +94,7 @@ export function createAuthRefusals(opts: {
         addresses: byAddress.size,
         topAddresses: top,
       },
-      "requests refused for their token",
+      names.message,
     );
     total = 0;
     byAddress = new Map();
