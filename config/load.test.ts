@@ -108,6 +108,20 @@ describe("parseConfig", () => {
     expect(onlyProblem("restServer:\n  listen: localhost\n").message).toContain("host:port");
     expect(onlyProblem("restServer:\n  listen: 127.0.0.1:99999\n").path).toBe("restServer.listen");
     expect(onlyProblem("restServer:\n  publicUrl: ftp://x\n").message).toContain("http://");
+    const proxy = onlyProblem("restServer:\n  trustedProxies: [10.0.0.0/8, 10.1.2.3/33]\n");
+    expect(proxy).toMatchObject({ code: "config.invalid_value", path: "restServer.trustedProxies.1" });
+    expect(proxy.message).toContain("an IP address or CIDR");
+    expect(onlyProblem("restServer:\n  trustedProxies: [loopback]\n").path).toBe(
+      "restServer.trustedProxies.0",
+    );
+    expect(onlyProblem("restServer:\n  trustedProxies: [10.0.0.0/]\n").path).toBe(
+      "restServer.trustedProxies.0",
+    );
+    const proxies = parseConfig(
+      "restServer:\n  trustedProxies: [10.0.0.0/8, '::1', 'fd00::/8', 192.0.2.7]\n",
+    );
+    expect(proxies.problems).toEqual([]);
+    expect(proxies.config?.restServer.trustedProxies).toEqual(["10.0.0.0/8", "::1", "fd00::/8", "192.0.2.7"]);
     expect(onlyProblem("cloud:\n  deployRunnerDirectory: tmp/x\n").message).toContain("absolute path");
     expect(onlyProblem("cloud:\n  resourceTags: {team: 42}\n")).toMatchObject({
       path: "cloud.resourceTags.team",

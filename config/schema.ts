@@ -7,6 +7,7 @@
  * (accepted values, for messages), `unit` ("duration" | "size" | "secret"), `secret` (never echo the value),
  * `example` (shown commented out in defaults.yml for optional objects without a default).
  */
+import { isIP } from "node:net";
 import {
   FormatRegistry,
   type StaticDecode,
@@ -37,6 +38,16 @@ function succeeds(fn: () => unknown): boolean {
   }
 }
 
+/** An IP address, or one with a prefix length within its family's bits (10.0.0.0/8, fd00::/8). */
+export function ipOrCidr(v: string): boolean {
+  const slash = v.indexOf("/");
+  const family = isIP(slash < 0 ? v : v.slice(0, slash));
+  if (family === 0) return false;
+  if (slash < 0) return true;
+  const bits = v.slice(slash + 1);
+  return /^\d{1,3}$/.test(bits) && Number(bits) <= (family === 4 ? 32 : 128);
+}
+
 const HOST_PORT = /^(\[[0-9a-fA-F:.]+\]|[^\s:[\]]+):(\d{1,5})$/;
 
 // Idempotent: FormatRegistry is TypeBox's process-wide table of string formats.
@@ -54,6 +65,7 @@ FormatRegistry.Set("dc-host-port", (v) => {
   const m = HOST_PORT.exec(v);
   return m !== null && Number(m[2]) <= 65535;
 });
+FormatRegistry.Set("dc-ip-or-cidr", (v) => ipOrCidr(v));
 FormatRegistry.Set("dc-http-url-or-empty", (v) => {
   if (v === "") return true;
   try {
@@ -201,6 +213,15 @@ const RestServer = Section("The users' and runners' REST API.", {
   minUploadRate: Size(
     "A runner's upload (outputs, log chunks) may take longer than requestTimeout while its bytes keep arriving at this average rate, per second; 0 = no longer.",
     "256KiB",
+  ),
+  trustedProxies: Type.Array(
+    Type.String({ format: "dc-ip-or-cidr", expected: "an IP address or CIDR, e.g. 10.0.0.0/8 or ::1" }),
+    {
+      default: [],
+      maxItems: 100,
+      description:
+        "Proxies in front of the REST server (IP addresses or CIDRs): a request that comes through them is taken to be from the address its X-Forwarded-For gives before them (the addresses in the refused-token warnings). Empty = none: every request is from its connection's address.",
+    },
   ),
   minBundleRam: Size("Smallest resources.ram a bundle may ask for.", "16MiB"),
   minBundleVcpus: Num(

@@ -86,6 +86,8 @@ export interface RestServerOptions {
   headersTimeout?: number;
   /** Milliseconds for a request's body after its headers (restServer.requestTimeout). */
   requestTimeout?: number;
+  /** restServer.trustedProxies: requests through them are from the address X-Forwarded-For gives (request.ip). */
+  trustedProxies?: readonly string[];
   /** Bytes per second at which a runner's upload may outlast requestTimeout (restServer.minUploadRate). */
   minUploadRate?: number;
   /** The smallest RAM and vCPUs a bundle may ask for (restServer.minBundleRam, minBundleVcpus). */
@@ -235,6 +237,8 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     clientErrorHandler: clientErrorHandler(logger as FastifyBaseLogger),
     return503OnClosing: false,
     logController: quietRequests(),
+    trustProxy:
+      opts.trustedProxies !== undefined && opts.trustedProxies.length > 0 ? [...opts.trustedProxies] : false,
   });
   logRequestsAtDebug(app);
   recordRoutes(app);

@@ -130,6 +130,43 @@ describeEachDb("requests refused for their token", (getDb) => {
     }
   });
 
+  it("names the client behind a trusted proxy (restServer.trustedProxies), and only behind one", async () => {
+    const summed = async (trustedProxies: string[] | undefined) => {
+      const { logger, lines } = capturingLogger("info");
+      const app = await createRestServer({
+        db: getDb(),
+        logger,
+        clusterId: "zzzzz",
+        maxRequestBodySize: 64 * 1024,
+        defaultMaxAttempts: 3,
+        dataDir,
+        authRefusalLogInterval: 600_000,
+        ...(trustedProxies === undefined ? {} : { trustedProxies }),
+      });
+      // fastify.inject's connection is from 127.0.0.1.
+      for (const forwarded of ["203.0.113.9", "198.51.100.1, 203.0.113.9", "203.0.113.9"]) {
+        const res = await app.inject({
+          method: "GET",
+          url: "/api/v1/bundles",
+          headers: { "x-forwarded-for": forwarded },
+        });
+        expect(res.statusCode).toBe(401);
+      }
+      await app.close();
+      return lines.find((l) => l["msg"] === "requests refused for their token")?.["topAddresses"];
+    };
+    expect(await summed(["127.0.0.1"])).toEqual([{ address: "203.0.113.9", count: 3 }]);
+    // The proxy trusted but not the address before it: that address is the client.
+    expect(await summed(["127.0.0.0/8", "203.0.113.9"])).toEqual([
+      { address: "203.0.113.9", count: 2 },
+      { address: "198.51.100.1", count: 1 },
+    ]);
+    // Nobody trusted: anybody can write the header, so it is not believed.
+    expect(await summed(undefined)).toEqual([{ address: "127.0.0.1", count: 3 }]);
+    expect(await summed([])).toEqual([{ address: "127.0.0.1", count: 3 }]);
+    expect(await summed(["10.0.0.0/8"])).toEqual([{ address: "127.0.0.1", count: 3 }]);
+  });
+
   it("counts the management API's refusals on their own metric and warning, never the token", async () => {
     const token = `dcm-${"m".repeat(40)}`;
     const management = async (configured: string) => {

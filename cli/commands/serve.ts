@@ -230,6 +230,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       headersTimeout: config.restServer.headersTimeout,
       requestTimeout: config.restServer.requestTimeout,
       minUploadRate: config.restServer.minUploadRate,
+      trustedProxies: config.restServer.trustedProxies,
       bundleMinimums: { ram: config.restServer.minBundleRam, vcpus: config.restServer.minBundleVcpus },
       quotas: config.quotas,
       unavailableImageRequeues: config.containers.unavailableImageRequeues,
