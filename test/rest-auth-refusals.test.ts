@@ -11,9 +11,10 @@ import { Registry } from "prom-client";
 import { afterAll, beforeAll, expect, it } from "vitest";
 import type { Config } from "../config/schema.ts";
 import { createAuthRefusals, tokenKind } from "../lib/auth-refusals.ts";
+import type { Logger } from "../lib/logger.ts";
 import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createManagementServer } from "../management-api/server.ts";
-import { createRestServer } from "../rest-server/server.ts";
+import { createRestServer, type RestServerOptions } from "../rest-server/server.ts";
 import { createUser } from "../store/queries.ts";
 import { describeEachDb } from "./db.ts";
 import { stubConfig } from "./dispatcher-harness.ts";
@@ -58,21 +59,23 @@ describeEachDb("requests refused for their token", (getDb) => {
   afterAll(async () => {
     if (dataDir !== undefined) await rm(dataDir, { recursive: true, force: true });
   });
-
-  it("counts them by token kind and code, and sums them in one warning with the addresses, no token in it", async () => {
-    const { logger, lines } = capturingLogger("info");
-    const registry = new Registry();
-    const app = await createRestServer({
+  /** A REST server whose refusal warning comes when it closes (the interval is longer than the test). */
+  const restServer = (logger: Logger, more: Partial<RestServerOptions> = {}) =>
+    createRestServer({
       db: getDb(),
       logger,
       clusterId: "zzzzz",
       maxRequestBodySize: 64 * 1024,
       defaultMaxAttempts: 3,
       dataDir,
-      metricsRegistry: registry,
-      // Longer than the test: its warning comes when the server closes.
       authRefusalLogInterval: 600_000,
+      ...more,
     });
+
+  it("counts them by token kind and code, and sums them in one warning with the addresses, no token in it", async () => {
+    const { logger, lines } = capturingLogger("info");
+    const registry = new Registry();
+    const app = await restServer(logger, { metricsRegistry: registry });
     const api = injectClient(app);
     const alice = newUserToken();
     await createUser(getDb(), {
@@ -133,16 +136,7 @@ describeEachDb("requests refused for their token", (getDb) => {
   it("names the client behind a trusted proxy (restServer.trustedProxies), and only behind one", async () => {
     const summed = async (trustedProxies: string[] | undefined) => {
       const { logger, lines } = capturingLogger("info");
-      const app = await createRestServer({
-        db: getDb(),
-        logger,
-        clusterId: "zzzzz",
-        maxRequestBodySize: 64 * 1024,
-        defaultMaxAttempts: 3,
-        dataDir,
-        authRefusalLogInterval: 600_000,
-        ...(trustedProxies === undefined ? {} : { trustedProxies }),
-      });
+      const app = await restServer(logger, trustedProxies === undefined ? {} : { trustedProxies });
       // fastify.inject's connection is from 127.0.0.1.
       for (const forwarded of ["203.0.113.9", "198.51.100.1, 203.0.113.9", "203.0.113.9"]) {
         const res = await app.inject({
