@@ -31,6 +31,31 @@ describe("groupCalls", () => {
     expect(g.stats()).toEqual({ groups: 1, items: 3, largest: 3 });
   });
 
+  it('with gather "io", the calls of one round of callbacks go together even when each group is back at once', async () => {
+    // As a database in this thread (PGlite) answers: no I/O in between, so no other call is made meanwhile.
+    const groupsOf = async (gather: "turn" | "io") => {
+      const groups: number[][] = [];
+      const g = groupCalls({
+        max: 100,
+        gather,
+        run: async (items: number[]) => {
+          groups.push(items);
+          return items.map((i) => `r${i}`);
+        },
+      });
+      // Three callbacks of one round, as three requests read in one pass over the sockets.
+      const got = await new Promise<string[]>((resolve) => {
+        const calls: Promise<string>[] = [];
+        for (const i of [1, 2, 3]) setImmediate(() => calls.push(g.call(i)));
+        setImmediate(() => void Promise.all(calls).then(resolve));
+      });
+      expect(got).toEqual(["r1", "r2", "r3"]);
+      return groups;
+    };
+    expect(await groupsOf("io")).toEqual([[1, 2, 3]]);
+    expect(await groupsOf("turn")).toEqual([[1], [2], [3]]);
+  });
+
   it("calls that arrive while a group is in flight wait for it and go together, at most max at a time", async () => {
     const { groups, run } = heldRun();
     const g = groupCalls({ max: 2, run });

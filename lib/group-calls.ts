@@ -2,7 +2,8 @@
  * Calls that arrive together go to the database as one statement (docs/performance.md): most of a small
  * statement's cost is per statement, not per row. Calls made in the same turn of the event loop, and those that
  * arrive while a group's statement is in flight (while `concurrency` groups are), form the next group (at most
- * `max` items); a lone call waits only for a microtask. Each caller still gets its own result. A group whose
+ * `max` items); a lone call waits only for a microtask (or, with `gather: "io"`, for the end of the event loop's
+ * round of I/O callbacks). Each caller still gets its own result. A group whose
  * statement throws is run again one item at a time, so a bad item fails only its own call.
  */
 
@@ -27,10 +28,19 @@ export function groupCalls<I, R>(opts: {
    * queue behind each other, and calls wait only while both are in flight.
    */
   concurrency?: number;
+  /**
+   * When a group starts with nothing in flight: "turn" (the default) once this turn's microtasks have run, so it
+   * holds the calls made in this turn; "io" once the event loop's current round of I/O callbacks is done
+   * (setImmediate), so it also holds the calls of the other requests that arrived in that round. "io" is for
+   * calls made from HTTP requests to a database that runs in this thread (PGlite): its statement never leaves the
+   * thread, so no request is read while one is in flight, and with "turn" each request would go alone.
+   */
+  gather?: "turn" | "io";
   /** Runs one group; returns one result per item, in the items' order. */
   run(items: I[]): Promise<R[]>;
 }): GroupCalls<I, R> {
   const concurrency = Math.max(1, opts.concurrency ?? 1);
+  const gatherIo = opts.gather === "io";
   let waiting: Pending<I, R>[] = [];
   /** Groups in flight, and whether a start of the next is already due (at the end of this turn). */
   let inFlight = 0;
@@ -78,10 +88,12 @@ export function groupCalls<I, R>(opts: {
         waiting.push({ item, resolve, reject });
         if (due || inFlight >= concurrency) return;
         due = true;
-        queueMicrotask(() => {
+        const start = () => {
           due = false;
           pump();
-        });
+        };
+        if (gatherIo) setImmediate(start);
+        else queueMicrotask(start);
       });
     },
     stats: () => ({ ...counts }),

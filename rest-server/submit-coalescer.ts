@@ -4,7 +4,8 @@
  * group's statement is in flight, the submissions that arrive wait for it and then go in together as one
  * multi-row statement (at most MAX_GROUP rows; lib/group-calls.ts): at low load a submission is inserted at once,
  * as before; under load each statement carries many. Every request still gets its own bundle, and one NOTIFY
- * covers a group.
+ * covers a group. The submissions read in one round of the event loop's I/O go together too (`gather: "io"`):
+ * PGlite's statements run in this thread, so on PGlite nothing arrives while one is in flight.
  *
  * A group's statement that fails (a row the database refuses) is retried one bundle at a time, so a bad
  * submission fails only its own request. Used for bundles without dependencies that no quota applies to; the
@@ -29,6 +30,8 @@ export interface SubmitCoalescer {
 export function createSubmitCoalescer(db: Db): SubmitCoalescer {
   const groups = groupCalls<{ uuid: string; bundle: NewBundle }, Bundle>({
     max: MAX_GROUP,
+    // The submissions read in one round of the event loop go together, also on PGlite (lib/group-calls.ts).
+    gather: "io",
     run: async (items) => {
       const rows = await insertBundleRows(db, items, true, "submitted");
       const byUuid = new Map(rows.map((b) => [b.uuid, b]));
