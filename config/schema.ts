@@ -39,7 +39,7 @@ function succeeds(fn: () => unknown): boolean {
 }
 
 /** An IP address, or one with a prefix length within its family's bits (10.0.0.0/8, fd00::/8). */
-export function ipOrCidr(v: string): boolean {
+function ipOrCidr(v: string): boolean {
   const slash = v.indexOf("/");
   const family = isIP(slash < 0 ? v : v.slice(0, slash));
   if (family === 0) return false;
@@ -65,7 +65,7 @@ FormatRegistry.Set("dc-host-port", (v) => {
   const m = HOST_PORT.exec(v);
   return m !== null && Number(m[2]) <= 65535;
 });
-FormatRegistry.Set("dc-ip-or-cidr", (v) => ipOrCidr(v));
+FormatRegistry.Set("dc-ip-or-cidr", ipOrCidr);
 FormatRegistry.Set("dc-http-url-or-empty", (v) => {
   if (v === "") return true;
   try {

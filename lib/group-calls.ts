@@ -42,7 +42,7 @@ export function groupCalls<I, R>(opts: {
   const concurrency = Math.max(1, opts.concurrency ?? 1);
   const gatherIo = opts.gather === "io";
   let waiting: Pending<I, R>[] = [];
-  /** Groups in flight, and whether a start of the next is already due (at the end of this turn). */
+  /** Groups in flight, and whether a start of the next is already due (at the end of this turn, or round with "io"). */
   let inFlight = 0;
   let due = false;
   const counts = { groups: 0, items: 0, largest: 0 };
