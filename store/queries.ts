@@ -611,6 +611,15 @@ export async function insertBundles(
   answer: "whole" | "brief" = "whole",
 ): Promise<(Bundle | BriefBundle)[]> {
   if (items.length === 0) return [];
+  // One chunk with no dependency to check is one statement, the NOTIFY in it: one round trip where the
+  // transaction below takes four (BEGIN, the insert, the NOTIFY, COMMIT), which a burst's first start waits for.
+  if (items.length <= INSERT_CHUNK && items.every((it) => it.bundle.dependencies.length === 0)) {
+    const rows =
+      answer === "brief"
+        ? await insertBriefRows(db, items, initialState, true)
+        : await insertBundleRows(db, items, true, initialState);
+    return inOrder(items, rows);
+  }
   return db.transaction(async (tx) => {
     const depUuids = [...new Set(items.flatMap((it) => it.bundle.dependencies.map((d) => d.bundle)))];
     if (depUuids.length > 0) {
@@ -629,19 +638,25 @@ export async function insertBundles(
         );
       });
     }
-    const byUuid = new Map<string, Bundle | BriefBundle>();
+    const rows: (Bundle | BriefBundle)[] = [];
     for (let start = 0; start < items.length; start += INSERT_CHUNK) {
       const chunk = items.slice(start, start + INSERT_CHUNK);
-      const rows =
-        answer === "brief"
-          ? await insertBriefRows(tx, chunk, initialState)
-          : await insertBundleRows(tx, chunk, false, initialState);
-      for (const b of rows) byUuid.set(b.uuid, b);
+      rows.push(
+        ...(answer === "brief"
+          ? await insertBriefRows(tx, chunk, initialState, false)
+          : await insertBundleRows(tx, chunk, false, initialState)),
+      );
     }
-    const state = [...byUuid.values()].some((b) => b.state === "created") ? "created" : "staged";
+    const state = rows.some((b) => b.state === "created") ? "created" : "staged";
     await tx.query("SELECT pg_notify($1, $2)", [BUNDLE_CHANNEL, `* ${state} ${items.length}`]);
-    return items.map((it) => byUuid.get(it.uuid)!);
+    return inOrder(items, rows);
   });
+}
+
+/** `rows` (an INSERT's RETURNING, in no promised order) in the order of `items`. */
+function inOrder<T extends { uuid: string }>(items: readonly { uuid: string }[], rows: readonly T[]): T[] {
+  const byUuid = new Map(rows.map((b) => [b.uuid, b]));
+  return items.map((it) => byUuid.get(it.uuid)!);
 }
 
 /**
@@ -671,15 +686,16 @@ export interface BriefBundle {
   state: BundleState;
 }
 
-/** insertBundleRows without a NOTIFY, answering each row's uuid and state only. */
+/** insertBundleRows answering each row's uuid and state only. */
 async function insertBriefRows(
   db: Db,
   items: readonly { uuid: string; bundle: NewBundle }[],
   initialState: InitialState,
+  notify: boolean,
 ): Promise<BriefBundle[]> {
   const { rows } = await db.query<BriefBundle>(
     INSERT_ROWS_BRIEF,
-    insertRowsParams(items, false, initialState),
+    insertRowsParams(items, notify, initialState),
   );
   return rows;
 }
