@@ -8,7 +8,12 @@
  * For each phase it prints bundles accepted per second (first request sent to last answer) and how long after
  * the last answer the dispatcher's queue held all of them (staged by the bundle manager, read by the queue).
  *
- * Usage: npm run bench:submit [-- --single N] [--batched N] [--db pg,pglite]
+ * --history N first fills the store with N finished bundles of the same user (each with the five events of a
+ * bundle that ran, as a cluster that has been running a while holds them; nothing deletes a bundle row), and
+ * prints how long the queue took to load and the table's size on disk: a cluster's submissions go on beside
+ * its whole history.
+ *
+ * Usage: npm run bench:submit [-- --single N] [--batched N] [--db pg,pglite] [--history N]
  * PostgreSQL: DISPATCH_CLOUD_TEST_PG_URL (scripts/test-services.sh starts one and prints it).
  */
 import type { ChildProcess } from "node:child_process";
@@ -20,21 +25,28 @@ import { pino } from "pino";
 import { type BundleQueue, createBundleQueue } from "../dispatcher/queue/queue.ts";
 import { systemClock } from "../lib/clock.ts";
 import { createBundleManager } from "../rest-server/bundle-manager.ts";
+import { parseBundleRequest } from "../rest-server/bundle-request.ts";
+import { insertBundles } from "../store/queries.ts";
 import type { openTestDb } from "../test/db.ts";
 import { benchArgs } from "./args.ts";
 import { forkBenchServer, startBenchServer } from "./rest-server.ts";
 
-const { values } = benchArgs("Usage: npm run bench:submit [-- --single N] [--batched N] [--db pg,pglite]", {
+const USAGE = "Usage: npm run bench:submit [-- --single N] [--batched N] [--db pg,pglite] [--history N]";
+const { values } = benchArgs(USAGE, {
   options: {
     single: { type: "string", default: "20000" },
     batched: { type: "string", default: "100000" },
     db: { type: "string", default: "pg,pglite" },
+    history: { type: "string", default: "0" },
     serve: { type: "string" },
   },
 });
+const HISTORY = Number(values.history);
+if (!Number.isInteger(HISTORY) || HISTORY < 0) throw new Error(`--history is a count of bundles\n${USAGE}`);
 
 type ToParent =
   | { ready: { url: string; token: string } }
+  | { history: { writeMs: number; queueLoadMs: number; tableMiB: number | null } }
   | { size: number; at: number }
   | { cpu: { serverMs: number; dbMs: number | null } };
 
@@ -76,14 +88,18 @@ async function serve(kind: "pg" | "pglite"): Promise<void> {
     maxRequestBodySize: 2 ** 20,
     onBundlesWritten: (bundles) => queue?.applyAll(bundles),
   });
+  const send = (m: ToParent) => process.send?.(m);
+  const writeMs = HISTORY > 0 ? await writeHistory(db, HISTORY) : 0;
   const manager = createBundleManager({ db, logger, pollInterval: 10_000, batchSize: 5000 });
   queue = createBundleQueue({ db, clock: systemClock, logger, pollInterval: 1000 });
   await manager.start();
+  const q0 = performance.now();
   await queue.start();
-  const send = (m: ToParent) => process.send?.(m);
+  const history = { writeMs, queueLoadMs: performance.now() - q0, tableMiB: await tableMiB(db) };
   process.on("message", async (m: string) => {
     if (m === "size") send({ size: queue.size, at: Date.now() });
     if (m === "cpu") send({ cpu: await cpuSoFar(db) });
+    if (m === "history") send({ history });
     if (m === "stop") {
       await app.close();
       await queue.stop();
@@ -96,31 +112,110 @@ async function serve(kind: "pg" | "pglite"): Promise<void> {
   send({ ready: { url, token } });
 }
 
-function ask(child: ChildProcess): Promise<{ size: number; at: number }> {
+/** Rows per statement of writeHistory. */
+const HISTORY_CHUNK = 50_000;
+
+/**
+ * Writes `n` finished bundles of the bench user straight to the store (not through the API, which is what is
+ * measured afterwards): copies of one bundle submitted the usual way, each `ready` after one attempt with the
+ * events of its way there, under uuids as random as the API's. Returns the time taken.
+ */
+async function writeHistory(db: Awaited<ReturnType<typeof openTestDb>>, n: number): Promise<number> {
+  const t0 = performance.now();
+  const { rows: users } = await db.query<{ uuid: string }>("SELECT uuid FROM users WHERE name = 'bench'");
+  const owner = users[0]?.uuid;
+  if (owner === undefined) throw new Error("the bench user is missing");
+  const [template] = await insertBundles(
+    db,
+    owner,
+    [
+      {
+        uuid: "bench-bndl-historytemplate",
+        bundle: parseBundleRequest(item(0), owner, 3, { ram: 0, vcpus: 0 }),
+      },
+    ],
+    "submitted",
+  );
+  if (template === undefined) throw new Error("the history's template bundle was not written");
+  // Every column of the template but those each row of the history sets itself (change_seq: the insert trigger).
+  const { rows: cols } = await db.query<{ name: string }>(
+    "SELECT column_name AS name FROM information_schema.columns WHERE table_name = 'bundles' AND table_schema = current_schema()",
+  );
+  const own: Record<string, string> = {
+    uuid: "'bench-bndl-' || substr(md5(g::text || $3), 1, 15)",
+    name: "'h' || g",
+    state: "'ready'",
+    attempt: "1",
+    exit_code: "0",
+    instance_type: "'bench'",
+    created_at: "t - interval '40 ms'",
+    staged_at: "t - interval '40 ms'",
+    starting_at: "t - interval '30 ms'",
+    running_at: "t - interval '20 ms'",
+    finished_at: "t",
+    updated_at: "t",
+  };
+  const copied = cols.map((c) => c.name).filter((c) => c !== "change_seq");
+  const salt = String(Date.now());
+  for (let from = 0; from < n; from += HISTORY_CHUNK) {
+    const to = Math.min(n, from + HISTORY_CHUNK) - 1;
+    // One bundle a second, ending now, so the newest are the last written (as the owner's list pages them).
+    await db.query(
+      `WITH h AS (
+         INSERT INTO bundles (${copied.join(", ")})
+         SELECT ${copied.map((c) => own[c] ?? `tpl.${c}`).join(", ")}
+         FROM bundles tpl, generate_series($1::int, $2::int) g,
+           LATERAL (SELECT now() - ($4::int - g) * interval '1 second' AS t) ts
+         WHERE tpl.uuid = 'bench-bndl-historytemplate'
+         RETURNING uuid, created_at, finished_at
+       )
+       INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, actor, created_at)
+       SELECT h.uuid, v.f, v.t, 1, 'bench', h.created_at
+       FROM h CROSS JOIN (VALUES (NULL, 'created'), ('created', 'staged'), ('staged', 'starting'),
+         ('starting', 'running'), ('running', 'ready')) AS v(f, t)`,
+      [from, to, salt, n],
+    );
+    process.stderr.write(`bench:submit: history: ${to + 1}/${n} finished bundles written\n`);
+  }
+  // The template is no bundle of the history: it goes back to the queue's view as a finished one too.
+  await db.query(
+    "UPDATE bundles SET state = 'ready', attempt = 1, exit_code = 0, finished_at = now() WHERE uuid = 'bench-bndl-historytemplate'",
+  );
+  await db.query("ANALYZE bundles; ANALYZE bundle_events");
+  const took = performance.now() - t0;
+  // A history is old: the queue's load reads again, until they are safe, the rows written within twice its
+  // watermarkDelay (2 s) before it (queue.ts), which a cluster's history is not.
+  await new Promise((r) => setTimeout(r, 4_500));
+  return took;
+}
+
+/** The bundles and bundle_events tables with their indexes, in MiB (null on PGlite, where it is not asked). */
+async function tableMiB(db: Awaited<ReturnType<typeof openTestDb>>): Promise<number | null> {
+  if (db.kind !== "pg") return null;
+  const { rows } = await db.query<{ bytes: string }>(
+    "SELECT pg_total_relation_size('bundles') + pg_total_relation_size('bundle_events') AS bytes",
+  );
+  return Number(rows[0]?.bytes ?? 0) / 2 ** 20;
+}
+
+/** Sends `message` to the server process and resolves with the first answer `pick` takes. */
+function askChild<T>(child: ChildProcess, message: string, pick: (m: ToParent) => T | undefined): Promise<T> {
   return new Promise((resolve) => {
     const on = (m: ToParent) => {
-      if ("size" in m) {
-        child.off("message", on);
-        resolve(m);
-      }
+      const got = pick(m);
+      if (got === undefined) return;
+      child.off("message", on);
+      resolve(got);
     };
     child.on("message", on);
-    child.send("size");
+    child.send(message);
   });
 }
 
-function askCpu(child: ChildProcess): Promise<{ serverMs: number; dbMs: number | null }> {
-  return new Promise((resolve) => {
-    const on = (m: ToParent) => {
-      if ("cpu" in m) {
-        child.off("message", on);
-        resolve(m.cpu);
-      }
-    };
-    child.on("message", on);
-    child.send("cpu");
-  });
-}
+const ask = (child: ChildProcess) => askChild(child, "size", (m) => ("size" in m ? m : undefined));
+const askCpu = (child: ChildProcess) => askChild(child, "cpu", (m) => ("cpu" in m ? m.cpu : undefined));
+const askHistory = (child: ChildProcess) =>
+  askChild(child, "history", (m) => ("history" in m ? m.history : undefined));
 
 const item = (i: number) => ({ command: ["true"], image: "busybox", name: `b${i}` });
 
@@ -195,9 +290,17 @@ async function queueCaughtUp(child: ChildProcess, want: number, since: number): 
 
 async function bench(kind: "pg" | "pglite"): Promise<void> {
   // BENCH_SERVER_CPU_PROF=DIR: a CPU profile of the server process, written to DIR.
-  const server = await forkBenchServer(import.meta.filename, ["--serve", kind]);
+  const server = await forkBenchServer(import.meta.filename, ["--serve", kind, "--history", String(HISTORY)]);
   const { child, url, token } = server;
   try {
+    if (HISTORY > 0) {
+      const h = await askHistory(child);
+      console.log(
+        `${kind.padEnd(6)} history: ${HISTORY} finished bundles (5 events each) written in ${(h.writeMs / 1000).toFixed(1)} s` +
+          `${h.tableMiB === null ? "" : `, ${Math.round(h.tableMiB)} MiB with their events and indexes`}; ` +
+          `the queue loaded in ${h.queueLoadMs.toFixed(0)} ms`,
+      );
+    }
     let inQueue = 0;
     const phases: [string, number, number, number, boolean][] = [
       ["one at a time, 32 clients", Number(values.single), 1, 32, false],
