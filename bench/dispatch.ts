@@ -29,6 +29,7 @@ import {
   readdirSync,
   readFileSync,
   rmSync,
+  statSync,
   writeFileSync,
 } from "node:fs";
 import net from "node:net";
@@ -88,20 +89,38 @@ const quiet = createLogger({ level: "silent", format: "json" });
 const progress = (line: string) => process.stderr.write(`${line}\n`);
 
 /**
- * What the dispatcher deploys: `sea`, the single executable (npm run build:sea; built here if missing), as a
- * production install would; or `cjs`, the one-file build the dispatcher makes of its sources when run from them.
+ * What the dispatcher deploys: `sea`, the single executable (npm run build:sea; built here if missing, or older
+ * than a source file, so that the VMs never run an earlier crunch-run than the server's), as a production
+ * install would; or `cjs`, the one-file build the dispatcher makes of its sources when run from them.
  */
 async function runnerBinaryFor(kind: string): Promise<string> {
   if (kind === "cjs") return "";
   const sea = path.join(ROOT, "dist", "dispatch-cloud");
-  if (!existsSync(sea)) {
-    progress("bench:dispatch: building the single executable (npm run build:sea)");
+  const stale = existsSync(sea) && statSync(sea).mtimeMs < newestSourceMs();
+  if (!existsSync(sea) || stale) {
+    progress(
+      `bench:dispatch: building the single executable (npm run build:sea)${stale ? ": a source file is newer than it" : ""}`,
+    );
     execFileSync("npm", ["run", "--silent", "build:sea"], {
       cwd: ROOT,
       stdio: ["ignore", "ignore", "inherit"],
     });
   }
   return sea;
+}
+
+/** The newest modification time of the files the single executable is built from (git's list; tests aside). */
+function newestSourceMs(): number {
+  const files = execFileSync("git", ["ls-files", "-z", "--", "*.ts", "*.sql", "*.json"], { cwd: ROOT })
+    .toString("utf8")
+    .split("\0")
+    .filter((f) => f !== "" && !f.startsWith("test/") && !f.startsWith("bench/") && !f.endsWith(".test.ts"));
+  let newest = 0;
+  for (const f of files) {
+    const file = path.join(ROOT, f);
+    if (existsSync(file)) newest = Math.max(newest, statSync(file).mtimeMs);
+  }
+  return newest;
 }
 
 let runnerBinary = "";
