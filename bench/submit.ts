@@ -183,7 +183,7 @@ async function writeHistory(db: Awaited<ReturnType<typeof openTestDb>>, n: numbe
   );
   await db.query("ANALYZE bundles; ANALYZE bundle_events");
   const took = performance.now() - t0;
-  // A history is old: the queue's load reads again, until they are safe, the rows written within twice its
+  // A history is old: the queue's first read after its load takes again every row written within twice its
   // watermarkDelay (2 s) before it (queue.ts), which a cluster's history is not.
   await new Promise((r) => setTimeout(r, 4_500));
   return took;

@@ -580,6 +580,64 @@ describe("bundle queue: late-committing transactions [pg]", () => {
     }
   });
 
+  it("reads the load's window of fresh rows once, then names the numbers it lacked and asks for them alone", async () => {
+    if (!db) throw setupError;
+    await clearBundles(db);
+    // As on a new database: the numbers the tests before took (and their 25,000 unused ones) are not in the way.
+    await db.query("ALTER SEQUENCE bundle_change_seq RESTART");
+    const owner = await createTestUser(db);
+    const a = await stagedBundle(db, owner, 1);
+    const reads: unknown[][] = [];
+    const clock = new FakeClock();
+    const q = createBundleQueue({
+      db: spyOnReads(db, reads),
+      clock,
+      logger,
+      pollInterval: HOUR,
+      watermarkDelay: 2000,
+    });
+    const other = new pg.Client({ connectionString: db.url });
+    await other.connect();
+    try {
+      // A takes its number and commits late; 40 rows written after it are committed before the load.
+      await other.query("BEGIN");
+      await other.query("UPDATE bundles SET priority = 77 WHERE uuid = $1", [a.uuid]);
+      const active = await insertMany(db, owner, 40);
+      await q.start();
+      expect(q.size).toBe(active + 1);
+      // Every row of the window is young: the first read (the loop's, after the load) takes all of them again.
+      await when(q, () => reads.length === 1);
+      expect(reads[0]).toEqual([0, 5000]);
+      const held = new Set(
+        (await db.query<{ seq: string }>("SELECT change_seq AS seq FROM bundles")).rows.map((r) =>
+          Number(r.seq),
+        ),
+      );
+      const top = Math.max(...held);
+      // The numbers no row had: A's first one (its row changed again when it was staged) and its late one.
+      const lacked = Array.from({ length: top }, (_, i) => i + 1).filter((n) => !held.has(n));
+      await other.query("COMMIT");
+      const seqA = (await getBundle(db, a.uuid))!.changeSeq;
+      expect(lacked).toContain(seqA);
+      expect(lacked.length).toBeLessThanOrEqual(3);
+      // The next read, no time passed: the rows above the last one read and those numbers, not the window again.
+      await q.refresh();
+      expect(reads[1]).toEqual([top, 5000, lacked]);
+      expect(q.get(a.uuid)?.priority).toBe(77);
+      // A's number, read, is asked for no more; the others are until they are safe.
+      await q.refresh();
+      const dead = lacked.filter((n) => n !== seqA);
+      expect(reads[2]).toEqual(dead.length > 0 ? [top, 5000, dead] : [top, 5000]);
+      await clock.advance(3000);
+      await q.refresh();
+      await q.refresh();
+      expect(reads.at(-1)).toEqual([top, 5000]);
+    } finally {
+      await q.stop();
+      await other.end();
+    }
+  });
+
   it("does not miss a row whose transaction commits after the initial load", async () => {
     if (!db) throw setupError;
     const owner = await createTestUser(db);

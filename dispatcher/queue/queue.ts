@@ -9,8 +9,9 @@
  * after t (every transaction is assumed to commit within that delay of taking its number). Each read asks for
  * the rows above the highest sequence read and, by number, for the unread sequences between safeSeq and it (the
  * holes), so a read costs what it returns, however busy the window. After the load, and with more than
- * MAX_HOLES holes, a read takes every row above safeSeq until those sequences are safe. Every row is applied
- * idempotently: only when its change_seq is higher than the one known for its uuid.
+ * MAX_HOLES holes, a read takes every row above safeSeq; the numbers of that range it found no row for become
+ * holes when they are few enough to name (endRescan), else the next read does the same, until they are safe.
+ * Every row is applied idempotently: only when its change_seq is higher than the one known for its uuid.
  */
 import type { Clock } from "../../lib/clock.ts";
 import type { Logger } from "../../lib/logger.ts";
@@ -280,26 +281,65 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     maxSeen = seq;
   }
 
+  /**
+   * A read of every row above safeSeq (too many holes to name, or the load's window) notes the numbers of
+   * (from, to] that no row had, in order (the rows come by change_seq), as long as they are few enough to name.
+   */
+  interface Rescan {
+    from: number;
+    to: number;
+    /** The highest number of the range read so far. */
+    last: number;
+    /** The numbers of the range no row had so far; null once more than could be named. */
+    unread: number[] | null;
+  }
+
+  function rescanSaw(r: Rescan, seq: number): void {
+    const upTo = Math.min(seq - 1, r.to);
+    for (let n = r.last + 1; n <= upTo && r.unread !== null; n++) {
+      r.unread.push(n);
+      if (r.unread.length > MAX_HOLES) r.unread = null;
+    }
+    r.last = Math.max(r.last, Math.min(seq, r.to));
+  }
+
+  /**
+   * After the rescan's read: the numbers of its range that no row had are all that can still come (a transaction
+   * not committed yet; the others were taken by rows changed again, or by nothing). When they can be named, they
+   * become holes and the reads stop taking every row above safeSeq: after a load whose window holds many fresh
+   * rows, one read of them instead of one per read until they are safe.
+   */
+  function endRescan(r: Rescan): void {
+    rescanSaw(r, r.to + 1);
+    // A row read meanwhile may have asked for a wider rescan, or too many numbers were missing.
+    if (rescanTo !== r.to || r.unread === null || r.unread.length + holes.size > MAX_HOLES) return;
+    for (const seq of r.unread) holes.add(seq);
+    rescanTo = 0;
+  }
+
   function refresh(): Promise<number> {
     return serial(async () => {
       const start = clock.now();
       const seenBefore = maxSeen;
       let applied = 0;
       // The rows above maxSeen and the holes below it; all above safeSeq while too many holes to name.
-      const rescan = rescanTo > safeSeq;
-      let after = rescan ? safeSeq : maxSeen;
-      let wanted = rescan ? [] : [...holes];
+      const rescan: Rescan | null =
+        rescanTo > safeSeq ? { from: safeSeq, to: rescanTo, last: safeSeq, unread: [] } : null;
+      let after = rescan !== null ? safeSeq : maxSeen;
+      let wanted = rescan !== null ? [] : [...holes];
       for (;;) {
         const rows = await bundlesChangedAfterOrIn(db, after, wanted, pageSize);
         for (const row of rows) {
           if (applyRow(row)) applied++;
           sawSeq(row.changeSeq);
+          if (rescan !== null) rescanSaw(rescan, row.changeSeq);
         }
         const last = rows[rows.length - 1]?.changeSeq;
         if (last === undefined || rows.length < pageSize) break;
         after = Math.max(after, last);
         wanted = wanted.filter((seq) => seq > last);
       }
+      if (rescan !== null) endRescan(rescan);
       // Sequences seen at least `delay` before this read started are now safe: see the file comment.
       const safeBefore = safeSeq;
       while (history[0] !== undefined && history[0].at <= start - delay) {
