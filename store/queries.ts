@@ -777,15 +777,24 @@ export async function getBundleForOwner(db: Db, uuid: string, ownerUuid: string)
 }
 
 /** One page of an owner's bundles, newest first; pass the last row's (createdAt, uuid) as `after` for the next. */
-export async function listBundles(
-  db: Db,
-  args: {
-    ownerUuid: string;
-    states?: BundleState[];
-    after?: { createdAt: Date; uuid: string } | null;
-    limit: number;
-  },
-): Promise<Bundle[]> {
+export async function listBundles(db: Db, args: ListBundlesArgs): Promise<Bundle[]> {
+  const { sql, params } = listBundlesQuery(args);
+  const { rows } = await db.query<BundleRow>(sql, params);
+  return rows.map(bundleFromRow);
+}
+
+export interface ListBundlesArgs {
+  ownerUuid: string;
+  states?: BundleState[];
+  after?: { createdAt: Date; uuid: string } | null;
+  limit: number;
+}
+
+/**
+ * listBundles' statement. Not prepared: with its states as values, the planner can take a partial index of
+ * them (bundles_owner_active, bundles_owner_unsuccessful) instead of the owner's whole history.
+ */
+export function listBundlesQuery(args: ListBundlesArgs): { sql: string; params: unknown[] } {
   const params: unknown[] = [args.ownerUuid];
   let where = "owner_uuid = $1";
   if (args.states !== undefined) {
@@ -797,11 +806,10 @@ export async function listBundles(
     where += ` AND (created_at, uuid) < ($${params.length - 1}::timestamptz, $${params.length}::text)`;
   }
   params.push(args.limit);
-  const { rows } = await db.query<BundleRow>(
-    `SELECT * FROM bundles WHERE ${where} ORDER BY created_at DESC, uuid DESC LIMIT $${params.length}`,
+  return {
+    sql: `SELECT * FROM bundles WHERE ${where} ORDER BY created_at DESC, uuid DESC LIMIT $${params.length}`,
     params,
-  );
-  return rows.map(bundleFromRow);
+  };
 }
 
 export async function listEvents(db: Db, uuid: string): Promise<BundleEvent[]> {

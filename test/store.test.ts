@@ -15,6 +15,7 @@ import {
   getBundleForOwner,
   insertBundle,
   listBundles,
+  listBundlesQuery,
   listEvents,
   maxChangeSeq,
   newBundleOf,
@@ -395,6 +396,32 @@ describeEachDb("store", (getDb) => {
       }
       const read = await bundlesChangedAfterOrIn(db(), top - 2, [top - 100], 10);
       expect(read.map((b) => b.changeSeq)).toEqual([top - 100, top - 1, top]);
+    });
+
+    it("lists an owner's failed and killed bundles by their own index, not through the whole history", async () => {
+      const user = (await createTestUser(db())).uuid;
+      // 3,000 finished bundles, one in a thousand failed or killed, one a second up to now.
+      await db().query(
+        `INSERT INTO bundles (uuid, owner_uuid, name, command, image, env, resources, preemptible, priority, limits,
+           dependencies, allow_failed_dependencies, max_attempts, state, created_at)
+         SELECT 'zzzzz-bndl-h' || lpad(i::text, 14, '0'), $1, 'b' || i, '["true"]', 'busybox', '{}',
+           '{"vcpus": 1, "ram": 1048576, "scratch": 0, "gpu": null}', false, 1,
+           '{"time": null, "disk": null, "network": true}', '[]', false, 3,
+           CASE i % 1000 WHEN 1 THEN 'failed' WHEN 2 THEN 'killed' ELSE 'ready' END,
+           now() - (3000 - i) * interval '1 second'
+         FROM generate_series(1, 3000) AS i`,
+        [user],
+      );
+      await db().query("ANALYZE bundles");
+      for (const states of [["failed"], ["killed", "failed"]] as const) {
+        const q = listBundlesQuery({ ownerUuid: user, states: [...states], limit: 101 });
+        const { rows } = await db().query<{ "QUERY PLAN": string }>(`EXPLAIN ${q.sql}`, q.params);
+        expect(rows.map((r) => r["QUERY PLAN"]).join("\n")).toContain("bundles_owner_unsuccessful");
+      }
+      const failed = await listBundles(db(), { ownerUuid: user, states: ["failed"], limit: 101 });
+      expect(failed.map((b) => b.name)).toEqual(["b2001", "b1001", "b1"]);
+      const page = await listBundles(db(), { ownerUuid: user, states: ["failed", "killed"], limit: 2 });
+      expect(page.map((b) => b.name)).toEqual(["b2002", "b2001"]);
     });
 
     it("setSchedulingStatus bumps change_seq without an event, and only when the status changes", async () => {
