@@ -439,14 +439,10 @@ describe("bundle queue: late-committing transactions [pg]", () => {
   });
 
   /**
-   * Two staged bundles (a, b), a second connection for transactions that commit late, and a started queue on a
-   * FakeClock (noting its reads' parameters in `reads` when given) that has read the load's window and is past it.
+   * A queue on a FakeClock, not started (noting its reads' parameters in `reads` when given), and a second
+   * connection for transactions that commit late.
    */
-  async function lateCommitQueue(db: TestDb, reads?: unknown[][]) {
-    await clearBundles(db);
-    const owner = await createTestUser(db);
-    const a = await stagedBundle(db, owner, 1);
-    const b = await stagedBundle(db, owner, 1);
+  async function queueAndConnection(db: TestDb, reads?: unknown[][]) {
     const clock = new FakeClock();
     const q = createBundleQueue({
       db: reads === undefined ? db : spyOnReads(db, reads),
@@ -457,6 +453,19 @@ describe("bundle queue: late-committing transactions [pg]", () => {
     });
     const other = new pg.Client({ connectionString: db.url });
     await other.connect();
+    return { clock, q, other };
+  }
+
+  /**
+   * Two staged bundles (a, b), a second connection for transactions that commit late, and a started queue on a
+   * FakeClock (noting its reads' parameters in `reads` when given) that has read the load's window and is past it.
+   */
+  async function lateCommitQueue(db: TestDb, reads?: unknown[][]) {
+    await clearBundles(db);
+    const owner = await createTestUser(db);
+    const a = await stagedBundle(db, owner, 1);
+    const b = await stagedBundle(db, owner, 1);
+    const { clock, q, other } = await queueAndConnection(db, reads);
     await q.start();
     for (let i = 0; i < 2; i++) {
       await clock.advance(3000);
@@ -588,16 +597,7 @@ describe("bundle queue: late-committing transactions [pg]", () => {
     const owner = await createTestUser(db);
     const a = await stagedBundle(db, owner, 1);
     const reads: unknown[][] = [];
-    const clock = new FakeClock();
-    const q = createBundleQueue({
-      db: spyOnReads(db, reads),
-      clock,
-      logger,
-      pollInterval: HOUR,
-      watermarkDelay: 2000,
-    });
-    const other = new pg.Client({ connectionString: db.url });
-    await other.connect();
+    const { clock, q, other } = await queueAndConnection(db, reads);
     try {
       // A takes its number and commits late; 40 rows written after it are committed before the load.
       await other.query("BEGIN");
