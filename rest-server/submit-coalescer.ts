@@ -14,7 +14,7 @@
 
 import { groupCalls } from "../lib/group-calls.ts";
 import type { Db } from "../store/db.ts";
-import { insertBundleRows } from "../store/queries.ts";
+import { inOrder, insertBundleRows } from "../store/queries.ts";
 import type { Bundle, NewBundle } from "../store/types.ts";
 
 /** Rows per group statement (about 0.5 MB of parameters at the largest allowed bundle). */
@@ -32,15 +32,7 @@ export function createSubmitCoalescer(db: Db): SubmitCoalescer {
     max: MAX_GROUP,
     // The submissions read in one round of the event loop go together, also on PGlite (lib/group-calls.ts).
     gather: "io",
-    run: async (items) => {
-      const rows = await insertBundleRows(db, items, true, "submitted");
-      const byUuid = new Map(rows.map((b) => [b.uuid, b]));
-      return items.map((p) => {
-        const b = byUuid.get(p.uuid);
-        if (b === undefined) throw new Error(`bundle ${p.uuid} was not returned by its insert`);
-        return b;
-      });
-    },
+    run: async (items) => inOrder(items, await insertBundleRows(db, items, true, "submitted")),
   });
   return {
     insert(uuid, bundle) {

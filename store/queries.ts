@@ -653,10 +653,17 @@ export async function insertBundles(
   });
 }
 
-/** `rows` (an INSERT's RETURNING, in no promised order) in the order of `items`. */
-function inOrder<T extends { uuid: string }>(items: readonly { uuid: string }[], rows: readonly T[]): T[] {
+/** `rows` (an INSERT's RETURNING, in no promised order) in the order of `items`; each item must have its row. */
+export function inOrder<T extends { uuid: string }>(
+  items: readonly { uuid: string }[],
+  rows: readonly T[],
+): T[] {
   const byUuid = new Map(rows.map((b) => [b.uuid, b]));
-  return items.map((it) => byUuid.get(it.uuid)!);
+  return items.map((it) => {
+    const b = byUuid.get(it.uuid);
+    if (b === undefined) throw new Error(`bundle ${it.uuid} was not returned by its insert`);
+    return b;
+  });
 }
 
 /**

@@ -283,10 +283,9 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
 
   /**
    * A read of every row above safeSeq (too many holes to name, or the load's window) notes the numbers of
-   * (from, to] that no row had, in order (the rows come by change_seq), as long as they are few enough to name.
+   * (safeSeq, to] that no row had, in order (the rows come by change_seq), as long as they are few enough to name.
    */
   interface Rescan {
-    from: number;
     to: number;
     /** The highest number of the range read so far. */
     last: number;
@@ -323,8 +322,7 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
       const seenBefore = maxSeen;
       let applied = 0;
       // The rows above maxSeen and the holes below it; all above safeSeq while too many holes to name.
-      const rescan: Rescan | null =
-        rescanTo > safeSeq ? { from: safeSeq, to: rescanTo, last: safeSeq, unread: [] } : null;
+      const rescan: Rescan | null = rescanTo > safeSeq ? { to: rescanTo, last: safeSeq, unread: [] } : null;
       let after = rescan !== null ? safeSeq : maxSeen;
       let wanted = rescan !== null ? [] : [...holes];
       for (;;) {
