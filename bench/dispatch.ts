@@ -36,6 +36,7 @@ import {
 import net from "node:net";
 import { availableParallelism, cpus, loadavg, tmpdir, totalmem } from "node:os";
 import path from "node:path";
+import { setTimeout as sleep } from "node:timers/promises";
 import ssh2 from "ssh2";
 import { destroyLocalVms, withLocalVms } from "../cloud-drivers/local/driver.ts";
 import { findPids, readCmdline } from "../cloud-drivers/local/procs.ts";
@@ -195,7 +196,7 @@ const BUNDLE = { image: "none", command: ["true"], resources: { vcpus: 1, ram: "
  * How long after the submit's answer the first poll comes: past the starts being timed (8-30 ms here), so that
  * the benchmark's own requests do not share the server with them. Polling at once put one or two of its GETs
  * inside each burst (one took 16 ms, the server busy with the burst's `start` calls); alternately with and
- * without this wait, bursts p50 17-18 against 20-24 ms (docs/performance.md, 2026-11-28 afternoon).
+ * without this wait, bursts p50 17-18 against 20-24 ms (docs/performance.md, 2026-11-28 10:58-11:12).
  */
 const FIRST_POLL_MS = 50;
 
@@ -207,7 +208,7 @@ const FIRST_POLL_MS = 50;
 async function waitEnded(uuids: string[]): Promise<View[]> {
   const left = new Set(uuids);
   const done = new Map<string, View>();
-  await new Promise((r) => setTimeout(r, FIRST_POLL_MS));
+  await sleep(FIRST_POLL_MS);
   for (;;) {
     for (const uuid of left) {
       const b = await call<View>("GET", `/bundles/${uuid}`);
@@ -219,7 +220,7 @@ async function waitEnded(uuids: string[]): Promise<View[]> {
       }
     }
     if (left.size === 0) return uuids.map((u) => done.get(u) as View);
-    await new Promise((r) => setTimeout(r, 20));
+    await sleep(20);
   }
 }
 
@@ -257,7 +258,7 @@ async function sshRoundTrips(n: number, restMs = 0): Promise<number[]> {
   });
   const times: number[] = [];
   for (let i = 0; i < n; i++) {
-    if (restMs > 0) await new Promise((r) => setTimeout(r, restMs));
+    if (restMs > 0) await sleep(restMs);
     const t0 = performance.now();
     await new Promise<void>((ok, fail) =>
       client.exec("true", (err, ch) => {
@@ -317,7 +318,7 @@ async function sparesReady(): Promise<void> {
       progress(`bench:dispatch: VMs not quiet after 60 s (${said}; wanted ${WARM} ready, 0 other); going on`);
       return;
     }
-    await new Promise((r) => setTimeout(r, 200));
+    await sleep(200);
   }
 }
 
@@ -415,7 +416,7 @@ async function guardedUpdates(n: number, restMs = 0): Promise<number[]> {
     for (let i = 0; i < n; i++) {
       const uuid = testBundleUuid();
       await insertBundle(db, uuid, testNewBundle(owner), "created");
-      if (restMs > 0) await new Promise((r) => setTimeout(r, restMs));
+      if (restMs > 0) await sleep(restMs);
       const t0 = performance.now();
       const res = await stageBundle(db, uuid, { actor: "bench" });
       times.push(performance.now() - t0);
