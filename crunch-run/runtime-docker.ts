@@ -20,6 +20,7 @@ import {
   LABEL_BUNDLE,
   LABEL_VM_ROOT,
 } from "./docker-api.ts";
+import { followContainerLog } from "./docker-logs.ts";
 import { pullImage } from "./image-pull.ts";
 import {
   type ContainerConfig,
@@ -172,7 +173,7 @@ export function createDockerRuntime(docker: DockerClient, opts: DockerRuntimeOpt
         if (err instanceof DockerApiError) throw classifyStartFailure(err.daemonMessage, command);
         throw brokenDaemon("start", err);
       }
-      pumpLogs(docker, id, stdout, stderr);
+      void followContainerLog(docker, id, { stdout, stderr });
       return container;
     },
   };
@@ -285,34 +286,4 @@ function dockerContainer(
 interface DockerStats {
   cpu_stats?: { cpu_usage?: { total_usage?: number } };
   memory_stats?: { usage?: number; max_usage?: number; stats?: { cache?: number; inactive_file?: number } };
-}
-
-/**
- * Follows the container's log and splits docker's multiplexed stream (8-byte frame headers: stream byte,
- * 3 zero bytes, big-endian length) into stdout and stderr.
- */
-function pumpLogs(docker: DockerClient, id: string, stdout: PassThrough, stderr: PassThrough): void {
-  const endBoth = (err?: Error) => {
-    if (err) stderr.write(`[crunch-run] lost the container's log stream: ${err.message}\n`);
-    stdout.end();
-    stderr.end();
-  };
-  docker
-    .stream("GET", `/containers/${id}/logs?follow=1&stdout=1&stderr=1`)
-    .then((res) => {
-      let pending: Buffer = Buffer.alloc(0);
-      res.on("data", (chunk: Buffer) => {
-        pending = pending.length === 0 ? chunk : Buffer.concat([pending, chunk]);
-        while (pending.length >= 8) {
-          const size = pending.readUInt32BE(4);
-          if (pending.length < 8 + size) break;
-          const target = pending[0] === 2 ? stderr : stdout;
-          target.write(pending.subarray(8, 8 + size));
-          pending = pending.subarray(8 + size);
-        }
-      });
-      res.on("end", () => endBoth());
-      res.on("error", (err) => endBoth(err));
-    })
-    .catch((err: unknown) => endBoth(err as Error));
 }

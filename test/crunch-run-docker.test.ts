@@ -16,6 +16,7 @@ import { RUNTIME_FAILURES_BEFORE_BROKEN } from "../crunch-run/runtime-failures.t
 import { listEvents } from "../store/queries.ts";
 import { type RunnerHarness, startRunnerHarness, supervisorLog } from "./crunch-run-harness.ts";
 import { useTestDb } from "./db.ts";
+import { requireDockerImage } from "./docker-check.ts";
 
 const IMAGE = "dctest/busybox:1";
 /** dctest/busybox:1 with /in a regular file: no dependency can be mounted at /in/<name>. Made per run. */
@@ -28,21 +29,7 @@ describe("crunch-run (docker runtime)", () => {
   let h: RunnerHarness;
 
   beforeAll(async () => {
-    const ping = await docker
-      .call("GET", "/_ping", undefined, { timeoutMs: 2000 })
-      .catch((err: Error) => err);
-    if (ping instanceof Error || ping.status !== 200) {
-      throw new Error(
-        `no Docker daemon answers at ${docker.socketPath} (${ping instanceof Error ? ping.message : ping.status}); ` +
-          "install docker.io and start dockerd (or set DOCKER_HOST=unix:///path/to/docker.sock)",
-      );
-    }
-    const image = await docker.call("GET", `/images/${encodeURIComponent(IMAGE)}/json`);
-    if (image.status !== 200) {
-      throw new Error(
-        `the test image ${IMAGE} is missing; make it with: docker import -c 'ENV PATH=/bin' <busybox-static root tar> ${IMAGE}`,
-      );
-    }
+    await requireDockerImage(docker, IMAGE);
     h = await startRunnerHarness(getDb());
   });
   afterAll(async () => {

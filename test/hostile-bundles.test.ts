@@ -17,6 +17,7 @@ import { runnerPaths, workDir } from "../crunch-run/paths.ts";
 import type { Bundle } from "../store/types.ts";
 import { type RunnerHarness, startRunnerHarness, supervisorLog } from "./crunch-run-harness.ts";
 import { useTestDb } from "./db.ts";
+import { requireDockerImage } from "./docker-check.ts";
 
 const IMAGE = "dctest/busybox:1";
 const MAX_FILES = 20_000;
@@ -32,19 +33,7 @@ describe("hostile bundles (docker runtime)", () => {
   const hostFile = join(hostDir, "secret.txt");
 
   beforeAll(async () => {
-    const ping = await docker
-      .call("GET", "/_ping", undefined, { timeoutMs: 2000 })
-      .catch((err: Error) => err);
-    if (ping instanceof Error || ping.status !== 200) {
-      throw new Error(
-        `no Docker daemon answers at ${docker.socketPath} (${ping instanceof Error ? ping.message : ping.status}); ` +
-          "install docker.io and start dockerd (scripts/test-services.sh does both)",
-      );
-    }
-    const image = await docker.call("GET", `/images/${encodeURIComponent(IMAGE)}/json`);
-    if (image.status !== 200) {
-      throw new Error(`the test image ${IMAGE} is missing; scripts/test-services.sh makes it`);
-    }
+    await requireDockerImage(docker, IMAGE);
     writeFileSync(hostFile, `${secret}\n`);
     chmodSync(hostDir, 0o755);
     h = await startRunnerHarness(getDb(), { maxOutputFiles: MAX_FILES, maxLogBytesPerStream: MAX_LOG });
