@@ -379,6 +379,10 @@ const Dispatcher = Section("Queue and scheduler.", {
     0,
     64,
   ),
+  containerLogMaxSize: Size(
+    "The docker runtime's cap on docker's own log of a bundle's container, kept by the daemon on the instance's disk in two json-file files of this size (the bundle's log as users see it is restServer.maxLogBytesPerStream's business). Below 1MiB counts as 1MiB, above 1TiB as 1TiB.",
+    "256MiB",
+  ),
   schedulingStatusInterval: Duration("2s", "How often queued bundles' schedulingStatus text is refreshed.", {
     positive: true,
   }),

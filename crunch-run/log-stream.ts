@@ -5,7 +5,8 @@
  * minutes costs disk, not memory. A chunk the server already has is accepted and ignored, so retries are
  * safe; a gap answer (runner.log_gap) moves the offset back to what the server expects. Once the server
  * says the stream reached its limit (restServer.maxLogBytesPerStream; it stored a truncation notice), later
- * bytes are dropped here too, file included, so a bundle that writes without end fills neither side's disk.
+ * bytes are dropped here too, file included, so a bundle that writes without end fills neither side's disk
+ * (docker's own copy of the container's log is capped apart: runtime-docker.ts, containerLogMaxBytes).
  */
 import { closeSync, openSync, readSync, writeSync } from "node:fs";
 import { RunnerApiError, type RunnerClient } from "./api-client.ts";

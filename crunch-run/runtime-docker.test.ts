@@ -11,6 +11,7 @@ function config(over: {
   network?: boolean;
   ram?: number;
   vcpus?: number;
+  logMaxBytes?: number;
 }) {
   const spec: RunnerSpec = {
     uuid: UUID,
@@ -33,6 +34,7 @@ function config(over: {
     inputs: ["ref", "reads"],
     gpuDevices: over.gpuDevices ?? [],
     vmRoot: "/vm/1",
+    ...(over.logMaxBytes === undefined ? {} : { logMaxBytes: over.logMaxBytes }),
   };
   return containerCreateBody(c, { uid: 1001, gid: 1002 });
 }
@@ -47,6 +49,7 @@ describe("the container a bundle runs in", () => {
       NanoCpus: 1_500_000_000,
       PidsLimit: 4096,
       NetworkMode: "none",
+      LogConfig: { Type: "json-file", Config: { "max-size": String(256 * 2 ** 20), "max-file": "2" } },
     });
     expect(body.User).toBe("1001:1002");
     expect(body.Labels).toEqual({
@@ -58,6 +61,11 @@ describe("the container a bundle runs in", () => {
       expect.arrayContaining(["A=1", "DISPATCH_OUTPUT_DIR=/out", "DISPATCH_INPUT_DIR=/in"]),
     );
     expect(config({ network: true }).HostConfig["NetworkMode"]).toBe("default");
+    // Docker's own copy of the log is capped too (the start document's containerLogMaxBytes).
+    expect(config({ logMaxBytes: 5 * 2 ** 20 }).HostConfig["LogConfig"]).toEqual({
+      Type: "json-file",
+      Config: { "max-size": "5242880", "max-file": "2" },
+    });
   });
 
   it("requests exactly the CUDA devices the dispatcher assigned", () => {

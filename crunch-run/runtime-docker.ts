@@ -12,6 +12,7 @@
  */
 import { PassThrough } from "node:stream";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { DEFAULT_CONTAINER_LOG_MAX_BYTES } from "../lib/runner-protocol.ts";
 import type { RunnerSpec } from "./api-client.ts";
 import {
   DockerApiError,
@@ -75,6 +76,15 @@ export function containerCreateBody(config: ContainerConfig, user: { uid: number
     NanoCpus: dockerLimit(spec.resources.vcpus * 1e9, DOCKER_MIN_NANO_CPUS),
     PidsLimit: 4096,
     NetworkMode: spec.limits.network ? "default" : "none",
+    // Docker keeps its own copy of everything the container writes; without a cap a bundle that writes without
+    // end fills the instance's disk even though the supervisor stops storing its log at the server's limit.
+    LogConfig: {
+      Type: "json-file",
+      Config: {
+        "max-size": String(config.logMaxBytes ?? DEFAULT_CONTAINER_LOG_MAX_BYTES),
+        "max-file": "2",
+      },
+    },
   };
   if (config.gpuDevices.length > 0) {
     if (rocm) {

@@ -27,6 +27,8 @@ export interface ContainerConfig {
   gpuDevices: number[];
   /** DISPATCH_VM_ROOT ("" on a real VM), for the container's labels. */
   vmRoot: string;
+  /** The docker runtime's cap on docker's own log file of the container (two files); default 256 MiB. */
+  logMaxBytes?: number;
 }
 
 export interface ContainerExit {

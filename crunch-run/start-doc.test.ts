@@ -43,6 +43,7 @@ describe("parseStartDocument", () => {
       warmSupervisors: 2,
       registryAuth: [],
       imagePullRetryMs: 120_000,
+      containerLogMaxBytes: 256 * 2 ** 20,
       workerPid: 0,
       workerPidStart: "",
     });
@@ -51,8 +52,16 @@ describe("parseStartDocument", () => {
   it("takes registryAuth and imagePullRetryMs", () => {
     const auth = [{ server: "127.0.0.1:5000", username: "u", password: "pw" }];
     expect(
-      parseStartDocument(JSON.stringify({ ...good, registryAuth: auth, imagePullRetryMs: 5000 }), UUID),
-    ).toMatchObject({ registryAuth: auth, imagePullRetryMs: 5000 });
+      parseStartDocument(
+        JSON.stringify({
+          ...good,
+          registryAuth: auth,
+          imagePullRetryMs: 5000,
+          containerLogMaxBytes: 2 ** 20,
+        }),
+        UUID,
+      ),
+    ).toMatchObject({ registryAuth: auth, imagePullRetryMs: 5000, containerLogMaxBytes: 2 ** 20 });
   });
 
   it.each([
@@ -139,6 +148,8 @@ describe("parseStartDocument", () => {
     ["negative warm supervisors", { ...good, warmSupervisors: -1 }, "warmSupervisors"],
     ["too many warm supervisors", { ...good, warmSupervisors: 65 }, "warmSupervisors"],
     ["a tiny pull retry time", { ...good, imagePullRetryMs: 5 }, "imagePullRetryMs"],
+    ["a container log cap below 1 MiB", { ...good, containerLogMaxBytes: 1000 }, "containerLogMaxBytes"],
+    ["a container log cap as text", { ...good, containerLogMaxBytes: "1g" }, "containerLogMaxBytes"],
     ["a negative worker pid", { ...good, workerPid: -1 }, "workerPid"],
     ["a worker pid as text", { ...good, workerPid: "12" }, "workerPid"],
     ["a worker start time that is not digits", { ...good, workerPidStart: "1; rm" }, "workerPidStart"],

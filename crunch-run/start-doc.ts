@@ -5,6 +5,8 @@
  */
 import { DispatchCloudError } from "../lib/errors.ts";
 import {
+  CONTAINER_LOG_MAX_RANGE_BYTES,
+  DEFAULT_CONTAINER_LOG_MAX_BYTES,
   DEFAULT_HEARTBEAT_INTERVAL_MS,
   DEFAULT_IMAGE_PULL_RETRY_MS,
   DEFAULT_PROCESS_UIDS,
@@ -145,6 +147,11 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
   ) {
     throw bad("imagePullRetryMs", `must be a whole number of milliseconds from ${pr.min} to ${pr.max}`);
   }
+  const logMax = doc["containerLogMaxBytes"] ?? DEFAULT_CONTAINER_LOG_MAX_BYTES;
+  const lr = CONTAINER_LOG_MAX_RANGE_BYTES;
+  if (typeof logMax !== "number" || !Number.isSafeInteger(logMax) || logMax < lr.min || logMax > lr.max) {
+    throw bad("containerLogMaxBytes", `must be a whole number of bytes from ${lr.min} to ${lr.max}`);
+  }
   return {
     uuid,
     attempt,
@@ -161,6 +168,7 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
     warmSupervisors: warm,
     registryAuth,
     imagePullRetryMs: pullRetry,
+    containerLogMaxBytes: logMax,
     workerPid,
     workerPidStart,
   };

@@ -576,6 +576,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
           inputs,
           gpuDevices: doc.gpuDevices,
           vmRoot: paths.root,
+          logMaxBytes: doc.containerLogMaxBytes,
         });
         clearRuntimeFailures(paths);
       } catch (err) {

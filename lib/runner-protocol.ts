@@ -71,6 +71,11 @@ export interface StartDocument {
   /** How long a pull whose registry is unavailable (network, 5xx, 429) is retried before the bundle is requeued. */
   imagePullRetryMs: number;
   /**
+   * The docker runtime's cap on docker's own log of the bundle's container (json-file, in two files of this size):
+   * what the daemon keeps on the instance's disk besides the log the supervisor sends, whatever the bundle writes.
+   */
+  containerLogMaxBytes: number;
+  /**
    * A user's worker (docs/workers.md) sets these to its own pid and that process's start time (/proc/<pid>/stat
    * field 22): the supervisor stops the bundle (no finish) once that process is gone, so a killed worker's
    * bundles do not run on unwatched. 0 and "": none (cloud instances).
@@ -89,6 +94,7 @@ type Defaulted =
   | "warmSupervisors"
   | "registryAuth"
   | "imagePullRetryMs"
+  | "containerLogMaxBytes"
   | "workerPid"
   | "workerPidStart";
 /** What the dispatcher sends: the required fields, and the defaulted ones only where they differ. */
@@ -110,6 +116,7 @@ export const START_DOCUMENT_FIELDS: ReadonlySet<string> = new Set<keyof StartDoc
   "warmSupervisors",
   "registryAuth",
   "imagePullRetryMs",
+  "containerLogMaxBytes",
   "workerPid",
   "workerPidStart",
 ]);
@@ -126,6 +133,9 @@ export const MAX_WARM_SUPERVISORS = 64;
 /** containers.pullRetryTimeout's default, and the bounds of imagePullRetryMs. */
 export const DEFAULT_IMAGE_PULL_RETRY_MS = 120_000;
 export const IMAGE_PULL_RETRY_RANGE_MS = { min: 100, max: 24 * 3_600_000 } as const;
+/** dispatcher.containerLogMaxSize's default, and the bounds of containerLogMaxBytes. */
+export const DEFAULT_CONTAINER_LOG_MAX_BYTES = 256 * 2 ** 20;
+export const CONTAINER_LOG_MAX_RANGE_BYTES = { min: 2 ** 20, max: 2 ** 40 } as const;
 /** Most registryAuth entries a document may carry (the dispatcher sends at most one). */
 export const MAX_REGISTRY_AUTH = 4;
 /** The largest uid a range may reach (4294967295 is (uid_t)-1). */

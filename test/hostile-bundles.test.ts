@@ -9,8 +9,9 @@
  */
 import { randomBytes } from "node:crypto";
 import { chmodSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { readdir, stat } from "node:fs/promises";
 import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { createDockerClient, listBundleContainers } from "../crunch-run/docker-api.ts";
 import { runnerPaths, workDir } from "../crunch-run/paths.ts";
@@ -176,4 +177,52 @@ describe("hostile bundles (docker runtime)", () => {
     );
     expect(await h.log(b.uuid, "stderr")).toContain("done\n");
   });
+
+  it("keeps docker's own copy of a flooding bundle's log within containerLogMaxBytes (two files)", async () => {
+    const cap = 2 ** 20;
+    const b = await bundle("head -c 20000000 /dev/zero | tr '\\0' a | fold -w 1000; sleep 2; echo done >&2");
+    const res = await h.detach(b, { runtimeEngine: "docker", containerLogMaxBytes: cap });
+    expect(res.code, res.stderr).toBe(0);
+    // docker's json-file log of the container (the file and its rotated copy), watched until the bundle ends.
+    let largest = 0;
+    let ended = false;
+    const finalRow = h.waitFinal(b.uuid, 120_000).finally(() => {
+      ended = true;
+    });
+    while (!ended) {
+      const [c] = await listBundleContainers(docker, h.root, { uuid: b.uuid, all: true });
+      const logPath =
+        c === undefined
+          ? undefined
+          : (
+              await docker
+                .json<{ LogPath?: string }>("GET", `/containers/${c.Id}/json`)
+                .catch(() => ({ LogPath: undefined }))
+            ).LogPath;
+      if (logPath) {
+        const dir = dirname(logPath);
+        const names = (await readdir(dir).catch(() => [])).filter((n) => n.startsWith(basename(logPath)));
+        const sizes = await Promise.all(
+          names.map((n) =>
+            stat(join(dir, n)).then(
+              (st) => st.size,
+              () => 0,
+            ),
+          ),
+        );
+        largest = Math.max(
+          largest,
+          sizes.reduce((a, n) => a + n, 0),
+        );
+      }
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    const final = await finalRow;
+    expect(final.state, await supervisorLog(h.root, b.uuid)).toBe("ready");
+    // The bundle wrote 20 MB; docker kept at most two files of the cap (each may pass it by one entry).
+    expect(largest).toBeGreaterThan(cap / 2);
+    expect(largest).toBeLessThanOrEqual(2 * cap + 64 * 1024);
+    // The end still arrives through the rotations.
+    expect(await h.log(b.uuid, "stderr")).toContain("done\n");
+  }, 120_000);
 });

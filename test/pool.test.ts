@@ -47,9 +47,12 @@ const RUNNER = { content: RUNNER_CONTENT, sha256: createHash("sha256").update(RU
 const API_URL = "https://dispatch.example:8443";
 const PREFIX = "DispatchCloud";
 
-function configWith(cloud: Partial<Config["cloud"]> = {}): Config {
+function configWith(
+  cloud: Partial<Config["cloud"]> = {},
+  more: Partial<Pick<Config, "dispatcher" | "containers">> = {},
+): Config {
   const base = defaultConfig();
-  return { ...base, cloud: { ...base.cloud, maxConcurrentInstanceCreateOps: 0, ...cloud } };
+  return { ...base, ...more, cloud: { ...base.cloud, maxConcurrentInstanceCreateOps: 0, ...cloud } };
 }
 
 /** A QueueView that keeps what the pool applies (newer changeSeq wins). */
@@ -90,6 +93,8 @@ function harness(
   db: Db,
   opts: {
     cloud?: Partial<Config["cloud"]>;
+    /** Whole sections of the config besides cloud. */
+    sections?: Partial<Pick<Config, "dispatcher" | "containers">>;
     stub?: Omit<StubCloudOptions, "clock">;
     reuse?: { clock: FakeClock; cloud: StubCloud };
     types?: readonly InstanceType[];
@@ -102,7 +107,7 @@ function harness(
 ): Harness {
   const clock = opts.reuse?.clock ?? new FakeClock();
   const cloud = opts.reuse?.cloud ?? new StubCloud({ clock, ...opts.stub });
-  const config = configWith(opts.cloud);
+  const config = configWith(opts.cloud, opts.sections);
   const registry = new Registry();
   const queue = new AppliedRows();
   const set = cloud.instanceSet("zzzzz");
@@ -932,6 +937,24 @@ describe("pool: cloud errors and limits", () => {
 });
 
 describeEachDb("pool: starting and killing runners", (getDb) => {
+  it("sends a container log cap and a pull retry time in the start document only when they are not the defaults", async () => {
+    const base = defaultConfig();
+    const h = harness(getDb(), {
+      sections: {
+        dispatcher: { ...base.dispatcher, containerLogMaxSize: 8 * 2 ** 20 },
+        containers: { ...base.containers, pullRetryTimeout: 5000 },
+      },
+    });
+    const [id = ""] = await h.ready();
+    const bundle = await stagedBundle(getDb());
+    h.pool.startBundle(id, bundle, []);
+    await h.pool.settled();
+    expect(h.vmOf(id).runners.get(bundle.uuid)?.doc).toMatchObject({
+      containerLogMaxBytes: 8 * 2 ** 20,
+      imagePullRetryMs: 5000,
+    });
+  });
+
   it("starts a bundle: starting at once, store transition, start document with the token on stdin", async () => {
     const h = harness(getDb());
     const [id = ""] = await h.ready();

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import { defaultConfig } from "../../config/load.ts";
-import { pullRetryMs, registryAuthFor } from "./remote-runner.ts";
+import { containerLogMaxBytes, pullRetryMs, registryAuthFor } from "./remote-runner.ts";
 
 describe("registryAuthFor (the start document's registryAuth)", () => {
   const base = defaultConfig();
@@ -43,5 +43,17 @@ describe("pullRetryMs (the start document's imagePullRetryMs)", () => {
     expect(pullRetryMs(c(3000))).toBe(3000);
     expect(pullRetryMs(c(1))).toBe(100);
     expect(pullRetryMs(c(30 * 86_400_000))).toBe(86_400_000);
+  });
+});
+
+describe("containerLogMaxBytes (the start document's cap on docker's own log)", () => {
+  it("is dispatcher.containerLogMaxSize within the bounds crunch-run accepts", () => {
+    const c = (bytes: number) => ({
+      dispatcher: { ...defaultConfig().dispatcher, containerLogMaxSize: bytes },
+    });
+    expect(containerLogMaxBytes(defaultConfig())).toBe(256 * 2 ** 20);
+    expect(containerLogMaxBytes(c(5 * 2 ** 20))).toBe(5 * 2 ** 20);
+    expect(containerLogMaxBytes(c(1))).toBe(2 ** 20);
+    expect(containerLogMaxBytes(c(2 ** 50))).toBe(2 ** 40);
   });
 });

@@ -12,7 +12,9 @@ import type { Executor } from "../../lib/executor.ts";
 import { registryOf } from "../../lib/image-ref.ts";
 import type { Logger } from "../../lib/logger.ts";
 import {
+  CONTAINER_LOG_MAX_RANGE_BYTES,
   clampSpotCheckIntervalMs,
+  DEFAULT_CONTAINER_LOG_MAX_BYTES,
   DEFAULT_IMAGE_PULL_RETRY_MS,
   detachAnswerSpare,
   formatHandOffs,
@@ -54,6 +56,12 @@ export interface RunnerHost {
 export function pullRetryMs(config: Pick<Config, "containers">): number {
   const { min, max } = IMAGE_PULL_RETRY_RANGE_MS;
   return Math.min(max, Math.max(min, Math.round(config.containers.pullRetryTimeout)));
+}
+
+/** dispatcher.containerLogMaxSize for the start document, within crunch-run's bounds. */
+export function containerLogMaxBytes(config: { dispatcher: { containerLogMaxSize: number } }): number {
+  const { min, max } = CONTAINER_LOG_MAX_RANGE_BYTES;
+  return Math.min(max, Math.max(min, Math.round(config.dispatcher.containerLogMaxSize)));
 }
 
 const registryAuthDoc = (auth: RegistryAuth[]) => (auth.length === 0 ? {} : { registryAuth: auth });
@@ -207,6 +215,9 @@ export class RemoteRunner implements RunnerView {
       ...(pullRetryMs(ctx.config) === DEFAULT_IMAGE_PULL_RETRY_MS
         ? {}
         : { imagePullRetryMs: pullRetryMs(ctx.config) }),
+      ...(containerLogMaxBytes(ctx.config) === DEFAULT_CONTAINER_LOG_MAX_BYTES
+        ? {}
+        : { containerLogMaxBytes: containerLogMaxBytes(ctx.config) }),
     };
     let failure: string | null = null;
     let via: "spare" | "detach" = "spare";
