@@ -37,6 +37,11 @@ const RESUME_MARGIN_S = 1;
 const RESUME_DELAY_MS = 200;
 /** The end is read again with tail=N for these N, then as a whole. */
 const TAIL_STEPS = [64, 512, 4096, 32768];
+/**
+ * Most bytes of one tail=N read held in memory (its entries wait until the read is known to reach back); past
+ * them the end is read again as the whole log, entry by entry, so long lines cannot make the supervisor large.
+ */
+const END_BUFFER_MAX_BYTES = 8 * 2 ** 20;
 
 /**
  * Splits docker's multiplexed stream (8-byte frame headers: stream byte, 3 zero bytes, big-endian length) into
@@ -203,7 +208,22 @@ async function readEnd(
   if (cursor.delivered) {
     for (const n of TAIL_STEPS) {
       const entries: LogEntry[] = [];
-      await readEntries(docker, `${base}&tail=${n}`, (e) => entries.push(e));
+      let bytes = 0;
+      const tooLarge = new AbortController();
+      const read = readEntries(
+        docker,
+        `${base}&tail=${n}`,
+        (e) => {
+          bytes += e.data.length;
+          if (bytes > END_BUFFER_MAX_BYTES) tooLarge.abort();
+          else entries.push(e);
+        },
+        tooLarge.signal,
+      );
+      await read.catch((err: unknown) => {
+        if (!tooLarge.signal.aborted) throw err;
+      });
+      if (tooLarge.signal.aborted) break;
       if (entries.length < n || cursor.reachesBack(entries)) {
         const keep = cursor.unseen();
         for (const e of entries) if (keep(e)) deliver(e);
@@ -217,9 +237,14 @@ async function readEnd(
   });
 }
 
-/** One logs request, entry by entry; resolves at its end, rejects if it breaks. */
-async function readEntries(docker: DockerClient, path: string, each: (e: LogEntry) => void): Promise<void> {
-  const res: Readable = await docker.stream("GET", path);
+/** One logs request, entry by entry; resolves at its end (or once `signal` stops it), rejects if it breaks. */
+async function readEntries(
+  docker: DockerClient,
+  path: string,
+  each: (e: LogEntry) => void,
+  signal?: AbortSignal,
+): Promise<void> {
+  const res: Readable = await docker.stream("GET", path, signal === undefined ? {} : { signal });
   const frames = new FrameReader();
   await new Promise<void>((resolve, reject) => {
     res.on("data", (chunk: Buffer) => frames.push(chunk, each));

@@ -152,6 +152,17 @@ describe("a container's log, read to its end (docker runtime)", () => {
     expect(tails(paths)).toEqual([64, 512, 4096, 32768]);
   });
 
+  it("reads an end of long lines again as the whole log, streamed, rather than hold it all", async () => {
+    const { client, paths } = cuttingClient(docker, "drop-tail", 100_000);
+    // 3,000 lines of 10,000 bytes (docker keeps each as one entry): tail=4096 would hold them all, past 8 MiB.
+    const r = await run(client, "head -c 30000000 /dev/zero | tr '\\0' a | fold -w 10000");
+    expect(r.exitCode).toBe(0);
+    // fold ends the last line without a newline: that entry arrives too.
+    expect(r.stdout).toBe(`${"a".repeat(10000)}\n`.repeat(2999) + "a".repeat(10000));
+    expect(tails(paths)).toEqual([64, 512, 4096]);
+    expect(paths.filter((p) => !p.includes("follow=1") && !p.includes("tail="))).toHaveLength(1);
+  });
+
   it("resumes a follow that broke while the container runs, and delivers nothing twice", async () => {
     const { client, paths } = cuttingClient(docker, "break", 3000);
     const r = await run(
