@@ -141,11 +141,14 @@ export const MAX_REGISTRY_AUTH = 4;
 /** The largest uid a range may reach (4294967295 is (uid_t)-1). */
 export const MAX_UID = 4_294_967_294;
 
+/** A configured value as a start document's bounded field allows it: rounded, then moved into the range. */
+export function clampInto(range: { readonly min: number; readonly max: number }, value: number): number {
+  return Math.min(range.max, Math.max(range.min, Math.round(value)));
+}
+
 /** A configured spot check interval (ms) as the start document allows it: 0 (never), else within the bounds. */
 export function clampSpotCheckIntervalMs(ms: number): number {
-  if (ms <= 0) return 0;
-  const { min, max } = SPOT_CHECK_INTERVAL_RANGE_MS;
-  return Math.min(max, Math.max(min, Math.round(ms)));
+  return ms <= 0 ? 0 : clampInto(SPOT_CHECK_INTERVAL_RANGE_MS, ms);
 }
 
 // ---- --list ----

@@ -13,6 +13,7 @@ import { registryOf } from "../../lib/image-ref.ts";
 import type { Logger } from "../../lib/logger.ts";
 import {
   CONTAINER_LOG_MAX_RANGE_BYTES,
+  clampInto,
   clampSpotCheckIntervalMs,
   DEFAULT_CONTAINER_LOG_MAX_BYTES,
   DEFAULT_IMAGE_PULL_RETRY_MS,
@@ -54,14 +55,12 @@ export interface RunnerHost {
 
 /** containers.pullRetryTimeout for the start document, within crunch-run's bounds. */
 export function pullRetryMs(config: Pick<Config, "containers">): number {
-  const { min, max } = IMAGE_PULL_RETRY_RANGE_MS;
-  return Math.min(max, Math.max(min, Math.round(config.containers.pullRetryTimeout)));
+  return clampInto(IMAGE_PULL_RETRY_RANGE_MS, config.containers.pullRetryTimeout);
 }
 
 /** dispatcher.containerLogMaxSize for the start document, within crunch-run's bounds. */
 export function containerLogMaxBytes(config: { dispatcher: { containerLogMaxSize: number } }): number {
-  const { min, max } = CONTAINER_LOG_MAX_RANGE_BYTES;
-  return Math.min(max, Math.max(min, Math.round(config.dispatcher.containerLogMaxSize)));
+  return clampInto(CONTAINER_LOG_MAX_RANGE_BYTES, config.dispatcher.containerLogMaxSize);
 }
 
 const registryAuthDoc = (auth: RegistryAuth[]) => (auth.length === 0 ? {} : { registryAuth: auth });
