@@ -46,6 +46,7 @@ import {
   ipcChannel,
   MAX_BUNDLES_PER_SUPERVISOR,
   MAX_RETURN_RSS,
+  notifyEnded,
   type PoolStart,
   RETURN_QUIET_MS,
   rejoinPool,
@@ -143,6 +144,15 @@ export async function runCrunchRun(
 /** How long a supervisor waits for its `start` call's answer before it sets up anyway (superviseBundle). */
 const ANSWER_WAIT_MS = 100;
 
+/** What a spare's supervision adds (spareOnce): its own log, the pool's `start` call, a signal come early. */
+interface AsSpare {
+  makeLogger?: () => Logger;
+  poolStart?: PoolStart | null;
+  earlySignal?: NodeJS.Signals | null;
+  /** The bundle's command has exited of itself (SuperviseOptions.onEnded). */
+  onEnded?: () => void;
+}
+
 /**
  * Supervises one bundle. The runner `start` call goes out first (unless a spare's warm pool made it:
  * `poolStart`), and the supervisor's set-up (`makeLogger`, a
@@ -155,10 +165,9 @@ async function superviseBundle(
   doc: StartDocument,
   paths: RunnerPaths,
   env: NodeJS.ProcessEnv,
-  makeLogger?: () => Logger,
-  poolStart: PoolStart | null = null,
-  earlySignal: NodeJS.Signals | null = null,
+  asSpare: AsSpare = {},
 ): Promise<number> {
+  const { makeLogger, poolStart = null, earlySignal = null, onEnded } = asSpare;
   // The last check against a start racing a spot interruption notice (--detach and the spare check first):
   // without `start`, the bundle stays starting and the dispatcher requeues it when this runner is not listed.
   if (existsSync(paths.preemptedFile)) {
@@ -208,6 +217,7 @@ async function superviseBundle(
     env,
     ...(logger === undefined ? {} : { logger }),
     early: { client, abort, started, retryHook },
+    ...(onEnded === undefined ? {} : { onEnded }),
   });
   // supervise() has its own signal handlers and the retry hook now (set before its first await).
   process.off("SIGTERM", stop);
@@ -242,12 +252,17 @@ async function spare(paths: RunnerPaths, env: NodeJS.ProcessEnv, io: CrunchRunIo
   // And run the hand-off's path once, so the real one does not pay its one-time set-up (spare-warmup.ts).
   await (await import("./spare-warmup.ts")).warmUpSpare();
   const socketPath = spareSocketPath(paths, selfCommand());
+  const comesBack = (served: number) =>
+    socketPath !== null && served < MAX_BUNDLES_PER_SUPERVISOR && process.memoryUsage().rss <= MAX_RETURN_RSS;
   for (let served = 1; ; served++) {
-    const result = await spareOnce(channel, paths, env);
+    // The pool counts this process as on its way back from its bundle's end (spare.ts, notifyEnded).
+    const onEnded = () => {
+      if (socketPath !== null && comesBack(served)) notifyEnded(socketPath);
+    };
+    const result = await spareOnce(channel, paths, env, onEnded);
     if (result.code === null) return exitSoon(0);
     const { code, signalled } = result;
-    if (signalled || served >= MAX_BUNDLES_PER_SUPERVISOR || process.memoryUsage().rss > MAX_RETURN_RSS)
-      return exitSoon(code);
+    if (signalled || !comesBack(served)) return exitSoon(code);
     process.title = "crunch-run returning";
     await new Promise((r) => setTimeout(r, RETURN_QUIET_MS));
     channel = socketPath === null || !existsSync(socketPath) ? null : await rejoinPool(socketPath);
@@ -263,6 +278,7 @@ async function spareOnce(
   channel: SpareChannel,
   paths: RunnerPaths,
   env: NodeJS.ProcessEnv,
+  onEnded?: () => void,
 ): Promise<{ code: number | null; signalled: boolean }> {
   // The title says it is ready (tests and the benchmark count ready spares by it).
   process.title = "crunch-run spare";
@@ -321,18 +337,19 @@ async function spareOnce(
   const uuid = work.uuid;
   let destination: WriteStream | null = null;
   try {
-    const code = await superviseBundle(
-      doc,
-      paths,
-      env,
-      () => {
+    const code = await superviseBundle(doc, paths, env, {
+      makeLogger: () => {
         mkdirSync(paths.logDir, { recursive: true });
         destination = createWriteStream(logFile(paths, uuid), { flags: "a" });
         return createLogger({ level: "info", format: "json", destination });
       },
-      start,
-      early,
-    );
+      poolStart: start,
+      earlySignal: early,
+      // Not after a stop signal: such a supervisor exits instead of coming back.
+      onEnded: () => {
+        if (!signalled) onEnded?.();
+      },
+    });
     return { code, signalled };
   } finally {
     process.off("SIGTERM", onSignal);

@@ -31,9 +31,11 @@
  *   channel and is that bundle's supervisor, in its own session: the warm pool's death (or a
  *   restart of the dispatcher) does not touch it. For a hand-off from `--detach` (which holds the
  *   lock and writes the spare's pid into it), the spare calls `start` itself, once the lock names it.
- * - A supervisor whose bundle has ended comes back (RETURN_QUIET_MS later, main.ts): it connects to the socket,
- *   sends `spare <pid>`, and then speaks the IPC channel's messages as lines of JSON on that connection. The
- *   pool takes it as a spare, or closes the connection (the supervisor exits) when it has the spares it wants.
+ * - A supervisor whose bundle has ended comes back (RETURN_QUIET_MS after its final report, main.ts): it connects
+ *   to the socket, sends `spare <pid>`, and then speaks the IPC channel's messages as lines of JSON on that
+ *   connection. The pool takes it as a spare, or closes the connection (the supervisor exits) when it has the
+ *   spares it wants. As soon as its bundle's command has exited, it says `ended <pid>` on a connection of its own,
+ *   so that the refill counts it as on its way back however long its outputs take (ENDED_RETURN_MAX_MS).
  *   So a back-to-back bundle costs no new process: the replacement's start-up (hundreds of ms of CPU) no longer
  *   runs beside the next bundles' starts.
  * - A spare holds no lock while it waits; `--list` prints `spare <socket>` while the pool's socket exists. An
@@ -90,6 +92,16 @@ export const MAX_RETURN_RSS = 256 * 1024 * 1024;
 export const RETURN_QUIET_MS = 250;
 /** The first line a supervisor coming back sends on the pool's socket: `spare <pid>`. */
 const RETURN_LINE = /^spare (\d{1,10})$/;
+/** The one line a supervisor sends on the pool's socket when its bundle's command has exited: `ended <pid>`. */
+const ENDED_LINE = /^ended (\d{1,10})$/;
+/**
+ * How long the refill counts a supervisor whose bundle has ended (it said `ended <pid>`) as on its way back: its
+ * outputs and final report come first, which take seconds on a busy instance. One that exits instead is
+ * forgotten as soon as the pool sees it gone.
+ */
+const ENDED_RETURN_MAX_MS = 30_000;
+/** How often the pool looks whether a supervisor on its way back after `ended` is still there. */
+const ENDED_CHECK_MS = 1000;
 /** How long a spare may take to answer a hand-off before it is killed and the hand-off refused. */
 const ANSWER_MAX_MS = 3000;
 /**
@@ -263,21 +275,29 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
   const count = (pred: (s: Spare) => boolean) => [...spares].filter(pred).length;
 
   /**
-   * Supervisors handed a bundle within the last REFILL_DELAY_MS, by pid: the refill counts them as spares on their
-   * way back (a short bundle's supervisor is back within about RETURN_QUIET_MS of its end), so that back-to-back
-   * bundles cost no new process. One still away after that is taken to run a long bundle, and replaced.
+   * Supervisors lent out, by pid, with the time until which the refill counts them as spares on their way back, so
+   * that back-to-back bundles cost no new process: REFILL_DELAY_MS from the hand-off, and ENDED_RETURN_MAX_MS from
+   * the supervisor's `ended <pid>` (its bundle's command has exited; it comes back once its outputs and final
+   * report are done, RETURN_QUIET_MS later). One whose bundle is still running after REFILL_DELAY_MS is taken to
+   * run a long bundle, and replaced; so is one that said `ended` and is gone (looked at every ENDED_CHECK_MS).
    */
-  const lent = new Map<number, number>();
-  /** How many supervisors are on their way back; forgets those too long away, and refills again when they are. */
+  const lent = new Map<number, { until: number; ended: boolean }>();
+  /** How many supervisors are on their way back; forgets the others, and refills again when the next one is due. */
   const comingBack = (): number => {
     const now = Date.now();
-    let oldest = Number.POSITIVE_INFINITY;
-    for (const [pid, at] of lent) {
-      if (now - at >= REFILL_DELAY_MS) lent.delete(pid);
-      else oldest = Math.min(oldest, at);
+    let next = Number.POSITIVE_INFINITY;
+    for (const [pid, { until, ended }] of lent) {
+      if (now >= until || (ended && !alive(pid))) lent.delete(pid);
+      else next = Math.min(next, ended ? now + ENDED_CHECK_MS : until);
     }
-    if (lent.size > 0) refillIn(oldest + REFILL_DELAY_MS - now);
+    if (lent.size > 0) refillIn(next - now);
     return lent.size;
+  };
+  /** A lent supervisor's bundle has ended: it is on its way back for a while longer. */
+  const ended = (pid: number) => {
+    if (!lent.has(pid)) return;
+    lent.set(pid, { until: Date.now() + ENDED_RETURN_MAX_MS, ended: true });
+    refillIn(ENDED_CHECK_MS);
   };
 
   /**
@@ -462,7 +482,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
           spare.proc.send({ type: "started", uuid: p.work.uuid, start } satisfies ToSpare, () => {});
         }
         settle(pidAnswer(m.pid));
-        lent.set(m.pid, Date.now());
+        lent.set(m.pid, { until: Date.now() + REFILL_DELAY_MS, ended: false });
         refillSoon();
       } else if (m?.type === "refused") {
         spare.busy = false;
@@ -523,8 +543,17 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
     const onData = (chunk: string) => {
       text += chunk;
       if (text.length > MAX_HAND_OFF_REQUEST) sock.destroy();
-      // A supervisor coming back (`spare <pid>`, then messages as lines of JSON) rather than a hand-off.
       const nl = text.indexOf("\n");
+      // A supervisor whose bundle has ended (`ended <pid>`): nothing more comes on this connection.
+      const endedPid = nl < 0 ? null : ENDED_LINE.exec(text.slice(0, nl))?.[1];
+      if (endedPid !== undefined && endedPid !== null) {
+        sock.off("data", onData);
+        sock.removeAllListeners("end");
+        sock.destroy();
+        ended(Number(endedPid));
+        return;
+      }
+      // A supervisor coming back (`spare <pid>`, then messages as lines of JSON) rather than a hand-off.
       const pid = nl < 0 ? null : RETURN_LINE.exec(text.slice(0, nl))?.[1];
       if (pid === undefined || pid === null) return;
       sock.off("data", onData);
@@ -783,6 +812,28 @@ export function ipcChannel(): SpareChannel | null {
       process.disconnect();
     },
   };
+}
+
+/** Whether a process exists (a zombie too: it is reaped moments later). */
+function alive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === "EPERM";
+  }
+}
+
+/**
+ * A supervisor's word to its pool that its bundle's command has exited and that it will be back (`ended <pid>`),
+ * so that the pool does not start a spare in its place meanwhile. Sent and forgotten: a pool that is gone, or
+ * does not answer, changes nothing here.
+ */
+export function notifyEnded(socketPath: string): void {
+  const sock = net.connect(socketPath);
+  sock.on("error", () => {});
+  sock.unref();
+  sock.end(`ended ${process.pid}\n`);
 }
 
 /**

@@ -75,6 +75,11 @@ export interface SuperviseOptions {
   logger?: Logger;
   /** A client whose `start` call is already under way (main.ts sends it before loading this module). */
   early?: { client: RunnerClient; abort: AbortController; started: Promise<unknown>; retryHook: RetryHook };
+  /**
+   * Called once, when the bundle's command has exited of itself (before its outputs and its final report): a
+   * spare's supervisor tells its warm pool then that it will be back soon (spare.ts, notifyEnded).
+   */
+  onEnded?: () => void;
 }
 
 /** Where an early client reports its retries once the supervisor's logger exists. */
@@ -665,6 +670,7 @@ export async function supervise(opts: SuperviseOptions): Promise<number> {
       let exit: Awaited<ReturnType<RunningContainer["wait"]>>;
       try {
         exit = await running.wait();
+        if (!stopping()) opts.onEnded?.();
       } finally {
         if (limitTimer !== null) clearInterval(limitTimer);
         // The work is done: a notice from now on is left to the dispatcher (outputs and finish go on).

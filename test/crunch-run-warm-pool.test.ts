@@ -476,6 +476,70 @@ describe("crunch-run warm pool (process runtime)", () => {
     expect(new Set(pidsTitled(h.root, "crunch-run spare"))).toEqual(new Set(two));
   });
 
+  it("counts a supervisor whose bundle's command has exited as on its way back, however long its outputs take", async () => {
+    await poolOf(2);
+    let two: number[] = [];
+    await waitFor(async () => {
+      const before = pidsTitled(h.root, "crunch-run spare");
+      await new Promise((r) => setTimeout(r, 1000));
+      two = pidsTitled(h.root, "crunch-run spare");
+      return before.length === 2 && two.length === 2 && before.every((p) => two.includes(p));
+    });
+    const socket = await socketOf();
+    // The command exits at once, but the child it leaves holds the log's pipe for 4 s, which the supervisor
+    // drains before its final report: it is back about 4.5 s after the hand-off, past the refill (3 s after it).
+    // It said `ended <pid>` when the command exited, so the refill starts no process in its place.
+    const a = await h.newStartingBundle({ command: ["sh", "-c", "sleep 4 & exit 0"] });
+    const seen = new Set<number>();
+    const watch = setInterval(() => {
+      for (const pid of sparePids(h.root)) seen.add(pid);
+    }, 50);
+    let pidA: number | null = null;
+    try {
+      pidA = await handOff(socket, "start", a.uuid, doc(a, { warmSupervisors: 2 }));
+      const final = await h.waitFinal(a.uuid);
+      expect(final.state).toBe("ready");
+      // It did outlast the refill (the test would prove nothing otherwise).
+      expect((final.finishedAt?.getTime() ?? 0) - (final.runningAt?.getTime() ?? 0)).toBeGreaterThan(3500);
+      // Back as a spare, or let go (it exits) because the pool started another in its place meanwhile.
+      await waitFor(
+        async () =>
+          !isAlive(pidA as number) || pidsTitled(h.root, "crunch-run spare").includes(pidA as number),
+        15_000,
+      );
+      await new Promise((r) => setTimeout(r, 1500));
+    } finally {
+      clearInterval(watch);
+    }
+    expect(two).toContain(pidA);
+    expect(new Set(pidsTitled(h.root, "crunch-run spare"))).toEqual(new Set(two));
+    expect([...seen].filter((pid) => !two.includes(pid))).toEqual([]);
+  });
+
+  it("forgets a supervisor that said its bundle ended and then exits instead of coming back", async () => {
+    await poolOf(1);
+    await waitFor(
+      async () => sparePids(h.root).length === 1 && pidsTitled(h.root, "crunch-run spare").length === 1,
+    );
+    const socket = await socketOf();
+    const x = await h.newStartingBundle({ command: ["sleep", "30"] });
+    const pidX = await handOff(socket, "start", x.uuid, doc(x, { warmSupervisors: 1 }));
+    await h.waitState(x.uuid, ["running"]);
+    // Its word, as its supervisor would send it once the command had exited: the refill (3 s after the hand-off)
+    // counts it as on its way back and starts nothing.
+    await new Promise<void>((resolve, reject) => {
+      const sock = net.connect(socket);
+      sock.on("error", reject).on("close", () => resolve());
+      sock.on("connect", () => sock.end(`ended ${pidX}\n`));
+    });
+    await new Promise((r) => setTimeout(r, 4000));
+    expect(sparePids(h.root)).toEqual([]);
+    // It goes instead (killed here): the pool sees it gone within a second and starts a spare in its place.
+    kill(pidX);
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 1, 15_000);
+    expect(sparePids(h.root)).not.toContain(pidX);
+  });
+
   it("answers a probe's listing as --list does, so a probe starts no process; a probe whose pool does not answer runs --list", async () => {
     await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length >= 1);
     const socket = await socketOf();
@@ -745,6 +809,14 @@ function exchange(socket: string, payload: string): Promise<string> {
       answer += d;
     });
     sock.on("end", () => resolve(answer));
+  });
+}
+
+/** Spares of the pool under `root`, ready or still starting (`... --spare`). */
+function sparePids(root: string): number[] {
+  return findPids({ env: ["DISPATCH_VM_ROOT", root] }).filter((pid) => {
+    const args = readCmdline(pid) ?? [];
+    return args.join(" ") === "crunch-run spare" || args.at(-1) === "--spare";
   });
 }
 
