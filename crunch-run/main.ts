@@ -144,12 +144,15 @@ export async function runCrunchRun(
 /** How long a supervisor waits for its `start` call's answer before it sets up anyway (superviseBundle). */
 const ANSWER_WAIT_MS = 100;
 
-/** What a spare's supervision adds (spareOnce): its own log, the pool's `start` call, a signal come early. */
+/**
+ * What a spare's supervision adds (spareOnce): its own log, the answer to the `start` call its pool made, a stop
+ * signal that came before the supervision began, and a word to the pool when the bundle's command has exited.
+ */
 interface AsSpare {
   makeLogger?: () => Logger;
   poolStart?: PoolStart | null;
   earlySignal?: NodeJS.Signals | null;
-  /** The bundle's command has exited of itself (SuperviseOptions.onEnded). */
+  /** The bundle's command has exited (SuperviseOptions.onEnded). */
   onEnded?: () => void;
 }
 

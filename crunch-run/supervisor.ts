@@ -76,8 +76,9 @@ export interface SuperviseOptions {
   /** A client whose `start` call is already under way (main.ts sends it before loading this module). */
   early?: { client: RunnerClient; abort: AbortController; started: Promise<unknown>; retryHook: RetryHook };
   /**
-   * Called once, when the bundle's command has exited of itself (before its outputs and its final report): a
-   * spare's supervisor tells its warm pool then that it will be back soon (spare.ts, notifyEnded).
+   * Called once the bundle's command has exited, before its outputs and its final report, unless this supervisor
+   * is stopping (a stop signal, the bundle no longer its own, a preemption): a spare's supervisor tells its warm
+   * pool then that it will be back soon (spare.ts, notifyEnded).
    */
   onEnded?: () => void;
 }
