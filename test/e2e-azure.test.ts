@@ -153,7 +153,10 @@ describe("end to end on the fake Azure Resource Manager with faults switched on"
     });
     fake.faults.sizeErrors = new Map([["Standard_D2s_v3", "AllocationFailed"]]);
     // Well under what 50 bundles of 4 per VM ask for, so the quota is reached even when they run fast (as on EC2).
-    fake.faults.maxVms = 3;
+    // The creates are one at a time (maxConcurrentInstanceCreateOps 1): the one past the quota comes once the
+    // second VM's create is done, while most of the 50 still wait. With 3, under CI's load, the first three VMs
+    // once ran the queue down before a fourth was asked for, and the quota was never reached.
+    fake.faults.maxVms = 2;
     fake.faults.failAfterAccept = { code: "InternalServerError", count: 1 };
     // Whatever the 5 % hit: one VM create is refused with 429 (the pool waits Retry-After), and one status poll
     // of a VM create is throttled (that create polls again, not failing).
