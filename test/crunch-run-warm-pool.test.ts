@@ -63,6 +63,18 @@ describe("crunch-run warm pool (process runtime)", () => {
     return line;
   };
 
+  /** Waits until the pool's ready spares are `k` processes, the same ones a second apart, and returns them. */
+  const steadySpares = async (k: number): Promise<number[]> => {
+    let spares: number[] = [];
+    await waitFor(async () => {
+      const before = pidsTitled(h.root, "crunch-run spare");
+      await new Promise((r) => setTimeout(r, 1000));
+      spares = pidsTitled(h.root, "crunch-run spare");
+      return before.length === k && spares.length === k && before.every((p) => spares.includes(p));
+    });
+    return spares;
+  };
+
   /** Starts the pool through a first --detach with `warmSupervisors: k`, and waits for k ready spares. */
   const poolOf = async (k: number): Promise<number[]> => {
     const first = await h.newStartingBundle({ command: ["true"] });
@@ -454,13 +466,7 @@ describe("crunch-run warm pool (process runtime)", () => {
 
   it("the refill counts a supervisor on its way back as a spare: back-to-back bundles start no new process", async () => {
     await poolOf(2);
-    let two: number[] = [];
-    await waitFor(async () => {
-      const before = pidsTitled(h.root, "crunch-run spare");
-      await new Promise((r) => setTimeout(r, 1000));
-      two = pidsTitled(h.root, "crunch-run spare");
-      return before.length === 2 && two.length === 2 && before.every((p) => two.includes(p));
-    });
+    const two = await steadySpares(2);
     const socket = await socketOf();
     // The first hand-off sets the refill 3 s later; the second bundle is still running then (its supervisor
     // away), and comes back 1 s after: without counting it, the pool would start a third process at 3 s.
@@ -478,13 +484,7 @@ describe("crunch-run warm pool (process runtime)", () => {
 
   it("counts a supervisor whose bundle's command has exited as on its way back, however long its outputs take", async () => {
     await poolOf(2);
-    let two: number[] = [];
-    await waitFor(async () => {
-      const before = pidsTitled(h.root, "crunch-run spare");
-      await new Promise((r) => setTimeout(r, 1000));
-      two = pidsTitled(h.root, "crunch-run spare");
-      return before.length === 2 && two.length === 2 && before.every((p) => two.includes(p));
-    });
+    const two = await steadySpares(2);
     const socket = await socketOf();
     // The command exits at once, but the child it leaves holds the log's pipe for 4 s, which the supervisor
     // drains before its final report: it is back about 4.5 s after the hand-off, past the refill (3 s after it).
