@@ -139,6 +139,8 @@ function startServe(): Promise<ChildProcess> {
       `dataDir: ${dir}/data`,
       `database:\n  url: "${dbUrl}"`,
       `restServer:\n  listen: "127.0.0.1:${PORT}"`,
+      // Not the default port: a dispatch-cloud of the user's (the README's first run) may hold it.
+      `management:\n  listen: "127.0.0.1:${PORT + 1000}"`,
       // info: the pool's "runner started" lines say which way each runner was started.
       `logging:\n  level: ${process.env["BENCH_LOG_LEVEL"] ?? "info"}\n  format: json`,
       `dispatcher:\n  runtimeEngine: process\n  warmSupervisors: ${WARM}`,
