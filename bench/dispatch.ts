@@ -15,7 +15,8 @@
  * p99 <= 2 x p50) and the load average. The floor is measured back to back, warm; for comparison it also measures
  * both its parts after IDLE_MS of idleness each, as a burst finds the machine (its VMs quiet for at least that
  * long), and prints the bursts' p50 against that floor beside the target: on some virtual machines every process
- * is much slower to answer after a rest (docs/performance.md).
+ * is much slower to answer after a rest (docs/performance.md). For the back-to-back phase it also prints, not
+ * as targets, figures for reading its tail (printTail).
  *
  * Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs] [--db pglite|pg] [--probe-interval D]
  * --probe-interval: cloud.probeInterval of the server (default 2s); the warm path must not depend on it.
@@ -393,6 +394,28 @@ function printPhase(title: string, p: Phase, floor: number, restedFloor?: number
     );
   console.log(
     `  target p99 <= 2 x p50 = ${(2 * p50).toFixed(1)} ms: ${ok(p99 <= 2 * p50)} (p99 = ${(p99 / p50).toFixed(2)} x p50)`,
+  );
+  if (p.groups.length === 0 && p.total.length >= 2 * TAIL_BLOCK) printTail(p.total, p50, p99);
+}
+
+/** The back-to-back phase's tail is also shown by blocks of this many starts, in submission order. */
+const TAIL_BLOCK = 100;
+
+/**
+ * Not targets: figures for reading the back-to-back tail (docs/performance.md). The tail in milliseconds beside
+ * the ratio; how many starts took more than 2 x the phase's p50 in each block of TAIL_BLOCK, in order (a fresh
+ * server's JIT warm-up shows as higher counts in the first blocks); and p50/p99 without the phase's first half.
+ */
+function printTail(total: number[], p50: number, p99: number): void {
+  const over: number[] = [];
+  for (let i = 0; i + TAIL_BLOCK <= total.length; i += TAIL_BLOCK)
+    over.push(total.slice(i, i + TAIL_BLOCK).filter((t) => t > 2 * p50).length);
+  const later = total.slice(Math.floor(total.length / 2));
+  const [p50b, p99b] = [p50of(later), p99of(later)];
+  console.log(`  not targets: p99 - p50 = ${(p99 - p50).toFixed(1)} ms`);
+  console.log(`    starts over 2 x p50, per ${TAIL_BLOCK} in order: ${over.join(" ")}`);
+  console.log(
+    `    the phase's second half alone (${later.length} starts): p50 ${p50b.toFixed(1)} ms, p99 ${p99b.toFixed(1)} ms (${(p99b / p50b).toFixed(2)} x p50)`,
   );
 }
 
