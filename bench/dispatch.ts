@@ -16,7 +16,8 @@
  * both its parts after IDLE_MS of idleness each, as a burst finds the machine (its VMs quiet for at least that
  * long), and prints the bursts' p50 against that floor beside the target: on some virtual machines every process
  * is much slower to answer after a rest (docs/performance.md). For the back-to-back phase it also prints, not
- * as targets, figures for reading its tail (printTail).
+ * as targets, figures for reading its tail (printTail). For the bursts it also prints, not as a target, their p50
+ * against a burst's own floor (burstFloor): the steps a burst's first bundles cannot skip, each measured alone.
  *
  * Usage: npm run bench:dispatch [-- --bundles N] [--bursts B] [--runner sea|cjs] [--db pglite|pg] [--probe-interval D]
  * --probe-interval: cloud.probeInterval of the server (default 2s); the warm path must not depend on it.
@@ -24,6 +25,7 @@
  * BENCH_KEEP_DIR=1 keeps the run's directory; BENCH_SERVE_LOG=FILE copies the server's log there.
  */
 import { type ChildProcess, execFileSync, spawn } from "node:child_process";
+import { randomBytes } from "node:crypto";
 import {
   appendFileSync,
   existsSync,
@@ -43,8 +45,8 @@ import { destroyLocalVms, withLocalVms } from "../cloud-drivers/local/driver.ts"
 import { findPids, readCmdline } from "../cloud-drivers/local/procs.ts";
 import { createLogger } from "../lib/logger.ts";
 import { openDb } from "../store/db.ts";
-import { insertBundle } from "../store/queries.ts";
-import { stageBundle } from "../store/transitions.ts";
+import { insertBundle, insertBundles } from "../store/queries.ts";
+import { markRunningByTokens, stageBundle, startBundles } from "../store/transitions.ts";
 import { openTestDb, testBundleUuid, testNewBundle } from "../test/db.ts";
 import { benchArgs } from "./args.ts";
 
@@ -395,7 +397,6 @@ function printPhase(title: string, p: Phase, floor: number, restedFloor?: number
   console.log(
     `  target p99 <= 2 x p50 = ${(2 * p50).toFixed(1)} ms: ${ok(p99 <= 2 * p50)} (p99 = ${(p99 / p50).toFixed(2)} x p50)`,
   );
-  if (p.groups.length === 0 && p.total.length >= 2 * TAIL_BLOCK) printTail(p.total, p50, p99);
 }
 
 /** The back-to-back phase's tail is also shown by blocks of this many starts, in submission order. */
@@ -406,7 +407,9 @@ const TAIL_BLOCK = 100;
  * the ratio; how many starts took more than 2 x the phase's p50 in each block of TAIL_BLOCK, in order (a fresh
  * server's JIT warm-up shows as higher counts in the first blocks); and p50/p99 without the phase's first half.
  */
-function printTail(total: number[], p50: number, p99: number): void {
+function printTail(total: number[]): void {
+  if (total.length < 2 * TAIL_BLOCK) return;
+  const [p50, p99] = [p50of(total), p99of(total)];
   const over: number[] = [];
   for (let i = 0; i + TAIL_BLOCK <= total.length; i += TAIL_BLOCK)
     over.push(total.slice(i, i + TAIL_BLOCK).filter((t) => t > 2 * p50).length);
@@ -451,6 +454,75 @@ async function guardedUpdates(n: number, restMs = 0): Promise<number[]> {
   } finally {
     await db.close();
   }
+}
+
+/** One round of burstFloor's steps, in ms. */
+interface BurstSteps {
+  insert: number[];
+  claim: number[];
+  start: number[];
+}
+
+/**
+ * A burst's own floor, its steps each timed in `rounds` rounds `restMs` apart (as a burst finds the machine): the
+ * insert of BURST bundles (one statement, as the batch request makes it), the claim of all of them (one
+ * statement, as a scheduling pass makes it) and one instance's `start` of SLOTS of them (one statement, as its
+ * warm pool's call makes it). With the SSH round trip of the hand-off, these are what the first instance's
+ * bundles wait for whatever the server does; HTTP, the pass and the processes on the VM come on top.
+ */
+async function burstFloor(rounds: number, restMs: number): Promise<BurstSteps> {
+  const db = await openDb(dbUrl);
+  try {
+    const { rows } = await db.query<{ uuid: string }>("SELECT uuid FROM users LIMIT 1");
+    const owner = rows[0]?.uuid;
+    if (owner === undefined) throw new Error("no user in the database");
+    const steps: BurstSteps = { insert: [], claim: [], start: [] };
+    for (let r = 0; r < rounds; r++) {
+      const items = Array.from({ length: BURST }, () => ({
+        uuid: testBundleUuid(),
+        bundle: testNewBundle(owner),
+      }));
+      const hashes = items.map(() => randomBytes(32).toString("hex"));
+      await sleep(restMs);
+      const t0 = performance.now();
+      await insertBundles(db, owner, items, "submitted");
+      const t1 = performance.now();
+      const claimed = await startBundles(
+        db,
+        items.map((it, i) => ({
+          uuid: it.uuid,
+          instanceId: `bench-instance-${i % 2}`,
+          instanceType: "bench",
+          runnerTokenHash: hashes[i] as string,
+          gpuDevices: [],
+        })),
+        "bench",
+      );
+      const t2 = performance.now();
+      const running = await markRunningByTokens(db, hashes.slice(0, SLOTS), "bench");
+      const t3 = performance.now();
+      if (claimed.size !== BURST || running.size !== SLOTS)
+        throw new Error(
+          `burst floor: ${claimed.size} of ${BURST} claimed, ${running.size} of ${SLOTS} running`,
+        );
+      steps.insert.push(t1 - t0);
+      steps.claim.push(t2 - t1);
+      steps.start.push(t3 - t2);
+    }
+    return steps;
+  } finally {
+    await db.close();
+  }
+}
+
+/** Not a target: the bursts' p50 against a burst's own floor (burstFloor), the SSH round trip measured alike. */
+function printBurstFloor(how: string, ssh: number[], own: BurstSteps, bursts: number[]): void {
+  const parts = [p50of(ssh), p50of(own.insert), p50of(own.claim), p50of(own.start)];
+  const floor = parts.reduce((a, b) => a + b, 0);
+  const [rtt, insert, claim, start] = parts.map((x) => x.toFixed(1));
+  console.log(
+    `  not a target: a burst's own floor, ${how} = SSH round trip p50 ${rtt} + insert of ${BURST} p50 ${insert} + claim of ${BURST} p50 ${claim} + start of ${SLOTS} p50 ${start} = ${floor.toFixed(1)} ms; bursts p50 = ${(p50of(bursts) / floor).toFixed(2)} x it`,
+  );
 }
 
 async function main(): Promise<void> {
@@ -500,6 +572,11 @@ async function main(): Promise<void> {
     const updates = await guardedUpdates(Math.max(50, COUNT));
     progress(`bench:dispatch: 20 guarded UPDATEs, each after ${IDLE_MS} ms of rest`);
     const updatesRested = await guardedUpdates(20, IDLE_MS);
+    progress(
+      `bench:dispatch: a burst's own floor, back to back, then 20 rounds each after ${IDLE_MS} ms of rest`,
+    );
+    const ownWarm = await burstFloor(Math.max(50, BURSTS * 10), 0);
+    const own = await burstFloor(20, IDLE_MS);
     const load1 = loadavg();
     const sshP50 = p50of(ssh);
     const updP50 = p50of(updates);
@@ -526,12 +603,15 @@ async function main(): Promise<void> {
       backToBack,
       floor,
     );
+    printTail(backToBack.total);
     printPhase(
       `bursts: ${BURSTS} x ${BURST} bundles submitted at once to the two idle VMs`,
       burst,
       floor,
       restedFloor,
     );
+    printBurstFloor("back to back, warm", ssh, ownWarm, burst.total);
+    printBurstFloor(`after ${IDLE_MS} ms of rest each`, sshRested, own, burst.total);
   } finally {
     if (!serveStopped) serve.kill("SIGTERM");
     await destroyLocalVms(`${dir}/vms`, quiet);
