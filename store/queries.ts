@@ -920,10 +920,16 @@ export async function setSchedulingStatuses(
   if (uuids.length !== statuses.length)
     throw new Error("setSchedulingStatuses: uuids and statuses differ in length");
   if (uuids.length === 0) return 0;
+  // The rows are found and locked by key, the state checked on the locked row: a state test where they are
+  // found would let a stale estimate of the queue's size read every queued row (KEYED_LOCKS, store/transitions.ts).
   const { rowCount } = await db.query(
-    `UPDATE bundles b SET scheduling_status = w.status
-     FROM unnest($1::text[], $2::text[]) AS w(uuid, status)
-     WHERE b.uuid = w.uuid AND b.state IN ('created', 'staged') AND b.scheduling_status IS DISTINCT FROM w.status`,
+    `WITH cur AS (
+       SELECT b.uuid, b.state, w.status FROM bundles b JOIN unnest($1::text[], $2::text[]) AS w(uuid, status)
+         ON w.uuid = b.uuid
+       ORDER BY b.uuid FOR UPDATE OF b
+     )
+     UPDATE bundles b SET scheduling_status = cur.status FROM cur
+     WHERE b.uuid = cur.uuid AND cur.state IN ('created', 'staged') AND b.scheduling_status IS DISTINCT FROM cur.status`,
     [uuids, statuses],
   );
   return rowCount;

@@ -32,6 +32,17 @@ export interface TransitionSpec {
   actor: string;
 }
 
+/*
+ * KEYED_LOCKS. Every transition statement (transition() and those that move a list of bundles: stageBundles,
+ * startBundles, markRunningByTokens) finds and locks its rows by a unique key alone and checks the state in the
+ * UPDATE, on the row it holds locked (so on its latest version: nothing else can change it by then). A state test
+ * where the rows are found would let the planner find them through an index of the queued states, and its
+ * estimate of how many bundles are in a state is only as recent as the table's last ANALYZE: when a queue grows
+ * faster than autovacuum analyzes (20,000 submitted after a history of 100,000), the claim of 20 read every staged
+ * row, 1.1 ms becoming 68 ms, and on PGlite one bundle's transition took 15 ms instead of 1 (docs/performance.md,
+ * "bench:queue-statements"). By key, the plan is an index lookup per bundle whatever the statistics say.
+ */
+
 /**
  * The tail of a guarded transition statement, after a CTE `upd` that returns the moved rows with
  * `transition_from_state`: one bundle_events row and one NOTIFY (`<uuid> <state> <changeSeq>`) per moved row, in
@@ -53,9 +64,9 @@ function eventsAndNotifies(actor: string, channel: string): string {
  * $6 required attempt (or null), $7... spec.params.
  */
 export async function transition(db: Db, uuid: string, spec: TransitionSpec): Promise<TransitionResult> {
+  // Checked in upd, on the row cur holds locked (found by its uuid alone: KEYED_LOCKS above).
   const guard =
-    "b.uuid = $1 AND b.state = ANY($2::text[])" +
-    " AND ($6::int IS NULL OR b.attempt = $6::int)" +
+    "cur.from_state = ANY($2::text[]) AND ($6::int IS NULL OR b.attempt = $6::int)" +
     (spec.guard ? ` AND (${spec.guard})` : "");
   const set = [
     `state = ${spec.to}`,
@@ -65,7 +76,7 @@ export async function transition(db: Db, uuid: string, spec: TransitionSpec): Pr
   ];
   // Prepared: by uuid, the plan is the same whatever the values (store/db.ts, prepared).
   const sql = prepared(`WITH cur AS (
-      SELECT b.uuid, b.state AS from_state FROM bundles b WHERE ${guard} FOR UPDATE
+      SELECT b.uuid, b.state AS from_state FROM bundles b WHERE b.uuid = $1 FOR UPDATE
     ), upd AS (
       UPDATE bundles b SET ${set.join(", ")}
       FROM cur WHERE b.uuid = cur.uuid AND ${guard}
@@ -125,8 +136,9 @@ export async function stageBundles(
     `WITH want AS (
        SELECT * FROM unnest($1::text[], $2::text[]) AS w(uuid, reason)
      ), cur AS (
-       SELECT b.uuid, w.reason FROM bundles b JOIN want w ON w.uuid = b.uuid
-       WHERE b.state = 'created' ORDER BY b.uuid FOR UPDATE OF b
+       -- By key alone (KEYED_LOCKS below): the state is checked in upd.
+       SELECT b.uuid, b.state AS from_state, w.reason FROM bundles b JOIN want w ON w.uuid = b.uuid
+       ORDER BY b.uuid FOR UPDATE OF b
      ), upd AS (
        UPDATE bundles b SET state = 'staged', state_reason = cur.reason, scheduling_status = NULL,
          staged_at = ${NOW},
@@ -138,7 +150,7 @@ export async function stageBundles(
            FROM bundle_dependencies bd JOIN bundles d ON d.uuid = bd.dependency_uuid
            WHERE bd.bundle_uuid = b.uuid AND d.output_manifest IS NOT NULL), '[]'::jsonb) END
            || ${imageStoreInputSql("b.image_store")}
-       FROM cur WHERE b.uuid = cur.uuid AND b.state = 'created'
+       FROM cur WHERE b.uuid = cur.uuid AND cur.from_state = 'created'
        RETURNING b.*
      ), ev AS (
        INSERT INTO bundle_events (bundle_uuid, from_state, to_state, attempt, reason, actor)
@@ -226,8 +238,8 @@ export async function startBundles(
   actor: string,
 ): Promise<Map<string, Bundle>> {
   if (items.length === 0) return new Map();
-  const guard = "b.state = 'staged' AND b.attempt < b.max_attempts";
-  // Prepared: the plan does not depend on the values (store/db.ts, prepared).
+  // Prepared: the plan does not depend on the values (store/db.ts, prepared). Rows locked by key alone
+  // (KEYED_LOCKS): the state is checked in upd, on the locked row.
   const { rows } = await db.query<BundleRow>(
     prepared(`WITH want AS (
        SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
@@ -235,13 +247,13 @@ export async function startBundles(
      ), cur AS (
        SELECT b.uuid, b.state AS from_state, w.instance_id, w.instance_type, w.token_hash, w.gpu_devices
        FROM bundles b JOIN want w ON w.uuid = b.uuid
-       WHERE ${guard} ORDER BY b.uuid FOR UPDATE OF b
+       ORDER BY b.uuid FOR UPDATE OF b
      ), upd AS (
        UPDATE bundles b SET state = 'starting', state_reason = NULL, scheduling_status = NULL,
          attempt = b.attempt + 1, instance_id = cur.instance_id, instance_type = cur.instance_type,
          runner_token_hash = cur.token_hash, gpu_devices = cur.gpu_devices::int[],
          starting_at = ${NOW}, running_at = NULL, exit_code = NULL
-       FROM cur WHERE b.uuid = cur.uuid AND ${guard}
+       FROM cur WHERE b.uuid = cur.uuid AND cur.from_state = 'staged' AND b.attempt < b.max_attempts
        RETURNING b.*, cur.from_state AS transition_from_state
      ), ${eventsAndNotifies("$6", "$7")}`),
     [
@@ -339,11 +351,11 @@ export async function markRunningByTokens(
   const { rows } = await db.query<BundleRow>(
     prepared(`WITH cur AS (
        SELECT b.uuid, b.state AS from_state FROM bundles b
-       WHERE b.runner_token_hash = ANY($1::text[]) AND b.state = 'starting' ORDER BY b.uuid FOR UPDATE
+       WHERE b.runner_token_hash = ANY($1::text[]) ORDER BY b.uuid FOR UPDATE
      ), upd AS (
        UPDATE bundles b SET state = 'running', state_reason = NULL, scheduling_status = NULL,
          running_at = ${NOW}
-       FROM cur WHERE b.uuid = cur.uuid AND b.state = 'starting' AND b.runner_token_hash = ANY($1::text[])
+       FROM cur WHERE b.uuid = cur.uuid AND cur.from_state = 'starting' AND b.runner_token_hash = ANY($1::text[])
        RETURNING b.*, cur.from_state AS transition_from_state
      ), ${eventsAndNotifies("$2", "$3")}`),
     [tokenHashes, actor, BUNDLE_CHANNEL],
