@@ -1,11 +1,12 @@
 /**
- * bench:queue-statements — the statements that move a list of bundles (the scheduler's claims, the runners'
- * grouped `start` calls, the bundle manager's staging, the scheduler's statuses) when the queue grew faster than
- * the table's statistics: a history of --history ended bundles is analyzed, then --queue bundles are submitted
- * (a large batch, or a pipeline's stage becoming ready) and, with autovacuum kept off the table, no ANALYZE
- * follows. Each statement's median time over --rounds rounds is printed so, then again after an ANALYZE. A
- * statement whose plan depends on how many bundles the statistics say are queued reads the whole queue in the
- * first case (store/transitions.ts, KEYED_LOCKS); one that finds its rows by key takes the same time in both.
+ * bench:queue-statements — the statements that change bundles found by key (the scheduler's claims, the runners'
+ * grouped `start` calls, the bundle manager's staging, one bundle's transition, the scheduler's statuses, a runner's
+ * heartbeat and log chunk by its token) when the queue grew faster than the table's statistics: a history of
+ * --history ended bundles is analyzed, then --queue bundles are submitted (a large batch, or a pipeline's stage
+ * becoming ready) and, with autovacuum kept off the table, no ANALYZE follows. Each statement's median time over
+ * --rounds rounds is printed so, then again after an ANALYZE. A statement whose plan depends on how many bundles the
+ * statistics say are queued reads the whole queue in the first case (store/transitions.ts, KEYED_LOCKS); one that
+ * finds its rows by key takes the same time in both.
  *
  * Usage: npm run bench:queue-statements [-- --db pg,pglite] [--history N] [--queue N] [--rounds R]
  * PostgreSQL: DISPATCH_CLOUD_TEST_PG_URL (scripts/test-services.sh starts one and prints it).
@@ -13,7 +14,12 @@
 import { randomBytes } from "node:crypto";
 import { availableParallelism, cpus } from "node:os";
 import type { Db } from "../store/db.ts";
-import { insertBundles, setSchedulingStatuses } from "../store/queries.ts";
+import {
+  appendLogChunkByToken,
+  insertBundles,
+  recordHeartbeatByToken,
+  setSchedulingStatuses,
+} from "../store/queries.ts";
 import { markRunningByTokens, stageBundle, stageBundles, startBundles } from "../store/transitions.ts";
 import { createTestUser, openTestDb, testBundleUuid, testNewBundle } from "../test/db.ts";
 import { benchArgs } from "./args.ts";
@@ -74,6 +80,8 @@ interface Times {
   stage: number[];
   stageOne: number[];
   statuses: number[];
+  heartbeat: number[];
+  logChunk: number[];
 }
 
 async function timed(into: number[], fn: () => Promise<unknown>): Promise<void> {
@@ -84,7 +92,15 @@ async function timed(into: number[], fn: () => Promise<unknown>): Promise<void> 
 
 /** ROUNDS rounds, each on bundles of its own (taken from the front of `staged` and `created`). */
 async function rounds(db: Db, staged: string[], created: string[]): Promise<Times> {
-  const t: Times = { claim: [], start: [], stage: [], stageOne: [], statuses: [] };
+  const t: Times = {
+    claim: [],
+    start: [],
+    stage: [],
+    stageOne: [],
+    statuses: [],
+    heartbeat: [],
+    logChunk: [],
+  };
   for (let r = 0; r < ROUNDS; r++) {
     const claim = staged.splice(0, GROUP);
     const queued = staged.splice(0, STATUSES);
@@ -116,7 +132,15 @@ async function rounds(db: Db, staged: string[], created: string[]): Promise<Time
         ),
       ),
     );
-    const want = [GROUP, STARTS, GROUP, 1, STATUSES];
+    const token = tokens[0] as string;
+    await timed(t.heartbeat, async () =>
+      moved.push((await recordHeartbeatByToken(db, token, { cpu: 1 })) === "running" ? 1 : 0),
+    );
+    const chunk = { tokenHash: token, stream: "stdout" as const, offset: 0, data: Buffer.from("hello\n") };
+    await timed(t.logChunk, async () =>
+      moved.push((await appendLogChunkByToken(db, chunk))?.result.ok ? 1 : 0),
+    );
+    const want = [GROUP, STARTS, GROUP, 1, STATUSES, 1, 1];
     if (moved.some((m, i) => m !== want[i]))
       throw new Error(`round ${r}: moved ${moved.join(", ")}, expected ${want.join(", ")}`);
   }
@@ -126,7 +150,7 @@ async function rounds(db: Db, staged: string[], created: string[]): Promise<Time
 function report(label: string, t: Times): void {
   const f = (xs: number[]) => `${p50(xs).toFixed(2)} ms`;
   console.log(
-    `  ${label}: claim of ${GROUP} ${f(t.claim)}, start of ${STARTS} ${f(t.start)}, staging of ${GROUP} ${f(t.stage)}, staging of 1 ${f(t.stageOne)}, statuses of ${STATUSES} ${f(t.statuses)}`,
+    `  ${label}: claim of ${GROUP} ${f(t.claim)}, start of ${STARTS} ${f(t.start)}, staging of ${GROUP} ${f(t.stage)}, staging of 1 ${f(t.stageOne)}, statuses of ${STATUSES} ${f(t.statuses)}, heartbeat ${f(t.heartbeat)}, log chunk ${f(t.logChunk)}`,
   );
 }
 

@@ -8,6 +8,7 @@
  */
 import type { Digest } from "../lib/cas/digest.ts";
 import type { Db } from "./db.ts";
+import { keyedUpdate } from "./queries.ts";
 
 export interface CasReader {
   userUuid: string;
@@ -230,8 +231,11 @@ export async function setOutputManifest(
   bytes: number,
 ): Promise<boolean> {
   const { rowCount } = await db.query(
-    `UPDATE bundles SET output_manifest = $3, output_bytes = $4
-     WHERE uuid = $1 AND attempt = $2 AND state IN ('starting', 'running')`,
+    keyedUpdate(
+      "uuid = $1 AND attempt = $2",
+      ["starting", "running"],
+      "output_manifest = $3, output_bytes = $4",
+    ),
     [uuid, attempt, manifest, bytes],
   );
   return rowCount > 0;

@@ -894,6 +894,26 @@ export async function findBundleByRunnerTokenHash(db: Db, hash: string): Promise
 }
 
 /**
+ * SQL: an UPDATE (`set`) of the one bundle `key` finds, a condition on a unique key (uuid, runner_token_hash),
+ * made only while the bundle is in one of `states` (and `extra` holds). The row is found and locked by the key
+ * alone and the state tested on the row held, as every transition does (KEYED_LOCKS, store/transitions.ts): a
+ * state test where the row is found would let a stale estimate of how many bundles are in those states make
+ * PostgreSQL read all of them. In `set`, `extra` and `returning` the bundle is `b`.
+ */
+export function keyedUpdate(
+  key: string,
+  states: readonly BundleState[],
+  set: string,
+  opts: { extra?: string; returning?: string } = {},
+): string {
+  return `WITH cur AS (SELECT uuid, state FROM bundles WHERE ${key} FOR NO KEY UPDATE)
+     UPDATE bundles b SET ${set} FROM cur
+     WHERE b.uuid = cur.uuid AND cur.state IN (${states.map((st) => `'${st}'`).join(", ")})${
+       opts.extra === undefined ? "" : ` AND ${opts.extra}`
+     }${opts.returning === undefined ? "" : ` RETURNING ${opts.returning}`}`;
+}
+
+/**
  * Sets the scheduler's human-readable status of a bundle (no event, no NOTIFY; bumps change_seq). Writes only
  * when the status changes; returns whether it did.
  */
@@ -901,8 +921,9 @@ export async function setSchedulingStatus(db: Db, uuid: string, status: string |
   // Only a queued bundle has a scheduling status: a sentence computed just before the bundle started (whose
   // transition cleared it) must not land afterwards.
   const { rowCount } = await db.query(
-    `UPDATE bundles SET scheduling_status = $2
-     WHERE uuid = $1 AND state IN ('created', 'staged') AND scheduling_status IS DISTINCT FROM $2`,
+    keyedUpdate("uuid = $1", ["created", "staged"], "scheduling_status = $2::text", {
+      extra: "b.scheduling_status IS DISTINCT FROM $2::text",
+    }),
     [uuid, status],
   );
   return rowCount > 0;
@@ -946,8 +967,9 @@ export async function setBundleInputManifests(
   manifests: readonly InputManifest[],
 ): Promise<boolean> {
   const { rowCount } = await db.query(
-    `UPDATE bundles SET input_manifests = $2::jsonb
-     WHERE uuid = $1 AND state IN ('created', 'staged') AND input_manifests IS DISTINCT FROM $2::jsonb`,
+    keyedUpdate("uuid = $1", ["created", "staged"], "input_manifests = $2::jsonb", {
+      extra: "b.input_manifests IS DISTINCT FROM $2::jsonb",
+    }),
     [uuid, JSON.stringify(manifests.map((m) => ({ digest: m.digest, bytes: m.bytes })))],
   );
   return rowCount > 0;
@@ -1041,20 +1063,25 @@ export function recordHeartbeatByToken(
   return heartbeat(db, "runner_token_hash = $1", [tokenHash], resourceUsage, status);
 }
 
-/** The heartbeat's UPDATE of the bundle `where` (over the parameters `key`) picks. */
+/** The heartbeat's UPDATE of the bundle `where` (over the parameters `key`) picks: by uuid and attempt, or by token. */
 async function heartbeat(
   db: Db,
-  where: string,
+  where: "uuid = $1 AND attempt = $2" | "runner_token_hash = $1",
   key: readonly unknown[],
   resourceUsage: Record<string, number>,
   status: string | null | undefined,
 ): Promise<BundleState | null> {
   const [usage, given, text] = [key.length + 1, key.length + 2, key.length + 3];
   const { rows } = await db.query<{ state: BundleState }>(
-    prepared(`UPDATE bundles SET resource_usage = $${usage}::jsonb, last_heartbeat_at = ${NOW},
-       scheduling_status = CASE WHEN $${given}::boolean THEN $${text}::text ELSE scheduling_status END
-     WHERE ${where} AND state IN ('starting', 'running')
-     RETURNING state`),
+    prepared(
+      keyedUpdate(
+        where,
+        ["starting", "running"],
+        `resource_usage = $${usage}::jsonb, last_heartbeat_at = ${NOW},
+         scheduling_status = CASE WHEN $${given}::boolean THEN $${text}::text ELSE b.scheduling_status END`,
+        { returning: "b.state" },
+      ),
+    ),
     [...key, JSON.stringify(resourceUsage), status !== undefined, status ?? null],
   );
   return rows[0]?.state ?? null;

@@ -40,7 +40,9 @@ export interface TransitionSpec {
  * estimate of how many bundles are in a state is only as recent as the table's last ANALYZE: when a queue grows
  * faster than autovacuum analyzes (20,000 submitted after a history of 100,000), the claim of 20 read every staged
  * row, 1.1 ms becoming 68 ms, and on PGlite one bundle's transition took 15 ms instead of 1 (docs/performance.md,
- * "bench:queue-statements"). By key, the plan is an index lookup per bundle whatever the statistics say.
+ * "bench:queue-statements"). By key, the plan is an index lookup per bundle whatever the statistics say. The
+ * other writes to one bundle found by key do the same (keyedUpdate in queries.ts: a runner's heartbeat, its
+ * output manifest, the scheduler's status, the input manifests; a log chunk by token, migration 018).
  */
 
 /**

@@ -1,19 +1,31 @@
 /**
- * The statements that move a list of bundles read only those bundles' rows, however out of date the table's
- * statistics are about how many bundles are queued (KEYED_LOCKS, store/transitions.ts). The case: a history of
- * ended bundles was analyzed, then a queue many times larger arrived before the next ANALYZE. The rows each
- * statement read are counted by PostgreSQL itself (pg_stat_xact_user_tables, the current transaction's counts).
+ * The statements that change bundles found by key (transitions, grouped or not, and the runners' and the
+ * scheduler's writes) read only those bundles' rows, however out of date the table's statistics are about how
+ * many bundles are queued or running (KEYED_LOCKS, store/transitions.ts). The case: a history of ended bundles was
+ * analyzed, then a queue many times larger arrived, and some thousands started, before the next ANALYZE. The rows
+ * each statement read are counted by PostgreSQL itself (pg_stat_xact_user_tables, the current transaction's).
  */
 import { randomBytes } from "node:crypto";
-import { expect, it } from "vitest";
+import { beforeAll, expect, it } from "vitest";
+import { setOutputManifest } from "../store/cas-queries.ts";
 import type { Db } from "../store/db.ts";
-import { insertBundles, setSchedulingStatuses } from "../store/queries.ts";
+import {
+  appendLogChunkByToken,
+  insertBundles,
+  recordHeartbeat,
+  recordHeartbeatByToken,
+  setBundleInputManifests,
+  setSchedulingStatus,
+  setSchedulingStatuses,
+} from "../store/queries.ts";
 import { markRunningByTokens, stageBundle, stageBundles, startBundles } from "../store/transitions.ts";
 import { createTestUser, describeEachDb, testBundleUuid, testNewBundle } from "./db.ts";
 
 const HISTORY = 2000;
 const QUEUE = 6000;
 const CREATED = 200;
+/** Of the queue, this many are running before the statements are timed (the heartbeats' and log chunks' case). */
+const RUNNING = 3000;
 /** Rows a statement over 20 bundles may read: its own, a few times over (index and heap), nowhere near QUEUE. */
 const MAX_ROWS_READ = 200;
 
@@ -53,16 +65,48 @@ async function readCount(tx: Db): Promise<number> {
 }
 
 describeEachDb("transitions on a queue that grew after ANALYZE", (getDb) => {
-  it("claim, start, staging (of many and of one) and scheduling statuses read only their bundles' rows", async () => {
+  let owner = "";
+  let staged: string[] = [];
+  let created: string[] = [];
+  let running: { uuid: string; token: string }[] = [];
+  beforeAll(async () => {
     const db = getDb();
-    const owner = (await createTestUser(db)).uuid;
+    owner = (await createTestUser(db)).uuid;
     await insertMany(db, owner, HISTORY, "submitted");
     await db.query("UPDATE bundles SET state = 'ready'");
     await db.query("ANALYZE bundles");
     // No ANALYZE from here on (PostgreSQL's autovacuum is kept off this table; PGlite has none).
     await db.query("ALTER TABLE bundles SET (autovacuum_enabled = false)");
-    const staged = await insertMany(db, owner, QUEUE, "submitted");
-    const created = await insertMany(db, owner, CREATED, "created");
+    staged = await insertMany(db, owner, QUEUE, "submitted");
+    created = await insertMany(db, owner, CREATED, "created");
+    const starting = staged
+      .splice(0, RUNNING)
+      .map((uuid) => ({ uuid, token: randomBytes(32).toString("hex") }));
+    for (let k = 0; k < RUNNING; k += 500) {
+      const part = starting.slice(k, k + 500);
+      const items = part.map((r) => ({
+        uuid: r.uuid,
+        instanceId: "i-1",
+        instanceType: "t",
+        runnerTokenHash: r.token,
+        gpuDevices: [],
+      }));
+      expect((await startBundles(db, items, "test")).size).toBe(part.length);
+      expect(
+        (
+          await markRunningByTokens(
+            db,
+            part.map((r) => r.token),
+            "test",
+          )
+        ).size,
+      ).toBe(part.length);
+    }
+    running = starting;
+  }, 60_000);
+
+  it("claim, start, staging (of many and of one) and scheduling statuses read only their bundles' rows", async () => {
+    const db = getDb();
 
     // Each statement runs twice: on PostgreSQL a prepared statement's plan may change after its first runs.
     for (let round = 0; round < 2; round++) {
@@ -120,6 +164,51 @@ describeEachDb("transitions on a queue that grew after ANALYZE", (getDb) => {
       });
       expect(changed).toBe(20);
       expect(statuses).toBeLessThan(MAX_ROWS_READ);
+    }
+  });
+  it("a running bundle's heartbeat, log chunk and output, and a queued one's status and inputs, read only its row", async () => {
+    const db = getDb();
+    for (let round = 0; round < 2; round++) {
+      const run = running[round] as { uuid: string; token: string };
+      const queued = staged[2000 + round] as string;
+      const reads: Record<string, number> = {};
+      const outcomes: Record<string, unknown> = {};
+      const measure = async (name: string, fn: (tx: Db) => Promise<unknown>) => {
+        reads[name] = await rowsRead(db, async (tx) => {
+          outcomes[name] = await fn(tx);
+        });
+      };
+      await measure("heartbeat by token", (tx) =>
+        recordHeartbeatByToken(tx, run.token, { cpu: 1 }, "pulling"),
+      );
+      await measure("heartbeat by attempt", (tx) => recordHeartbeat(tx, run.uuid, 1, { cpu: 2 }));
+      await measure(
+        "log chunk by token",
+        async (tx) =>
+          (
+            await appendLogChunkByToken(tx, {
+              tokenHash: run.token,
+              stream: "stdout",
+              offset: 0,
+              data: Buffer.from("hi\n"),
+            })
+          )?.result.ok,
+      );
+      await measure("output manifest", (tx) => setOutputManifest(tx, run.uuid, 1, `m${round}/1`, 1));
+      await measure("scheduling status", (tx) => setSchedulingStatus(tx, queued, `waiting ${round}`));
+      await measure("input manifests", (tx) =>
+        setBundleInputManifests(tx, queued, [{ digest: `d${round}/1`, bytes: 1 }]),
+      );
+      expect(outcomes).toEqual({
+        "heartbeat by token": "running",
+        "heartbeat by attempt": "running",
+        "log chunk by token": true,
+        "output manifest": true,
+        "scheduling status": true,
+        "input manifests": true,
+      });
+      // Named, so a failure says which statement read too much and how much.
+      expect(Object.entries(reads).filter(([, n]) => n >= MAX_ROWS_READ)).toEqual([]);
     }
   });
 });
