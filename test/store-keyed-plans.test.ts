@@ -131,11 +131,11 @@ describeEachDb("transitions on a queue that grew after ANALYZE", (getDb) => {
       expect(claimed).toBe(20);
       expect(claim).toBeLessThan(MAX_ROWS_READ);
 
-      let running = 0;
+      let started = 0;
       const start = await rowsRead(db, async (tx) => {
-        running = (await markRunningByTokens(tx, tokens.slice(0, 10), "test")).size;
+        started = (await markRunningByTokens(tx, tokens.slice(0, 10), "test")).size;
       });
-      expect(running).toBe(10);
+      expect(started).toBe(10);
       expect(start).toBeLessThan(MAX_ROWS_READ);
 
       let stagedNow = 0;
