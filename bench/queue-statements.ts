@@ -14,14 +14,9 @@
 import { randomBytes } from "node:crypto";
 import { availableParallelism, cpus } from "node:os";
 import type { Db } from "../store/db.ts";
-import {
-  appendLogChunkByToken,
-  insertBundles,
-  recordHeartbeatByToken,
-  setSchedulingStatuses,
-} from "../store/queries.ts";
+import { appendLogChunkByToken, recordHeartbeatByToken, setSchedulingStatuses } from "../store/queries.ts";
 import { markRunningByTokens, stageBundle, stageBundles, startBundles } from "../store/transitions.ts";
-import { createTestUser, openTestDb, testBundleUuid, testNewBundle } from "../test/db.ts";
+import { createTestUser, insertTestBundles, openTestDb } from "../test/db.ts";
 import { benchArgs } from "./args.ts";
 
 const USAGE =
@@ -55,24 +50,6 @@ if (
 
 const progress = (msg: string) => process.stderr.write(`${msg}\n`);
 const p50 = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)] ?? Number.NaN;
-
-async function insertMany(
-  db: Db,
-  owner: string,
-  n: number,
-  state: "submitted" | "created",
-): Promise<string[]> {
-  const uuids: string[] = [];
-  for (let k = 0; k < n; k += 1000) {
-    const items = Array.from({ length: Math.min(1000, n - k) }, () => ({
-      uuid: testBundleUuid(),
-      bundle: testNewBundle(owner),
-    }));
-    await insertBundles(db, owner, items, state);
-    uuids.push(...items.map((i) => i.uuid));
-  }
-  return uuids;
-}
 
 interface Times {
   claim: number[];
@@ -164,12 +141,12 @@ for (const kind of kinds as ("pg" | "pglite")[]) {
     await db.query("ALTER TABLE bundles SET (autovacuum_enabled = false)");
     const owner = (await createTestUser(db)).uuid;
     progress(`bench:queue-statements [${kind}]: ${HISTORY} bundles of history...`);
-    await insertMany(db, owner, HISTORY, "submitted");
+    await insertTestBundles(db, owner, HISTORY, "submitted");
     await db.query("UPDATE bundles SET state = 'ready'");
     await db.query(kind === "pg" ? "VACUUM ANALYZE bundles" : "ANALYZE bundles");
     progress(`bench:queue-statements [${kind}]: ${QUEUE} queued...`);
-    const staged = await insertMany(db, owner, QUEUE, "submitted");
-    const created = await insertMany(db, owner, 2 * ROUNDS * (GROUP + 1), "created");
+    const staged = await insertTestBundles(db, owner, QUEUE, "submitted");
+    const created = await insertTestBundles(db, owner, 2 * ROUNDS * (GROUP + 1), "created");
     progress(`bench:queue-statements [${kind}]: set up in ${((performance.now() - t0) / 1000).toFixed(1)} s`);
     console.log(kind === "pg" ? "PostgreSQL" : "PGlite");
     report("statistics from before the queue", await rounds(db, staged, created));

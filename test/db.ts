@@ -9,7 +9,7 @@ import { afterAll, beforeAll, describe } from "vitest";
 import { hashToken, newRunnerToken, newUserToken } from "../lib/tokens.ts";
 import { type Db, openDb, redactDbUrl } from "../store/db.ts";
 import { listMigrations, migrate } from "../store/migrate.ts";
-import { createUser, insertBundle } from "../store/queries.ts";
+import { createUser, type InitialState, insertBundle, insertBundles } from "../store/queries.ts";
 import { startBundle } from "../store/transitions.ts";
 import type { Bundle, NewBundle, User } from "../store/types.ts";
 
@@ -234,6 +234,28 @@ export function testNewBundle(ownerUuid: string, overrides: Partial<NewBundle> =
     maxAttempts: 3,
     ...overrides,
   };
+}
+
+/**
+ * Inserts `n` test bundles owned by ownerUuid in statements of 1,000 (`submitted`: staged at once, having no
+ * dependencies; or `created`); returns their uuids in order.
+ */
+export async function insertTestBundles(
+  db: Db,
+  ownerUuid: string,
+  n: number,
+  state: InitialState,
+): Promise<string[]> {
+  const uuids: string[] = [];
+  for (let k = 0; k < n; k += 1000) {
+    const items = Array.from({ length: Math.min(1000, n - k) }, () => ({
+      uuid: testBundleUuid(),
+      bundle: testNewBundle(ownerUuid),
+    }));
+    await insertBundles(db, ownerUuid, items, state);
+    uuids.push(...items.map((i) => i.uuid));
+  }
+  return uuids;
 }
 
 /** Inserts a created bundle owned by ownerUuid. */

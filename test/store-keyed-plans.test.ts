@@ -11,7 +11,6 @@ import { setOutputManifest } from "../store/cas-queries.ts";
 import type { Db } from "../store/db.ts";
 import {
   appendLogChunkByToken,
-  insertBundles,
   recordHeartbeat,
   recordHeartbeatByToken,
   setBundleInputManifests,
@@ -19,7 +18,7 @@ import {
   setSchedulingStatuses,
 } from "../store/queries.ts";
 import { markRunningByTokens, stageBundle, stageBundles, startBundles } from "../store/transitions.ts";
-import { createTestUser, describeEachDb, testBundleUuid, testNewBundle } from "./db.ts";
+import { createTestUser, describeEachDb, insertTestBundles } from "./db.ts";
 
 const HISTORY = 2000;
 const QUEUE = 6000;
@@ -28,24 +27,6 @@ const CREATED = 200;
 const RUNNING = 3000;
 /** Rows a statement over 20 bundles may read: its own, a few times over (index and heap), nowhere near QUEUE. */
 const MAX_ROWS_READ = 200;
-
-async function insertMany(
-  db: Db,
-  owner: string,
-  n: number,
-  state: "submitted" | "created",
-): Promise<string[]> {
-  const uuids: string[] = [];
-  for (let k = 0; k < n; k += 1000) {
-    const items = Array.from({ length: Math.min(1000, n - k) }, () => ({
-      uuid: testBundleUuid(),
-      bundle: testNewBundle(owner),
-    }));
-    await insertBundles(db, owner, items, state);
-    uuids.push(...items.map((i) => i.uuid));
-  }
-  return uuids;
-}
 
 /** Runs `fn` in a transaction and answers how many rows of `bundles` it read (sequentially or by index). */
 async function rowsRead(db: Db, fn: (tx: Db) => Promise<unknown>): Promise<number> {
@@ -72,13 +53,13 @@ describeEachDb("transitions on a queue that grew after ANALYZE", (getDb) => {
   beforeAll(async () => {
     const db = getDb();
     owner = (await createTestUser(db)).uuid;
-    await insertMany(db, owner, HISTORY, "submitted");
+    await insertTestBundles(db, owner, HISTORY, "submitted");
     await db.query("UPDATE bundles SET state = 'ready'");
     await db.query("ANALYZE bundles");
     // No ANALYZE from here on (PostgreSQL's autovacuum is kept off this table; PGlite has none).
     await db.query("ALTER TABLE bundles SET (autovacuum_enabled = false)");
-    staged = await insertMany(db, owner, QUEUE, "submitted");
-    created = await insertMany(db, owner, CREATED, "created");
+    staged = await insertTestBundles(db, owner, QUEUE, "submitted");
+    created = await insertTestBundles(db, owner, CREATED, "created");
     const starting = staged
       .splice(0, RUNNING)
       .map((uuid) => ({ uuid, token: randomBytes(32).toString("hex") }));
