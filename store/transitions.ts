@@ -357,7 +357,7 @@ export async function markRunningByTokens(
      ), upd AS (
        UPDATE bundles b SET state = 'running', state_reason = NULL, scheduling_status = NULL,
          running_at = ${NOW}
-       FROM cur WHERE b.uuid = cur.uuid AND cur.from_state = 'starting' AND b.runner_token_hash = ANY($1::text[])
+       FROM cur WHERE b.uuid = cur.uuid AND cur.from_state = 'starting'
        RETURNING b.*, cur.from_state AS transition_from_state
      ), ${eventsAndNotifies("$2", "$3")}`),
     [tokenHashes, actor, BUNDLE_CHANNEL],
