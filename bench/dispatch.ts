@@ -44,7 +44,7 @@ import ssh2 from "ssh2";
 import { destroyLocalVms, withLocalVms } from "../cloud-drivers/local/driver.ts";
 import { findPids, readCmdline } from "../cloud-drivers/local/procs.ts";
 import { createLogger } from "../lib/logger.ts";
-import { openDb } from "../store/db.ts";
+import { type Db, openDb } from "../store/db.ts";
 import { insertBundle, insertBundles } from "../store/queries.ts";
 import { markRunningByTokens, stageBundle, startBundles } from "../store/transitions.ts";
 import { openTestDb, testBundleUuid, testNewBundle } from "../test/db.ts";
@@ -435,11 +435,7 @@ async function submitBurst(): Promise<View[]> {
  * `restMs` after the one before.
  */
 async function guardedUpdates(n: number, restMs = 0): Promise<number[]> {
-  const db = await openDb(dbUrl);
-  try {
-    const { rows } = await db.query<{ uuid: string }>("SELECT uuid FROM users LIMIT 1");
-    const owner = rows[0]?.uuid;
-    if (owner === undefined) throw new Error("no user in the database");
+  return withServerDb(async (db, owner) => {
     const times: number[] = [];
     for (let i = 0; i < n; i++) {
       const uuid = testBundleUuid();
@@ -451,12 +447,23 @@ async function guardedUpdates(n: number, restMs = 0): Promise<number[]> {
       if (!res.ok) throw new Error(`guarded UPDATE of ${uuid} did not apply: ${res.reason}`);
     }
     return times;
+  });
+}
+
+/** Runs `fn` on the stopped server's database, with the uuid of a user of it (the owner of the bench's bundles). */
+async function withServerDb<T>(fn: (db: Db, owner: string) => Promise<T>): Promise<T> {
+  const db = await openDb(dbUrl);
+  try {
+    const { rows } = await db.query<{ uuid: string }>("SELECT uuid FROM users LIMIT 1");
+    const owner = rows[0]?.uuid;
+    if (owner === undefined) throw new Error("no user in the database");
+    return await fn(db, owner);
   } finally {
     await db.close();
   }
 }
 
-/** One round of burstFloor's steps, in ms. */
+/** burstFloor's steps, each step's time in every round, in ms. */
 interface BurstSteps {
   insert: number[];
   claim: number[];
@@ -471,11 +478,7 @@ interface BurstSteps {
  * bundles wait for whatever the server does; HTTP, the pass and the processes on the VM come on top.
  */
 async function burstFloor(rounds: number, restMs: number): Promise<BurstSteps> {
-  const db = await openDb(dbUrl);
-  try {
-    const { rows } = await db.query<{ uuid: string }>("SELECT uuid FROM users LIMIT 1");
-    const owner = rows[0]?.uuid;
-    if (owner === undefined) throw new Error("no user in the database");
+  return withServerDb(async (db, owner) => {
     const steps: BurstSteps = { insert: [], claim: [], start: [] };
     for (let r = 0; r < rounds; r++) {
       const items = Array.from({ length: BURST }, () => ({
@@ -510,9 +513,7 @@ async function burstFloor(rounds: number, restMs: number): Promise<BurstSteps> {
       steps.start.push(t3 - t2);
     }
     return steps;
-  } finally {
-    await db.close();
-  }
+  });
 }
 
 /** Not a target: the bursts' p50 against a burst's own floor (burstFloor), the SSH round trip measured alike. */

@@ -39,7 +39,7 @@ export interface TransitionSpec {
  * where the rows are found would let the planner find them through an index of the queued states, and its
  * estimate of how many bundles are in a state is only as recent as the table's last ANALYZE: when a queue grows
  * faster than autovacuum analyzes (20,000 submitted after a history of 100,000), the claim of 20 read every staged
- * row, 1.1 ms becoming 68 ms, and on PGlite one bundle's transition took 15 ms instead of 1 (docs/performance.md,
+ * row, 1.5 ms becoming 69 ms, and on PGlite one bundle's transition took 11.7 ms instead of 1.1 (docs/performance.md,
  * "bench:queue-statements"). By key, the plan is an index lookup per bundle whatever the statistics say. The
  * other writes to one bundle found by key do the same (keyedUpdate in queries.ts: a runner's heartbeat, its
  * output manifest, the scheduler's status, the input manifests; a log chunk by token, migration 018).
@@ -138,7 +138,7 @@ export async function stageBundles(
     `WITH want AS (
        SELECT * FROM unnest($1::text[], $2::text[]) AS w(uuid, reason)
      ), cur AS (
-       -- By key alone (KEYED_LOCKS below): the state is checked in upd.
+       -- By key alone (KEYED_LOCKS above): the state is checked in upd.
        SELECT b.uuid, b.state AS from_state, w.reason FROM bundles b JOIN want w ON w.uuid = b.uuid
        ORDER BY b.uuid FOR UPDATE OF b
      ), upd AS (
