@@ -171,6 +171,12 @@ const Database = Section("Where bundles, users and events are stored.", {
     },
   ),
   maxConnections: Int(10, "Maximum connections in the PostgreSQL pool.", 1, 1000),
+  embeddedMaintenanceInterval: Duration(
+    "1m",
+    "PGlite only (PostgreSQL's autovacuum does this itself): how often the process that holds the embedded " +
+      "database vacuums and analyzes the tables due by autovacuum's rules; 0 = never (its tables then grow " +
+      "without bound).",
+  ),
 });
 
 const RestServer = Section("The users' and runners' REST API.", {

@@ -12,6 +12,7 @@ import pg from "pg";
 import type { Logger } from "pino";
 import { makeTreePrivate } from "../lib/data-dir.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
+import { type EmbeddedMaintenance, startEmbeddedMaintenance } from "./embedded-maintenance.ts";
 import { pgliteAssets } from "./pglite-assets.ts";
 
 export interface QueryResult<R> {
@@ -53,6 +54,11 @@ export interface AdvisoryLock {
 export interface OpenDbOptions {
   maxConnections?: number;
   logger?: Logger;
+  /**
+   * PGlite only: ms between rounds of the embedded autovacuum (store/embedded-maintenance.ts); 0 or absent =
+   * none (short-lived commands). PostgreSQL's own autovacuum needs no help.
+   */
+  maintenanceInterval?: number;
 }
 
 /** SQLSTATEs after which re-running the whole transaction is the right reaction. */
@@ -541,8 +547,9 @@ async function openPglite(dir: string | undefined, opts: OpenDbOptions): Promise
   let closed = false;
   // One process holds every session: advisory locks are entries here, released on release() or close().
   const locks = new Map<string, () => void>();
+  let maintenance: EmbeddedMaintenance | undefined;
 
-  return {
+  const db: Db = {
     kind: "pglite",
     query: (sql, params) => withRetries(() => exclusive(() => pgliteQuery(pglite, sql, params)), { logger }),
     transaction: (fn) =>
@@ -569,8 +576,15 @@ async function openPglite(dir: string | undefined, opts: OpenDbOptions): Promise
     async close() {
       if (closed) return;
       closed = true;
+      await maintenance?.stop();
       for (const drop of [...locks.values()]) drop();
       await exclusive(() => pglite.close());
     },
   };
+  if ((opts.maintenanceInterval ?? 0) > 0)
+    maintenance = startEmbeddedMaintenance(db, {
+      intervalMs: opts.maintenanceInterval as number,
+      ...(logger === undefined ? {} : { logger }),
+    });
+  return db;
 }

@@ -45,7 +45,11 @@ export function configFromArgs(io: CliIo, argv: string[]): Config {
 
 /** Opens the database and brings its schema up to date, logging what was applied. */
 export async function openMigrated(config: Config, logger: Logger): Promise<Db> {
-  const db = await openDb(config.database.url, { maxConnections: config.database.maxConnections, logger });
+  const db = await openDb(config.database.url, {
+    maxConnections: config.database.maxConnections,
+    maintenanceInterval: config.database.embeddedMaintenanceInterval,
+    logger,
+  });
   try {
     const { applied } = await migrate(db);
     if (applied.length > 0) logger.info({ applied }, "database migrations applied");
