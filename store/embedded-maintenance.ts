@@ -177,7 +177,7 @@ export interface EmbeddedMaintenanceOptions {
   /** ms between the end of one round and the start of the next. */
   intervalMs: number;
   logger?: Logger;
-  /** Called after each round with what it did (tests wait on it). */
+  /** Called after each round that ran to its end, with what it did. */
   onRound?: (steps: MaintenanceStep[]) => void;
 }
 
