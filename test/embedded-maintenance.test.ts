@@ -5,6 +5,8 @@
  */
 import { Writable } from "node:stream";
 import { afterEach, describe, expect, it } from "vitest";
+import { openMigrated } from "../cli/commands/serve.ts";
+import { loadConfig } from "../config/load.ts";
 import { createLogger } from "../lib/logger.ts";
 import { type Db, openDb } from "../store/db.ts";
 import {
@@ -195,9 +197,14 @@ describe("the embedded maintenance on PGlite", () => {
     expect((await counters(db, "bundles")).rows).toBe(ROWS + 10);
   });
 
-  it("runs by itself in a process that opened PGlite with an interval, and logs what it did", async () => {
+  it("runs by itself in serve's database (database.embeddedMaintenanceInterval), and logs what it did", async () => {
     const { lines, logger } = capturedLogger();
-    const db = await pglite({ maintenanceInterval: 20, logger });
+    const config = loadConfig();
+    const db = await openMigrated(
+      { ...config, database: { ...config.database, url: "pglite:memory:", embeddedMaintenanceInterval: 20 } },
+      logger,
+    );
+    opened.push(db);
     const owner = (await createTestUser(db)).uuid;
     await insertTestBundles(db, owner, ROWS, "submitted");
     await db.query("UPDATE bundles SET priority = priority + 1");
