@@ -173,9 +173,9 @@ const Database = Section("Where bundles, users and events are stored.", {
   maxConnections: Int(10, "Maximum connections in the PostgreSQL pool.", 1, 1000),
   embeddedMaintenanceInterval: Duration(
     "1m",
-    "PGlite only (PostgreSQL's autovacuum does this itself): how often the process that holds the embedded " +
-      "database vacuums and analyzes the tables due by autovacuum's rules; 0 = never (its tables then grow " +
-      "without bound).",
+    "PGlite only (PostgreSQL's autovacuum and checkpointer do this themselves): how often `serve` vacuums and " +
+      "analyzes the embedded database's tables due by autovacuum's rules, and checkpoints it by the " +
+      "checkpointer's; 0 = never (its tables and its write-ahead log then grow without bound).",
   ),
 });
 

@@ -1,17 +1,22 @@
 /**
- * The embedded database's autovacuum. PGlite is PostgreSQL in one process with no background workers: it says
- * `autovacuum = on` but never vacuums nor analyzes. Every update and delete leaves a dead row version, so
- * without this its tables and indexes grow without bound (a transition rewrites a bundle's row), the planner's
- * statistics stay those of the first ANALYZE (or none), and nothing freezes old transaction ids.
+ * The embedded database's autovacuum and checkpointer. PGlite is PostgreSQL in one process with no background
+ * workers: it says `autovacuum = on` but never vacuums nor analyzes. Every update and delete leaves a dead row
+ * version, so without this its tables and indexes grow without bound (a transition rewrites a bundle's row), the
+ * planner's statistics stay those of the first ANALYZE (or none), and nothing freezes old transaction ids. Nor does
+ * it ever checkpoint while it runs, so its write-ahead log (pg_wal) grows by every write, and an unclean stop
+ * replays all of it at the next start.
  *
  * `maintainOnce` does what autovacuum's worker would, with PostgreSQL's own rules and settings (read from the
  * database): a table is vacuumed once its dead rows exceed `autovacuum_vacuum_threshold +
  * autovacuum_vacuum_scale_factor x rows`, its rows inserted since the last vacuum exceed the insert threshold
  * likewise, or its oldest unfrozen transaction id is older than `autovacuum_freeze_max_age`; it is analyzed once
  * its rows changed since the last ANALYZE exceed `autovacuum_analyze_threshold + autovacuum_analyze_scale_factor x
- * rows`. `startEmbeddedMaintenance` runs it every `database.embeddedMaintenanceInterval` on PGlite only (on
- * PostgreSQL, autovacuum does this). PGlite has one connection, so while a table is vacuumed every other statement
- * waits: the thresholds keep each vacuum proportional to what changed (docs/operations.md has the figures).
+ * rows`. `checkpointOnce` checkpoints as PostgreSQL's checkpointer would: once `checkpoint_timeout` has passed
+ * since the last checkpoint with anything written since, or once the log written since it passes `max_wal_size /
+ * (1 + checkpoint_completion_target)`; a checkpoint lets the log before it be recycled. `startEmbeddedMaintenance`
+ * runs both every `database.embeddedMaintenanceInterval` on PGlite only (on PostgreSQL, autovacuum and the
+ * checkpointer do this). PGlite has one connection, so while a table is vacuumed or a checkpoint writes, every
+ * other statement waits: the thresholds keep each proportional to what changed (docs/operations.md has figures).
  */
 import type { Logger } from "../lib/logger.ts";
 
@@ -168,6 +173,69 @@ export async function maintainOnce(
   return done;
 }
 
+const CHECKPOINT_SQL = `
+  SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), c.redo_lsn)::float8 AS wal_bytes,
+    extract(epoch FROM now() - c.checkpoint_time)::float8 AS age_s,
+    (SELECT setting::float8 FROM pg_settings WHERE name = 'checkpoint_timeout') AS timeout_s,
+    (SELECT setting::float8 FROM pg_settings WHERE name = 'max_wal_size') AS max_wal_mb,
+    (SELECT setting::float8 FROM pg_settings WHERE name = 'checkpoint_completion_target') AS target
+  FROM pg_control_checkpoint() c`;
+
+/** The log written since the last checkpoint, and how long ago it was, with the settings that bound them. */
+export interface CheckpointState {
+  walBytes: number;
+  ageSeconds: number;
+  timeoutSeconds: number;
+  maxWalMiB: number;
+  completionTarget: number;
+}
+
+/** A checkpoint's own record and what follows it on an idle database: less than this much log. */
+const CHECKPOINT_RECORD_BYTES = 512;
+
+/** Why a checkpoint is due by the checkpointer's rules, or null when it is not. */
+export function checkpointDue(c: CheckpointState): string | null {
+  const walAt = (c.maxWalMiB * 2 ** 20) / (1 + c.completionTarget);
+  if (c.walBytes > walAt)
+    return `log written since the last checkpoint ${Math.round(c.walBytes)} bytes > ${Math.floor(walAt)}`;
+  // Nothing written but the last checkpoint's own record: nothing to checkpoint, however long ago.
+  if (c.ageSeconds >= c.timeoutSeconds && c.walBytes > CHECKPOINT_RECORD_BYTES)
+    return `last checkpoint ${Math.round(c.ageSeconds)} s ago >= checkpoint_timeout ${c.timeoutSeconds} s`;
+  return null;
+}
+
+/**
+ * Checkpoints when one is due (checkpointDue; `settings` in place of the database's, for tests); returns why and
+ * how long it held the database, or null. Reads `pg_control_checkpoint()` and runs CHECKPOINT, which PostgreSQL
+ * keeps to privileged roles: for PGlite, whose one user is its owner.
+ */
+export async function checkpointOnce(
+  db: MaintainedDb,
+  settings: Partial<Pick<CheckpointState, "timeoutSeconds" | "maxWalMiB">> = {},
+): Promise<{ reason: string; ms: number } | null> {
+  const { rows } = await db.query<{
+    wal_bytes: number;
+    age_s: number;
+    timeout_s: number;
+    max_wal_mb: number;
+    target: number;
+  }>(CHECKPOINT_SQL);
+  const r = rows[0];
+  if (r === undefined) throw new Error("the database reported no checkpoint");
+  const reason = checkpointDue({
+    walBytes: r.wal_bytes,
+    ageSeconds: r.age_s,
+    timeoutSeconds: r.timeout_s,
+    maxWalMiB: r.max_wal_mb,
+    completionTarget: r.target,
+    ...settings,
+  });
+  if (reason === null) return null;
+  const t0 = performance.now();
+  await db.query("CHECKPOINT");
+  return { reason, ms: Math.round((performance.now() - t0) * 10) / 10 };
+}
+
 export interface EmbeddedMaintenance {
   /** Stops the timer; resolves once a round that is running has ended (it stops before its next table). */
   stop(): Promise<void>;
@@ -177,12 +245,14 @@ export interface EmbeddedMaintenanceOptions {
   /** ms between the end of one round and the start of the next. */
   intervalMs: number;
   logger?: Logger;
+  /** In place of the database's checkpoint settings (tests). */
+  checkpointSettings?: Parameters<typeof checkpointOnce>[1];
   /** Called after each round that ran to its end, with what it did. */
   onRound?: (steps: MaintenanceStep[]) => void;
 }
 
 /**
- * Runs `maintainOnce` every `intervalMs` (the timer does not keep the process alive). A round that fails is
+ * Runs `maintainOnce`, then `checkpointOnce`, every `intervalMs` (the timer does not keep the process alive). A round that fails is
  * logged as a warning and the next one comes as usual; it never throws.
  */
 export function startEmbeddedMaintenance(
@@ -200,6 +270,13 @@ export function startEmbeddedMaintenance(
         logger?.info(
           { table: `${s.schema}.${s.table}`, action: s.action, reasons: s.reasons, ms: s.ms },
           "embedded database: table maintained (PGlite has no autovacuum of its own)",
+        );
+      // After the vacuums, whose log it then covers.
+      const checkpoint = stopped ? null : await checkpointOnce(db, opts.checkpointSettings);
+      if (checkpoint !== null)
+        logger?.info(
+          { reason: checkpoint.reason, ms: checkpoint.ms },
+          "embedded database: checkpoint (PGlite has no checkpointer of its own)",
         );
       opts.onRound?.(steps);
     } catch (err) {

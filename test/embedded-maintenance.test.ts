@@ -11,6 +11,8 @@ import { createLogger } from "../lib/logger.ts";
 import { type Db, openDb } from "../store/db.ts";
 import {
   type AutovacuumSettings,
+  checkpointDue,
+  checkpointOnce,
   dueMaintenance,
   maintainOnce,
   startEmbeddedMaintenance,
@@ -81,6 +83,21 @@ describe("what is due, by autovacuum's rules", () => {
       vacuumInsertThreshold: -1,
     });
     expect(due).toEqual([{ schema: "public", table: "t", action: "vacuum", reasons: ["dead rows 51 > 50"] }]);
+  });
+});
+
+describe("when a checkpoint is due, by the checkpointer's rules", () => {
+  const c = { walBytes: 0, ageSeconds: 0, timeoutSeconds: 300, maxWalMiB: 1024, completionTarget: 0.9 };
+  it("after max_wal_size / (1 + checkpoint_completion_target) of log, or checkpoint_timeout with some log", () => {
+    const bound = (1024 * 2 ** 20) / 1.9;
+    expect(checkpointDue({ ...c, walBytes: Math.floor(bound) })).toBeNull();
+    expect(checkpointDue({ ...c, walBytes: bound + 1 })).toMatch(/^log written since the last checkpoint/);
+    expect(checkpointDue({ ...c, walBytes: 10_000, ageSeconds: 299 })).toBeNull();
+    expect(checkpointDue({ ...c, walBytes: 10_000, ageSeconds: 300 })).toBe(
+      "last checkpoint 300 s ago >= checkpoint_timeout 300 s",
+    );
+    // Only the last checkpoint's own record since it: an idle database is not checkpointed again.
+    expect(checkpointDue({ ...c, walBytes: 208, ageSeconds: 86_400 })).toBeNull();
   });
 });
 
@@ -214,6 +231,59 @@ describe("the embedded maintenance on PGlite", () => {
     expect((await counters(db, "bundles")).lastVacuum).not.toBeNull();
     const line = lines.find((l) => l["table"] === "public.bundles");
     expect(line?.["msg"]).toMatch(/^embedded database: table maintained/);
+    expect(line?.["level"]).toBe(30);
+  });
+
+  it("checkpoints once the log since the last checkpoint passes its bound, which keeps pg_wal from growing", async () => {
+    const db = await pglite();
+    const owner = (await createTestUser(db)).uuid;
+    await insertTestBundles(db, owner, ROWS, "submitted");
+    const walFiles = async () =>
+      Number((await db.query<{ n: string }>("SELECT count(*)::text AS n FROM pg_ls_waldir()")).rows[0]?.n);
+    const rewrite = () => db.query("UPDATE bundles SET priority = priority + 1");
+    // PGlite never checkpoints by itself: its log grows with every write.
+    const before = await walFiles();
+    for (let round = 0; round < 20; round++) await rewrite();
+    const grown = await walFiles();
+    expect(grown).toBeGreaterThan(before);
+
+    const first = await checkpointOnce(db, { maxWalMiB: 4 });
+    expect(first?.reason).toMatch(/^log written since the last checkpoint \d+ bytes > \d+$/);
+    for (let round = 0; round < 40; round++) {
+      await rewrite();
+      await checkpointOnce(db, { maxWalMiB: 4 });
+    }
+    // Twice the log of the first 20 rounds, in the files a checkpoint let it recycle.
+    expect(await walFiles()).toBeLessThanOrEqual(grown);
+  });
+
+  it("checkpoints after checkpoint_timeout only if something was written since the last one", async () => {
+    const db = await pglite();
+    await checkpointOnce(db, { timeoutSeconds: 0 });
+    expect(await checkpointOnce(db, { timeoutSeconds: 0 })).toBeNull();
+    await createTestUser(db);
+    expect((await checkpointOnce(db, { timeoutSeconds: 0 }))?.reason).toMatch(/^last checkpoint \d+ s ago/);
+    expect(await checkpointOnce(db, { timeoutSeconds: 3600 })).toBeNull();
+  });
+
+  it("logs the checkpoints its rounds make", async () => {
+    const { lines, logger } = capturedLogger();
+    const db = await pglite();
+    await createTestUser(db);
+    const checkpointed = new Promise<void>((resolve) => {
+      const m = startEmbeddedMaintenance(db, {
+        intervalMs: 10,
+        logger,
+        checkpointSettings: { timeoutSeconds: 0 },
+        onRound: () => {
+          if (lines.some((l) => String(l["msg"]).startsWith("embedded database: checkpoint")))
+            void m.stop().then(resolve);
+        },
+      });
+    });
+    await checkpointed;
+    const line = lines.find((l) => String(l["msg"]).startsWith("embedded database: checkpoint"));
+    expect(line?.["reason"]).toMatch(/checkpoint_timeout 0 s$/);
     expect(line?.["level"]).toBe(30);
   });
 
