@@ -25,7 +25,7 @@ export interface MaintainedDb {
   query<R = Record<string, unknown>>(sql: string): Promise<{ rows: R[] }>;
 }
 
-/** One table's counters, as `pg_stat_user_tables` and `pg_class` give them. */
+/** One table's counters, as `pg_stat_all_tables` and `pg_class` give them. */
 export interface TableActivity {
   schema: string;
   table: string;
@@ -75,7 +75,9 @@ export function dueMaintenance(tables: readonly TableActivity[], s: AutovacuumSe
     if (s.vacuumInsertThreshold >= 0 && t.insertedSinceVacuum > insertAt)
       vacuum.push(`rows inserted since the last vacuum ${t.insertedSinceVacuum} > ${Math.floor(insertAt)}`);
     if (t.xidAge > s.freezeMaxAge) vacuum.push(`transaction id age ${t.xidAge} > ${s.freezeMaxAge}`);
-    const analyze = t.modifiedSinceAnalyze > analyzeAt;
+    // PostgreSQL never analyzes pg_statistic, where ANALYZE writes (its counter of changed rows only grows).
+    const analyze =
+      t.modifiedSinceAnalyze > analyzeAt && !(t.schema === "pg_catalog" && t.table === "pg_statistic");
     const reasons = analyze
       ? [
           ...vacuum,
@@ -93,7 +95,8 @@ const ACTIVITY_SQL = `
   SELECT s.schemaname AS schema, s.relname AS table, c.reltuples::float8 AS rows,
     s.n_dead_tup::float8 AS dead_rows, s.n_mod_since_analyze::float8 AS modified,
     s.n_ins_since_vacuum::float8 AS inserted, age(c.relfrozenxid)::float8 AS xid_age
-  FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+  FROM pg_stat_all_tables s JOIN pg_class c ON c.oid = s.relid
+  WHERE c.relkind IN ('r', 'm') AND s.schemaname <> 'information_schema'
   ORDER BY s.schemaname, s.relname`;
 
 const SETTINGS_SQL = `
@@ -122,7 +125,10 @@ export async function autovacuumSettings(db: MaintainedDb): Promise<AutovacuumSe
   };
 }
 
-/** Every user table's counters. */
+/**
+ * Every table's counters, the system catalogs' too (as autovacuum's: their old transaction ids must be frozen
+ * like any table's; a toast table is vacuumed with its table).
+ */
 export async function tableActivity(db: MaintainedDb): Promise<TableActivity[]> {
   const { rows } = await db.query<{
     schema: string;
