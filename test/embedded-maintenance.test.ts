@@ -126,7 +126,7 @@ describe("when a checkpoint is due, by the checkpointer's rules", () => {
 
 const ROWS = 2000;
 
-/** The table's counters as the database now reports them (flushed first on PostgreSQL). */
+/** The table's counters as the database now reports them (this session's own flushed first). */
 async function counters(db: Db, table: string): Promise<{ dead: number; lastVacuum: unknown; rows: number }> {
   await db.query("SELECT pg_stat_force_next_flush()");
   const { rows } = await db.query<{ dead: string; last_vacuum: unknown; rows: number }>(
@@ -143,12 +143,11 @@ const heapSize = async (db: Db) =>
   Number((await db.query<{ n: string }>("SELECT pg_relation_size('bundles')::text AS n")).rows[0]?.n);
 
 describeEachDb("a round of the embedded maintenance", (getDb) => {
-  /** One connection, so that the counters a statement leaves are flushed before the next reads them (PG). */
-  let db: Db;
   const opened: Db[] = [];
   afterEach(async () => {
     for (const d of opened.splice(0)) await d.close();
   });
+  /** One connection, so that the counters a statement leaves are flushed before the next reads them (PG). */
   async function oneConnection(t: TestDb): Promise<Db> {
     if (t.kind === "pglite") return t;
     const d = await openDb(t.url, { maxConnections: 1 });
@@ -159,7 +158,7 @@ describeEachDb("a round of the embedded maintenance", (getDb) => {
   }
 
   it("vacuums the table whose rows were rewritten, leaves the quiet ones, and then has nothing due", async () => {
-    db = await oneConnection(getDb());
+    const db = await oneConnection(getDb());
     const owner = (await createTestUser(db)).uuid;
     await insertTestBundles(db, owner, ROWS, "submitted");
     await maintainOnce(db);
