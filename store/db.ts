@@ -14,6 +14,7 @@ import { makeTreePrivate } from "../lib/data-dir.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
 import { type EmbeddedMaintenance, startEmbeddedMaintenance } from "./embedded-maintenance.ts";
 import { pgliteAssets } from "./pglite-assets.ts";
+import { quoteIdent } from "./sql-ident.ts";
 
 export interface QueryResult<R> {
   rows: R[];
@@ -135,10 +136,6 @@ function invalidUrl(url: string): DispatchCloudError {
       "pglite:<directory> or pglite:memory:",
     { path: "database.url" },
   );
-}
-
-function quoteIdent(name: string): string {
-  return `"${name.replaceAll('"', '""')}"`;
 }
 
 // ---------------------------------------------------------------------------------------------------------

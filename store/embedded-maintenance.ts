@@ -19,6 +19,7 @@
  * other statement waits: the thresholds keep each proportional to what changed (docs/operations.md has figures).
  */
 import type { Logger } from "../lib/logger.ts";
+import { quoteIdent } from "./sql-ident.ts";
 
 /** What a round needs of the database (store/db.ts's Db has it; declared here, as db.ts starts the rounds). */
 export interface MaintainedDb {
@@ -55,7 +56,7 @@ export interface MaintenanceStep {
   schema: string;
   table: string;
   action: MaintenanceAction;
-  /** Why: which thresholds were passed, e.g. ["dead rows 4,100 > 450"]. */
+  /** Why: which thresholds were passed, e.g. ["dead rows 4100 > 450"]. */
   reasons: string[];
   /** How long the statement held the database, in ms (set once it has run). */
   ms?: number;
@@ -78,13 +79,12 @@ export function dueMaintenance(tables: readonly TableActivity[], s: AutovacuumSe
     // PostgreSQL never analyzes pg_statistic, where ANALYZE writes (its counter of changed rows only grows).
     const analyze =
       t.modifiedSinceAnalyze > analyzeAt && !(t.schema === "pg_catalog" && t.table === "pg_statistic");
-    const reasons = analyze
-      ? [
-          ...vacuum,
-          `rows changed since the last analyze ${t.modifiedSinceAnalyze} > ${Math.floor(analyzeAt)}`,
-        ]
-      : vacuum;
     if (vacuum.length === 0 && !analyze) continue;
+    const reasons = [...vacuum];
+    if (analyze)
+      reasons.push(
+        `rows changed since the last analyze ${t.modifiedSinceAnalyze} > ${Math.floor(analyzeAt)}`,
+      );
     const action = vacuum.length === 0 ? "analyze" : analyze ? "vacuum+analyze" : "vacuum";
     steps.push({ schema: t.schema, table: t.table, action, reasons });
   }
@@ -149,8 +149,6 @@ export async function tableActivity(db: MaintainedDb): Promise<TableActivity[]> 
     xidAge: r.xid_age,
   }));
 }
-
-const quoteIdent = (name: string) => `"${name.replaceAll('"', '""')}"`;
 
 const STATEMENT: Record<MaintenanceAction, string> = {
   vacuum: "VACUUM",
