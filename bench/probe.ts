@@ -148,7 +148,7 @@ async function stubPhase(n: number): Promise<void> {
   const rss0 = settledRss();
   const config = benchConfig(n, { timeoutIdle: "1h", timeoutProbe: "1h" });
   const fleet = await openStubFleet(config, { clock: systemClock, logger });
-  const queue = new MemoryQueue();
+  const queue = new MemoryQueue(systemClock);
   for (let i = 0; i < n; i++) {
     const type = fleet.types[i % fleet.types.length]!;
     const vm = await fleet.createVm(type);
@@ -351,7 +351,7 @@ async function sshPhase(n: number): Promise<void> {
       clock: systemClock,
       logger,
       registry: new Registry(),
-      queue: new MemoryQueue(),
+      queue: new MemoryQueue(systemClock),
       connect,
       runner,
       runnerApiUrl: "http://bench.invalid",

@@ -197,7 +197,7 @@ async function main(): Promise<void> {
   const { cloud, instanceSet, types, config: cfg } = fleet;
   // Stub instances never run what is deployed: any bytes will do.
   const runner = artifactOf(Buffer.from("#!/bin/sh\nexit 0\n"));
-  const queue = new MemoryQueue();
+  const queue = new MemoryQueue(clock);
 
   // 10,000 instances: 80 % busy, 15 % idle, 5 % still booting; types weighted towards the cheap ones.
   const typeWeights: Array<[InstanceType, number]> = types.map((t) => [

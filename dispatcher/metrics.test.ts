@@ -261,7 +261,7 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
     const clock = new FakeClock(Date.UTC(2025, 11, 1, 1));
     const registry = new Registry();
     const m = createDispatcherMetrics({ registry, config: stubConfig(), clock, logger });
-    const queue = new MemoryQueue();
+    const queue = new MemoryQueue(clock);
     const listeners = new Set<(changes: readonly QueueChange[]) => void>();
     let atQuota = true;
     const parts: MetricParts = {

@@ -113,7 +113,7 @@ describe("sync", () => {
   function setup(startedAt?: number) {
     const clock = new FakeClock();
     const pool = new FakePool();
-    const queue = new MemoryQueue();
+    const queue = new MemoryQueue(clock);
     const sync = createSync({
       queue,
       pool,

@@ -110,10 +110,11 @@ export interface QueueView {
   all(): Iterable<Bundle>;
   get(uuid: string): Bundle | undefined;
   /**
-   * True when the bundle has left the queue as `ready` or `failed` (recently): its container is done, and a
-   * runner still listed for it only cleans up, so it takes no room on its instance.
+   * When (the clock's ms) the queue saw the bundle leave as `ready` or `failed`, for bundles that did so
+   * recently; undefined for others. Its container is done, and a runner still listed for it only cleans up, so
+   * it takes no room on its instance.
    */
-  ended(uuid: string): boolean;
+  endedAt(uuid: string): number | undefined;
   /**
    * Applies a committed row this process just wrote or read (newer changeSeq wins), so a pass need not wait for
    * NOTIFY; the queue's reads do not ask for its sequence again. Never a row of a transaction still open.

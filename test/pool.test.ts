@@ -64,8 +64,8 @@ class AppliedRows implements QueueView {
   get(uuid: string) {
     return this.rows.get(uuid);
   }
-  ended() {
-    return false;
+  endedAt() {
+    return undefined;
   }
   apply(bundle: Bundle) {
     const old = this.rows.get(bundle.uuid);

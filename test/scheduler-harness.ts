@@ -54,7 +54,7 @@ export function useSchedulerHarness(defaultTypes: readonly InstanceType[]): Sche
   let db: TestDb | undefined;
   let clock = new FakeClock();
   let pool = new StubSchedulerPool(clock);
-  let queue = new MemoryQueue();
+  let queue = new MemoryQueue(clock);
   beforeAll(async () => {
     db = await openTestDb("pglite");
   });
@@ -64,7 +64,7 @@ export function useSchedulerHarness(defaultTypes: readonly InstanceType[]): Sche
   beforeEach(() => {
     clock = new FakeClock(); // 2026-01-01T00:00:00Z
     pool = new StubSchedulerPool(clock);
-    queue = new MemoryQueue();
+    queue = new MemoryQueue(clock);
   });
   const opened = (): TestDb => {
     if (db === undefined) throw new Error("the scheduler harness's database is opened in beforeAll");

@@ -264,7 +264,11 @@ export class MemoryQueue implements QueueView {
   private readonly rows = new Map<string, Bundle>();
   private readonly listeners = new Set<(changes: readonly QueueChange[]) => void>();
 
-  constructor(bundles: Iterable<Bundle> = []) {
+  /** `clock` stamps the bundles seen ending (endedAt), as the BundleQueue's does. */
+  constructor(
+    private readonly clock: Clock,
+    bundles: Iterable<Bundle> = [],
+  ) {
     for (const b of bundles) this.rows.set(b.uuid, b);
   }
 
@@ -276,10 +280,10 @@ export class MemoryQueue implements QueueView {
     return this.rows.get(uuid);
   }
 
-  private readonly endedUuids = new Set<string>();
+  private readonly endedTimes = new Map<string, number>();
 
-  ended(uuid: string): boolean {
-    return this.endedUuids.has(uuid);
+  endedAt(uuid: string): number | undefined {
+    return this.endedTimes.get(uuid);
   }
 
   apply(bundle: Bundle): void {
@@ -289,7 +293,8 @@ export class MemoryQueue implements QueueView {
       this.rows.set(bundle.uuid, bundle);
     } else {
       this.rows.delete(bundle.uuid);
-      if (bundle.state === "ready" || bundle.state === "failed") this.endedUuids.add(bundle.uuid);
+      if ((bundle.state === "ready" || bundle.state === "failed") && !this.endedTimes.has(bundle.uuid))
+        this.endedTimes.set(bundle.uuid, this.clock.now());
     }
     this.tell([{ uuid: bundle.uuid, from: old?.state ?? null, to: bundle.state, bundle }]);
   }

@@ -83,7 +83,7 @@ const ACTIVE: ReadonlySet<BundleState> = new Set(["staged", "starting", "running
 const FINAL: ReadonlySet<BundleState> = new Set(["ready", "failed", "killed"]);
 /** Unread sequences the queue asks for by number; with more, it reads every row above safeSeq until safe. */
 const MAX_HOLES = 20_000;
-/** How many recently ended bundles the queue remembers (for ended()). */
+/** How many recently ended bundles the queue remembers (for endedAt()). */
 const MAX_ENDED = 100_000;
 
 export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
@@ -96,8 +96,8 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   const bundles = new Map<string, Bundle>();
   /** change_seq at which a uuid left the queue, kept only while a read is in flight (it may hold older rows). */
   const tombstones = new Map<string, number>();
-  /** Bundles seen leaving the queue as ready or failed. */
-  const ended = new Set<string>();
+  /** Bundles seen leaving the queue as ready or failed, and when. */
+  const ended = new Map<string, number>();
   /**
    * change_seq of the row with which a uuid left the queue (or of a final row of one it never held), so a read
    * that brings the same row again (its NOTIFY, after apply() had it) changes nothing and tells nobody twice.
@@ -184,9 +184,9 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
     if (left.size > MAX_ENDED) left.delete(left.keys().next().value as string);
     const final = FINAL.has(b.state);
     if (b.state === "ready" || b.state === "failed") {
-      ended.add(b.uuid);
-      // Bounded: the oldest go first (a Set iterates in insertion order).
-      if (ended.size > MAX_ENDED) ended.delete(ended.values().next().value as string);
+      if (!ended.has(b.uuid)) ended.set(b.uuid, clock.now());
+      // Bounded: the oldest go first (a Map iterates in insertion order).
+      if (ended.size > MAX_ENDED) ended.delete(ended.keys().next().value as string);
     }
     if (cur !== undefined || final) pending.push({ uuid: b.uuid, from, to: b.state, bundle: b });
     return bundles.delete(b.uuid);
@@ -404,7 +404,7 @@ export function createBundleQueue(opts: BundleQueueOptions): BundleQueue {
   return {
     all: () => bundles.values(),
     get: (uuid) => bundles.get(uuid),
-    ended: (uuid) => ended.has(uuid),
+    endedAt: (uuid) => ended.get(uuid),
     apply: (bundle) => applyAll([bundle]),
     applyAll,
     refresh,

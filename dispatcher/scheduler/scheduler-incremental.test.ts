@@ -60,7 +60,7 @@ interface World {
 
 function world(fullPasses: boolean): World {
   const clock = new FakeClock();
-  const w = { clock, pool: new StubSchedulerPool(clock), queue: new MemoryQueue() };
+  const w = { clock, pool: new StubSchedulerPool(clock), queue: new MemoryQueue(clock) };
   return { ...w, scheduler: newScheduler(w, fullPasses) };
 }
 

@@ -39,7 +39,7 @@ describeEachDb("scheduler and the store", (getDb) => {
     db = getDb();
     clock = new FakeClock();
     pool = new StubSchedulerPool(clock);
-    queue = new MemoryQueue();
+    queue = new MemoryQueue(clock);
   });
 
   const scheduler = () =>

@@ -7,6 +7,7 @@ import { describe, expect, it } from "vitest";
 import { testInstanceType } from "../../test/fixtures.ts";
 import { useSchedulerHarness } from "../../test/scheduler-harness.ts";
 import { testBundle } from "../../test/stub-pool.ts";
+import { CLEANING_UP_MS } from "./scheduler.ts";
 
 const small = testInstanceType("small", { vcpus: 4, ramGiB: 16, price: 0.1, providerType: "m5.xlarge" });
 const medium = testInstanceType("medium", { vcpus: 8, ramGiB: 32, price: 0.2, providerType: "m5.2xlarge" });
@@ -144,16 +145,31 @@ describe("placement", () => {
     expect(h.pool.calls.create).toEqual(["small"]);
   });
 
-  it("prefers, between instances equally loaded, the one with fewer runners still cleaning up", async () => {
+  /** Two idle instances: "i-a" (first by id) with a runner whose bundle ends now, and "i-b". */
+  const oneEndedOnA = (): void => {
     const done = testBundle({ state: "running" });
     h.queue.set(done);
     h.queue.apply({ ...done, state: "ready", changeSeq: done.changeSeq + 1 });
-    // "i-a" sorts first by id; its runner's bundle ended, so "i-b" (nothing cleaning up) takes the bundle.
     h.pool.addWorker({ id: "i-a", type: small, runners: [done.uuid] });
     h.pool.addWorker({ id: "i-b", type: small });
+  };
+
+  it("prefers, between instances equally loaded, one where no bundle ended within CLEANING_UP_MS", async () => {
+    oneEndedOnA();
+    // "i-a" is cleaning up, so "i-b" takes the bundle.
     const [b] = h.staged(testBundle());
+    await h.clock.advance(CLEANING_UP_MS - 1);
     await h.scheduler().runOnce();
     expect(h.startedOn()).toEqual([[b!.uuid, "i-b"]]);
+  });
+
+  it("packs by the usual order once the last bundle ended CLEANING_UP_MS ago, its runner still listed", async () => {
+    oneEndedOnA();
+    // A probe would forget the runner up to probeInterval later; until then "i-a" is not held back for it.
+    await h.clock.advance(CLEANING_UP_MS);
+    const [b] = h.staged(testBundle());
+    await h.scheduler().runOnce();
+    expect(h.startedOn()).toEqual([[b!.uuid, "i-a"]]);
   });
 
   it("plans bundles onto an unknown (not yet probed) instance without starting or creating", async () => {

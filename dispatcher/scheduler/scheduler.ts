@@ -178,8 +178,11 @@ interface Slot {
   gpus: readonly number[];
   /** Runners (but those whose bundle ended) + bundles placed in this pass. */
   load: number;
-  /** Runners whose bundle ended and that are still cleaning up (the instance is busier than its load says). */
-  ended: number;
+  /**
+   * A runner's bundle ended here less than CLEANING_UP_MS ago: it is still cleaning up (the instance is busier
+   * than its load says).
+   */
+  cleaning: boolean;
   /** The worker's cachedManifests this slot's cache index was built from, and that index (null: none). */
   cacheList: readonly string[];
   cache: ReadonlySet<string> | null;
@@ -203,6 +206,8 @@ interface WorkerRoom {
   stale: boolean;
   /** Runners whose bundle has ended (called finish): they only clean up, so they take no bundle slot. */
   ended: number;
+  /** When the last of those bundles ended (the queue's endedAt); -Infinity when none did. */
+  lastEnded: number;
   vcpus: number;
   ram: number;
   scratch: number;
@@ -306,12 +311,21 @@ const byOrder = (a: Entry, b: Entry): number =>
 export { queueOrder } from "../types.ts";
 
 /**
- * Packing first (most runners + planned, those cleaning up after `finish` left out), then fewer runners cleaning
- * up, then booted over booting, then cheaper, then id.
+ * How long after a bundle ended its instance counts as cleaning up when equally loaded instances are compared:
+ * its supervisor's clean-up and its return to the warm pool (well under a second when nothing is wrong). Only
+ * this long, not until the next probe no longer lists the runner (up to probeInterval): a trickle of short
+ * bundles would otherwise go round every instance a burst left, each bundle to the one that had not ended one
+ * lately, and keep them all from timeoutIdle (test/dispatcher-trickle.test.ts).
+ */
+export const CLEANING_UP_MS = 1000;
+
+/**
+ * Packing first (most runners + planned, those cleaning up after `finish` left out), then not cleaning up (a
+ * bundle ended there within CLEANING_UP_MS), then booted over booting, then cheaper, then id.
  */
 const bySlot = (a: Slot, b: Slot): number =>
   b.load - a.load ||
-  a.ended - b.ended ||
+  (a.cleaning ? 1 : 0) - (b.cleaning ? 1 : 0) ||
   (a.booted ? 0 : 1) - (b.booted ? 0 : 1) ||
   a.price - b.price ||
   (a.id < b.id ? -1 : a.id > b.id ? 1 : 0);
@@ -833,7 +847,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
         scratch: 0,
         gpus: NO_GPUS,
         load: 0,
-        ended: 0,
+        cleaning: false,
         cacheList: NO_KEYS,
         cache: null,
         heldStamp: -1,
@@ -850,6 +864,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       staged: [],
       stale: false,
       ended: 0,
+      lastEnded: Number.NEGATIVE_INFINITY,
       vcpus,
       ram,
       scratch,
@@ -867,8 +882,10 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       }
       // Its runner called finish: the container is gone, only the runner's clean-up is left. Its slot is free
       // at once, not once a probe sees the runner gone (up to probeInterval later).
-      if (bundle === undefined && queue.ended(r.uuid)) {
+      const endedAt = bundle === undefined ? queue.endedAt(r.uuid) : undefined;
+      if (endedAt !== undefined) {
         c.ended++;
+        if (endedAt > c.lastEnded) c.lastEnded = endedAt;
         continue;
       }
       if (full) continue;
@@ -958,7 +975,7 @@ export function createScheduler(opts: SchedulerOptions): Scheduler {
       slot.scratch = c.scratch;
       slot.gpus = c.gpus;
       slot.load = w.runners.size - c.ended;
-      slot.ended = c.ended;
+      slot.cleaning = now - c.lastEnded < CLEANING_UP_MS;
       const cached = w.cachedManifests ?? NO_KEYS;
       if (cached !== slot.cacheList) indexCache(slot, cached);
       slots.push(slot);
