@@ -35,18 +35,20 @@ for (const kind of ["pg", "pglite"] as const)
       });
       expect(h.cloud.liveCount).toBe(4);
 
-      // Then one bundle every 3 s for 3 minutes, each done in about 1 s.
+      // Then, for three minutes, one bundle (done in about 1 s) 2 s after the dispatcher's queue saw the last one
+      // end: past CLEANING_UP_MS, well within probeInterval.
+      const queue = h.active()!.parts!.queue;
       const usedAt: Array<{ at: number; instance: string }> = [];
       const until = h.clock.now() + 180_000;
       while (h.clock.now() < until) {
-        const next = h.clock.now() + 3000;
         const [uuid] = await h.submit(1, () => ({ command: ["sleep", "1"], resources: whole }));
-        await h.drive(async () => isFinalState((await h.states([uuid!])).get(uuid!)!), { stallMs: 30_000 });
+        await h.drive(async () => queue.endedAt(uuid!) !== undefined, { stallMs: 30_000 });
         const { rows } = await h.db.query<{ instance_id: string }>(
           "SELECT instance_id FROM bundles WHERE uuid = $1",
           [uuid],
         );
         usedAt.push({ at: h.clock.now(), instance: rows[0]!.instance_id });
+        const next = queue.endedAt(uuid!)! + 2000;
         await h.drive(async () => h.clock.now() >= next, { stallMs: 30_000 });
       }
       // Before CLEANING_UP_MS, each bundle went to an instance where none had ended since its last probe: the
