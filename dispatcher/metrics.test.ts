@@ -11,18 +11,18 @@ import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
 import { createRestServer } from "../rest-server/server.ts";
 import { createUser, getBundle } from "../store/queries.ts";
 import { finishBundle, markRunning, stageBundle } from "../store/transitions.ts";
-import type { Bundle, BundleState } from "../store/types.ts";
+import type { Bundle, BundleState, NewBundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, startWithRunnerToken } from "../test/db.ts";
-import { stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
+import { GiB, stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
 import { FakeClock, flushMicrotasks } from "../test/fake-clock.ts";
 import { silentLogger as logger, restServerBasics } from "../test/fixtures.ts";
 import { injectClient } from "../test/rest-client.ts";
 import { MemoryQueue, testBundle } from "../test/stub-pool.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
 import {
+  bundlePriceLookup,
   createDispatcherMetrics,
   DISPATCHER_METRIC,
-  instancePriceLookup,
   type MetricParts,
 } from "./metrics.ts";
 import { categoryOf, createInstanceMetrics, INSTANCE_METRIC } from "./pool/metrics.ts";
@@ -353,12 +353,12 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
 describe("per-bundle cost at finish (runner API)", () => {
   const getDb = useTestDb("pg");
 
-  it("stores price x running time on the bundle and shows it as costDollars", async () => {
+  it("stores the bundle's share of its instance's price x running time, shown as costDollars", async () => {
     const db = getDb();
     const config = stubConfig();
     const app = await createRestServer({
       ...restServerBasics(db, join(tmpdir(), "dispatch-cloud-metrics-test")),
-      instancePrice: instancePriceLookup(config),
+      bundlePrice: bundlePriceLookup(config),
     });
     try {
       const api = injectClient(app);
@@ -370,8 +370,8 @@ describe("per-bundle cost at finish (runner API)", () => {
         isAdmin: false,
         tokenHash: hashToken(userToken),
       });
-      const run = async (instanceType: string, ranMinutes: number) => {
-        const b = await createTestBundle(db, owner);
+      const run = async (instanceType: string, ranMinutes: number, resources?: NewBundle["resources"]) => {
+        const b = await createTestBundle(db, owner, resources === undefined ? {} : { resources });
         await stageBundle(db, b.uuid, { actor: "test" });
         const { token } = await startWithRunnerToken(db, b.uuid, { instanceType });
         expect((await api("POST", "/api/v1/runner/start", token, {})).status).toBe(200);
@@ -385,16 +385,22 @@ describe("per-bundle cost at finish (runner API)", () => {
         const view = await api("GET", `/api/v1/bundles/${b.uuid}`, userToken);
         expect(view.status).toBe(200);
         expect(view.body.costDollars).toBe(stored.costDollars);
-        return stored;
+        return { stored, hours: (stored.finishedAt!.getTime() - stored.runningAt!.getTime()) / HOUR };
       };
-      // medium: $0.20/h for 30 min (plus the test's own few milliseconds of running).
-      const medium = await run("medium", 30);
-      const hours = (medium.finishedAt!.getTime() - medium.runningAt!.getTime()) / HOUR;
-      expect(hours).toBeGreaterThanOrEqual(0.5);
-      expect(medium.costDollars).toBeCloseTo(0.2 * hours, 6);
+      // medium: 4 vCPUs, 8 GiB, $0.20/h. The test's bundle (1 vCPU, 256 MiB) takes a quarter of it: four such
+      // bundles packed there are charged its price once between them. 30 min, plus the test's few milliseconds.
+      const quarter = await run("medium", 30);
+      expect(quarter.hours).toBeGreaterThanOrEqual(0.5);
+      expect(quarter.stored.costDollars).toBeCloseTo(0.2 * 0.25 * quarter.hours, 6);
+      // Its RAM decides when that is the larger share: 6 GiB / 0.95 of 8 GiB.
+      const ram = await run("medium", 30, { vcpus: 1, ram: 6 * GiB, scratch: GiB, gpu: null });
+      expect(ram.stored.costDollars).toBeCloseTo(0.2 * (6 / 0.95 / 8) * ram.hours, 6);
+      // All its vCPUs: the whole price.
+      const whole = await run("medium", 30, { vcpus: 4, ram: GiB, scratch: GiB, gpu: null });
+      expect(whole.stored.costDollars).toBeCloseTo(0.2 * whole.hours, 6);
       // A preemptible variant or a type no longer configured: the lookup decides; unknown -> no cost.
       const gone = await run("retired-type", 30);
-      expect(gone.costDollars).toBeNull();
+      expect(gone.stored.costDollars).toBeNull();
     } finally {
       await app.close();
     }

@@ -40,7 +40,8 @@ export interface RouteContext {
   smallLogChunk: number;
   logNotifier: LogNotifier;
   logPollInterval: number;
-  instancePrice(instanceType: string): number | undefined;
+  /** Dollars per hour the bundle is charged for its running time (bundlePriceLookup); undefined: no cost. */
+  bundlePrice(bundle: Bundle): number | undefined;
   bundleMinimums: BundleMinimums;
   submitLimits: SubmitLimits;
   /** Groups single submissions that no limit applies to into multi-row inserts. */

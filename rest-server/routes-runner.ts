@@ -349,7 +349,7 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       ...(body.failed === undefined ? {} : { failed: body.failed }),
       ...(body.reason === undefined ? {} : { reason: body.reason }),
       ...(body.resourceUsage === undefined ? {} : { resourceUsage: body.resourceUsage }),
-      pricePerHour: bundle.instanceType === null ? null : (ctx.instancePrice(bundle.instanceType) ?? null),
+      pricePerHour: ctx.bundlePrice(bundle) ?? null,
       actor: ACTOR,
     });
     if (!result.ok) throw notCurrent(bundle, result);

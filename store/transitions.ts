@@ -407,8 +407,8 @@ export function finishBundle(
     resourceUsage?: Record<string, number> | null;
     costDollars?: number | null;
     /**
-     * The instance type's price (dollars per hour): without costDollars, the cost stored is this price x
-     * (finished_at - running_at) in hours.
+     * What the bundle is charged per hour of running (its share of its instance type's price,
+     * bundlePriceLookup): without costDollars, the cost stored is this x (finished_at - running_at) in hours.
      */
     pricePerHour?: number | null;
     actor: string;

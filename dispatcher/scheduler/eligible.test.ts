@@ -3,7 +3,7 @@ import type { InstanceType } from "../../cloud-drivers/types.ts";
 import type { Config } from "../../config/schema.ts";
 import type { Bundle, BundleResources, GpuRequest } from "../../store/types.ts";
 import { instanceTypesFromConfig } from "../instance-types.ts";
-import { compareVersions, demandOf, eligibleTypes, fits } from "./eligible.ts";
+import { compareVersions, demandOf, eligibleTypes, fits, shareOfInstance } from "./eligible.ts";
 
 const MiB = 2 ** 20;
 const GiB = 2 ** 30;
@@ -360,5 +360,34 @@ describe("compareVersions", () => {
   ] as const)("compareVersions(%s, %s) has sign %i", (a, b, sign) => {
     expect(Math.sign(compareVersions(a, b))).toBe(sign);
     expect(Math.sign(compareVersions(b, a))).toBe(0 - sign || 0);
+  });
+});
+
+describe("shareOfInstance: what a bundle is charged of its instance", () => {
+  const type = (name: string) => TYPES.find((x) => x.name === name)!;
+  const share = (resources: Partial<BundleResources>, name: string, perInstance = 0, reserveExtraRam = 0) =>
+    shareOfInstance(demandOf(bundle(resources), { reserveExtraRam }), type(name), perInstance);
+
+  it.each([
+    // [resources, type, slots, expected share]: the largest of vCPUs, RAM (/0.95), scratch, GPUs and one slot.
+    [{ vcpus: 1, ram: GiB, scratch: 10 * GiB }, "c5.large", 0, 1 / 4],
+    [{ vcpus: 1, ram: 6 * GiB, scratch: 10 * GiB }, "c5.large", 0, 6 / 0.95 / 8],
+    [{ vcpus: 1, ram: GiB, scratch: 80 * GiB }, "c5.large", 0, 80 / 100],
+    [{ vcpus: 4, ram: GiB, scratch: GiB }, "c5.large", 0, 1],
+    [{ vcpus: 1, ram: GiB, scratch: GiB }, "m5.4xlarge", 0, 1 / 16],
+    [{ vcpus: 1, ram: GiB, scratch: GiB }, "m5.4xlarge", 4, 1 / 4],
+    [{ vcpus: 1, ram: GiB, scratch: GiB }, "m5.4xlarge", 1, 1],
+    [{ vcpus: 2, ram: GiB, scratch: GiB, gpu: cuda({ deviceCount: 1 }) }, "gpu.v100x4", 0, 1 / 4],
+    [{ vcpus: 2, ram: GiB, scratch: GiB, gpu: cuda({ deviceCount: 3 }) }, "gpu.v100x4", 0, 3 / 4],
+    [{ vcpus: 1, ram: GiB, scratch: GiB, gpu: cuda({ deviceCount: 1 }) }, "gpu.t4", 0, 1],
+    [{ vcpus: 0.5, ram: GiB / 2, scratch: GiB }, "t3.small", 0, 1 / 4],
+  ] as const)("%o on %s with %i slots: %d", (resources, name, slots, expected) => {
+    expect(share(resources, name, slots)).toBeCloseTo(expected, 9);
+  });
+
+  it("counts reserveExtraRam as the scheduler does, and never charges more than the whole instance", () => {
+    expect(share({ vcpus: 1, ram: GiB, scratch: GiB }, "c5.large", 0, 3 * GiB)).toBeCloseTo(4 / 0.95 / 8, 9);
+    expect(share({ vcpus: 64, ram: GiB, scratch: GiB }, "c5.large")).toBe(1);
+    expect(share({ vcpus: 1, ram: GiB, scratch: GiB, gpu: cuda() }, "c5.large")).toBe(1);
   });
 });

@@ -25,6 +25,24 @@ export function demandOf(
   };
 }
 
+/**
+ * The share of an instance of `type` a bundle of `demand` takes from every other bundle, 0..1: the largest of its
+ * vCPUs, RAM and scratch (as the scheduler counts them) and GPU devices over the type's, and of one bundle slot
+ * when `cloud.maxRunningBundlesPerInstance` (`perInstance`) is set. A bundle that fills any of them, or its slots,
+ * takes the whole instance. What its cost is charged on (bundlePriceLookup, dispatcher/metrics.ts).
+ */
+export function shareOfInstance(demand: Demand, type: InstanceType, perInstance: number): number {
+  let share = perInstance > 0 ? 1 / perInstance : 0;
+  const part = (want: number, has: number) => {
+    if (want > 0) share = Math.max(share, has > 0 ? want / has : 1);
+  };
+  part(demand.vcpus, type.vcpus);
+  part(demand.ram, type.ram);
+  part(demand.scratch, type.scratch);
+  part(demand.gpu?.deviceCount ?? 0, type.gpu?.deviceCount ?? 0);
+  return Math.min(share, 1);
+}
+
 export type EligibleResult =
   | { ok: true; types: InstanceType[] }
   | { ok: false; reason: string; closest: string | null };
