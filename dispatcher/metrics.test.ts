@@ -1,30 +1,20 @@
 /**
  * The metric families of dispatcher/metrics.ts, pool/metrics.ts (instances, cost) and sshexec/metrics.ts:
  * every series at zero from start-up, and the values each family reads from the pool, the queue and the store.
- * The per-bundle cost stored at finish is checked through the runner API.
+ * (What each bundle is charged: test/bundle-cost.test.ts.)
  */
-import { tmpdir } from "node:os";
-import { join } from "node:path";
 import { Registry } from "prom-client";
 import { describe, expect, it } from "vitest";
-import { hashToken, newUserToken, newUserUuid } from "../lib/tokens.ts";
-import { createRestServer } from "../rest-server/server.ts";
-import { createUser, getBundle } from "../store/queries.ts";
+import { getBundle } from "../store/queries.ts";
 import { finishBundle, markRunning, stageBundle } from "../store/transitions.ts";
-import type { Bundle, BundleState, NewBundle } from "../store/types.ts";
+import type { Bundle, BundleState } from "../store/types.ts";
 import { createTestBundle, createTestUser, startWithRunnerToken } from "../test/db.ts";
-import { GiB, stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
+import { stubConfig, useTestDb } from "../test/dispatcher-harness.ts";
 import { FakeClock, flushMicrotasks } from "../test/fake-clock.ts";
-import { silentLogger as logger, restServerBasics } from "../test/fixtures.ts";
-import { injectClient } from "../test/rest-client.ts";
+import { silentLogger as logger } from "../test/fixtures.ts";
 import { MemoryQueue, testBundle } from "../test/stub-pool.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
-import {
-  bundlePriceLookup,
-  createDispatcherMetrics,
-  DISPATCHER_METRIC,
-  type MetricParts,
-} from "./metrics.ts";
+import { createDispatcherMetrics, DISPATCHER_METRIC, type MetricParts } from "./metrics.ts";
 import { categoryOf, createInstanceMetrics, INSTANCE_METRIC } from "./pool/metrics.ts";
 import type { QueueChange } from "./queue/queue.ts";
 import { createSshMetrics, SSH_METRIC } from "./sshexec/metrics.ts";
@@ -347,62 +337,5 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
     s = await series(registry);
     expect(s.get(DISPATCHER_METRIC.bundles)?.get("state=staged")).toBe(0);
     await flushMicrotasks();
-  });
-});
-
-describe("per-bundle cost at finish (runner API)", () => {
-  const getDb = useTestDb("pg");
-
-  it("stores the bundle's share of its instance's price x running time, shown as costDollars", async () => {
-    const db = getDb();
-    const config = stubConfig();
-    const app = await createRestServer({
-      ...restServerBasics(db, join(tmpdir(), "dispatch-cloud-metrics-test")),
-      bundlePrice: bundlePriceLookup(config),
-    });
-    try {
-      const api = injectClient(app);
-      const userToken = newUserToken();
-      const owner = newUserUuid("zzzzz");
-      await createUser(db, {
-        uuid: owner,
-        name: `cost-${owner}`,
-        isAdmin: false,
-        tokenHash: hashToken(userToken),
-      });
-      const run = async (instanceType: string, ranMinutes: number, resources?: NewBundle["resources"]) => {
-        const b = await createTestBundle(db, owner, resources === undefined ? {} : { resources });
-        await stageBundle(db, b.uuid, { actor: "test" });
-        const { token } = await startWithRunnerToken(db, b.uuid, { instanceType });
-        expect((await api("POST", "/api/v1/runner/start", token, {})).status).toBe(200);
-        // As if the runner had started ranMinutes ago.
-        await db.query(
-          `UPDATE bundles SET running_at = running_at - make_interval(mins => $2::int) WHERE uuid = $1`,
-          [b.uuid, ranMinutes],
-        );
-        expect((await api("POST", "/api/v1/runner/finish", token, { exitCode: 0 })).status).toBe(200);
-        const stored = (await getBundle(db, b.uuid))!;
-        const view = await api("GET", `/api/v1/bundles/${b.uuid}`, userToken);
-        expect(view.status).toBe(200);
-        expect(view.body.costDollars).toBe(stored.costDollars);
-        return { stored, hours: (stored.finishedAt!.getTime() - stored.runningAt!.getTime()) / HOUR };
-      };
-      // medium: 4 vCPUs, 8 GiB, $0.20/h. The test's bundle (1 vCPU, 256 MiB) takes a quarter of it: four such
-      // bundles packed there are charged its price once between them. 30 min, plus the test's few milliseconds.
-      const quarter = await run("medium", 30);
-      expect(quarter.hours).toBeGreaterThanOrEqual(0.5);
-      expect(quarter.stored.costDollars).toBeCloseTo(0.2 * 0.25 * quarter.hours, 6);
-      // Its RAM decides when that is the larger share: 6 GiB / 0.95 of 8 GiB.
-      const ram = await run("medium", 30, { vcpus: 1, ram: 6 * GiB, scratch: GiB, gpu: null });
-      expect(ram.stored.costDollars).toBeCloseTo(0.2 * (6 / 0.95 / 8) * ram.hours, 6);
-      // All its vCPUs: the whole price.
-      const whole = await run("medium", 30, { vcpus: 4, ram: GiB, scratch: GiB, gpu: null });
-      expect(whole.stored.costDollars).toBeCloseTo(0.2 * whole.hours, 6);
-      // A preemptible variant or a type no longer configured: the lookup decides; unknown -> no cost.
-      const gone = await run("retired-type", 30);
-      expect(gone.stored.costDollars).toBeNull();
-    } finally {
-      await app.close();
-    }
   });
 });

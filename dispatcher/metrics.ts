@@ -14,7 +14,7 @@ import { type Bundle, FINAL_STATES } from "../store/types.ts";
 import { instanceTypesFromConfig } from "./instance-types.ts";
 import { createInstanceMetrics } from "./pool/metrics.ts";
 import type { QueueChange } from "./queue/queue.ts";
-import { createEligibleNames, demandOf, eligibilityOptions, shareOfInstance } from "./scheduler/eligible.ts";
+import { createEligibleNames } from "./scheduler/eligible.ts";
 import { type Connect, createSshMetrics } from "./sshexec/metrics.ts";
 import type { QueueView, WorkerView } from "./types.ts";
 
@@ -226,21 +226,5 @@ export function createDispatcherMetrics(opts: {
       };
     },
     timeConnect,
-  };
-}
-
-/**
- * What a bundle is charged per hour of running (the REST server's cost at finish): its instance type's price
- * (preemptible variants included) x its share of the instance (shareOfInstance), so the bundles packed onto one
- * instance are charged its price once between them, not once each. undefined when its type is not configured.
- */
-export function bundlePriceLookup(config: Config): (bundle: Bundle) => number | undefined {
-  const types = new Map(instanceTypesFromConfig(config).map((t) => [t.name, t]));
-  const { demand: opts } = eligibilityOptions(config);
-  const perInstance = config.cloud.maxRunningBundlesPerInstance;
-  return (bundle) => {
-    const type = bundle.instanceType === null ? undefined : types.get(bundle.instanceType);
-    if (type === undefined) return undefined;
-    return type.price * shareOfInstance(demandOf(bundle, opts), type, perInstance);
   };
 }

@@ -40,8 +40,6 @@ export interface RouteContext {
   smallLogChunk: number;
   logNotifier: LogNotifier;
   logPollInterval: number;
-  /** Dollars per hour the bundle is charged for its running time (bundlePriceLookup); undefined: no cost. */
-  bundlePrice(bundle: Bundle): number | undefined;
   bundleMinimums: BundleMinimums;
   submitLimits: SubmitLimits;
   /** Groups single submissions that no limit applies to into multi-row inserts. */

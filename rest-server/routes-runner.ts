@@ -349,7 +349,6 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
       ...(body.failed === undefined ? {} : { failed: body.failed }),
       ...(body.reason === undefined ? {} : { reason: body.reason }),
       ...(body.resourceUsage === undefined ? {} : { resourceUsage: body.resourceUsage }),
-      pricePerHour: ctx.bundlePrice(bundle) ?? null,
       actor: ACTOR,
     });
     if (!result.ok) throw notCurrent(bundle, result);

@@ -80,8 +80,6 @@ export interface RestServerOptions {
   maxLogBytesPerStream?: number;
   /** How often a log follower re-reads when no notification woke it, in ms; default 5000. */
   logPollInterval?: number;
-  /** What a bundle is charged per hour of running (bundlePriceLookup), for the cost stored at finish; none: no cost. */
-  bundlePrice?: (bundle: Bundle) => number | undefined;
   /** Milliseconds for a request's line and headers (restServer.headersTimeout; default its default). */
   headersTimeout?: number;
   /** Milliseconds for a request's body after its headers (restServer.requestTimeout). */
@@ -186,7 +184,6 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
     smallLogChunk: smallUploadBytes(timeouts),
     logNotifier: createLogNotifier(opts.db, logger),
     logPollInterval: opts.logPollInterval ?? 5000,
-    bundlePrice: opts.bundlePrice ?? (() => undefined),
     bundleMinimums: opts.bundleMinimums ?? {
       ram: defaults.minBundleRam,
       vcpus: defaults.minBundleVcpus,

@@ -50,6 +50,7 @@ export interface BundleRow {
   exit_code: number | null;
   resource_usage: Record<string, number> | null;
   cost_dollars: number | null;
+  price_per_hour?: number | null;
   runner_token_hash: string | null;
   change_seq: number;
   created_at: Date;
@@ -118,6 +119,7 @@ function bundleFields(r: BundleRow): Bundle {
     exitCode: r.exit_code,
     resourceUsage: r.resource_usage,
     costDollars: r.cost_dollars,
+    pricePerHour: r.price_per_hour ?? null,
     changeSeq: Number(r.change_seq),
     createdAt: r.created_at,
     updatedAt: r.updated_at,

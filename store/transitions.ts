@@ -4,7 +4,8 @@
  * Zero rows means the guard did not hold (someone else won a race, or the caller is stale): the result says
  * why and carries the row as it is now. A lost race is never an exception.
  *
- * Leaving starting/running clears runner_token_hash, which is what makes a runner token stop working.
+ * Leaving starting/running clears runner_token_hash, which is what makes a runner token stop working. Leaving
+ * running adds the attempt's cost to cost_dollars (ADD_ATTEMPT_COST).
  * Every transition clears scheduling_status (the scheduler sets it again for queued bundles).
  */
 import { type Db, prepared } from "./db.ts";
@@ -12,6 +13,20 @@ import { type BundleRow, bundleFromRow, getBundle, imageStoreInputSql, NOW } fro
 import { BUNDLE_CHANNEL, type Bundle, type BundleState, type TransitionResult } from "./types.ts";
 
 const NON_FINAL: readonly BundleState[] = ["created", "staged", "starting", "running"];
+
+/**
+ * The assignment that charges an attempt when it leaves `running` (in transition()'s statement, where `cur` holds
+ * the state it left): its price_per_hour, fixed at the claim, x the time since running_at, added to what the
+ * bundle's earlier attempts cost. Unchanged when it leaves another state (a kill while staged or starting) or no
+ * price is known. `extra` replaces the computed cost of the attempt when given (a SQL expression, may be NULL).
+ */
+function addAttemptCost(extra?: string): string {
+  const ran = `b.price_per_hour * greatest(extract(epoch FROM ${NOW} - b.running_at)::float8, 0) / 3600`;
+  const attempt = extra === undefined ? ran : `coalesce(${extra}, ${ran})`;
+  return `cost_dollars = CASE WHEN cur.from_state = 'running' AND b.running_at IS NOT NULL
+      THEN coalesce(b.cost_dollars + ${attempt}, ${attempt}, b.cost_dollars) ELSE b.cost_dollars END`;
+}
+const ADD_ATTEMPT_COST = addAttemptCost();
 
 export interface TransitionSpec {
   from: readonly BundleState[];
@@ -194,6 +209,8 @@ export function startBundle(
     instanceType: string;
     runnerTokenHash: string;
     gpuDevices: readonly number[];
+    /** What the attempt is charged per hour of running (StartItem.pricePerHour); none: nothing. */
+    pricePerHour?: number | null;
     actor: string;
   },
 ): Promise<TransitionResult> {
@@ -208,11 +225,18 @@ export function startBundle(
       "instance_type = $8::text",
       "runner_token_hash = $9::text",
       "gpu_devices = $10::int[]",
+      "price_per_hour = $11::float8",
       `starting_at = ${NOW}`,
       "running_at = NULL",
       "exit_code = NULL",
     ],
-    params: [args.instanceId, args.instanceType, args.runnerTokenHash, args.gpuDevices],
+    params: [
+      args.instanceId,
+      args.instanceType,
+      args.runnerTokenHash,
+      args.gpuDevices,
+      args.pricePerHour ?? null,
+    ],
     reason: null,
     actor: args.actor,
   });
@@ -225,6 +249,11 @@ export interface StartItem {
   instanceType: string;
   runnerTokenHash: string;
   gpuDevices: readonly number[];
+  /**
+   * What the attempt is charged per hour of running: its share of its instance's price now (chargePerHour,
+   * dispatcher/scheduler/eligible.ts). Absent or null: no price is known, and running costs it nothing.
+   */
+  pricePerHour?: number | null;
 }
 
 /**
@@ -244,16 +273,16 @@ export async function startBundles(
   // (KEYED_LOCKS): the state is checked in upd, on the locked row.
   const { rows } = await db.query<BundleRow>(
     prepared(`WITH want AS (
-       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
-         AS w(uuid, instance_id, instance_type, token_hash, gpu_devices)
+       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $8::float8[])
+         AS w(uuid, instance_id, instance_type, token_hash, gpu_devices, price)
      ), cur AS (
-       SELECT b.uuid, b.state AS from_state, w.instance_id, w.instance_type, w.token_hash, w.gpu_devices
+       SELECT b.uuid, b.state AS from_state, w.instance_id, w.instance_type, w.token_hash, w.gpu_devices, w.price
        FROM bundles b JOIN want w ON w.uuid = b.uuid
        ORDER BY b.uuid FOR UPDATE OF b
      ), upd AS (
        UPDATE bundles b SET state = 'starting', state_reason = NULL, scheduling_status = NULL,
          attempt = b.attempt + 1, instance_id = cur.instance_id, instance_type = cur.instance_type,
-         runner_token_hash = cur.token_hash, gpu_devices = cur.gpu_devices::int[],
+         runner_token_hash = cur.token_hash, gpu_devices = cur.gpu_devices::int[], price_per_hour = cur.price,
          starting_at = ${NOW}, running_at = NULL, exit_code = NULL
        FROM cur WHERE b.uuid = cur.uuid AND cur.from_state = 'staged' AND b.attempt < b.max_attempts
        RETURNING b.*, cur.from_state AS transition_from_state
@@ -266,6 +295,7 @@ export async function startBundles(
       items.map((i) => `{${i.gpuDevices.join(",")}}`),
       actor,
       BUNDLE_CHANNEL,
+      items.map((i) => i.pricePerHour ?? null),
     ],
   );
   return new Map(rows.map((r) => [r.runner_token_hash ?? "", bundleFromRow(r)]));
@@ -294,6 +324,7 @@ export function startBundleOnWorker(
       "worker_delivered_at = NULL",
       "runner_token_hash = NULL",
       "gpu_devices = $8::int[]",
+      "price_per_hour = NULL",
       `starting_at = ${NOW}`,
       "running_at = NULL",
       "exit_code = NULL",
@@ -405,12 +436,8 @@ export function finishBundle(
     failed?: boolean;
     reason?: string | null;
     resourceUsage?: Record<string, number> | null;
+    /** The attempt's cost, instead of its price_per_hour x the time it ran (ADD_ATTEMPT_COST). */
     costDollars?: number | null;
-    /**
-     * What the bundle is charged per hour of running (its share of its instance type's price,
-     * bundlePriceLookup): without costDollars, the cost stored is this x (finished_at - running_at) in hours.
-     */
-    pricePerHour?: number | null;
     actor: string;
   },
 ): Promise<TransitionResult> {
@@ -424,7 +451,7 @@ export function finishBundle(
     set: [
       "exit_code = $7::int",
       "resource_usage = coalesce($8::jsonb, b.resource_usage)",
-      `cost_dollars = coalesce($9::float8, $10::float8 * extract(epoch FROM ${NOW} - b.running_at)::float8 / 3600, b.cost_dollars)`,
+      addAttemptCost("$9::float8"),
       "runner_token_hash = NULL",
       `finished_at = ${NOW}`,
     ],
@@ -432,7 +459,6 @@ export function finishBundle(
       args.exitCode,
       args.resourceUsage == null ? null : JSON.stringify(args.resourceUsage),
       args.costDollars ?? null,
-      args.pricePerHour ?? null,
     ],
     reason: args.reason || (ok ? null : fallback),
     actor: args.actor,
@@ -458,7 +484,11 @@ export function loseBundle(
     stateReason: `CASE WHEN ${exhausted}
       THEN $4::text || ' (attempts exhausted: ' || b.attempt || ' of ' || b.max_attempts || ')'
       ELSE $4::text END`,
-    set: [...CLEAR_INSTANCE, `finished_at = CASE WHEN ${exhausted} THEN ${NOW} ELSE NULL END`],
+    set: [
+      ...CLEAR_INSTANCE,
+      ADD_ATTEMPT_COST,
+      `finished_at = CASE WHEN ${exhausted} THEN ${NOW} ELSE NULL END`,
+    ],
     reason: args.reason,
     actor: args.actor,
   });
@@ -487,6 +517,7 @@ export function requeueForUnavailableImage(
       ELSE $4::text END`,
     set: [
       ...CLEAR_INSTANCE,
+      ADD_ATTEMPT_COST,
       `finished_at = CASE WHEN ${exhausted} THEN ${NOW} ELSE NULL END`,
       `max_attempts = CASE WHEN ${free} THEN b.max_attempts + 1 ELSE b.max_attempts END`,
       "image_requeues = b.image_requeues + 1",
@@ -506,7 +537,7 @@ export function killBundle(
   return transition(db, uuid, {
     from: NON_FINAL,
     to: "'killed'",
-    set: ["runner_token_hash = NULL", `finished_at = ${NOW}`],
+    set: ["runner_token_hash = NULL", ADD_ATTEMPT_COST, `finished_at = ${NOW}`],
     reason: args.reason,
     actor: args.actor,
   });

@@ -103,7 +103,17 @@ export interface Bundle extends NewBundle {
   gpuDevices: number[];
   exitCode: number | null;
   resourceUsage: Record<string, number> | null;
+  /**
+   * What its attempts have cost: each one that ran, its pricePerHour x the time it ran, added when it left
+   * `running` (finished, killed, lost, given back). Null while none has been charged.
+   */
   costDollars: number | null;
+  /**
+   * What the current (or last) attempt is charged per hour, fixed when the dispatcher started it (its share of its
+   * instance's price then); null when no price is known. Optional only so that bundles built outside the store
+   * need not set it.
+   */
+  pricePerHour?: number | null;
   /** Bumped (from one database sequence) by every write to the row. */
   changeSeq: number;
   createdAt: Date;

@@ -521,7 +521,6 @@ describeEachDb("both HTTP APIs under generated requests", (getDb) => {
       expect(put.statusCode).toBe(200);
       const fin = await finishBundle(db, b.uuid, started.bundle.attempt, {
         exitCode: 0,
-        pricePerHour: null,
         actor: "test",
       });
       expect(fin.ok).toBe(true);

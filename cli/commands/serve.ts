@@ -6,7 +6,6 @@ import { Registry } from "prom-client";
 import { loadConfig } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
 import { createDispatcher } from "../../dispatcher/main.ts";
-import { bundlePriceLookup } from "../../dispatcher/metrics.ts";
 import { systemClock } from "../../lib/clock.ts";
 import { lockDataDir, preparePrivateDir } from "../../lib/data-dir.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
@@ -230,7 +229,6 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
       maxOutputSize: config.restServer.maxOutputSize,
       maxOutputFiles: config.restServer.maxOutputFiles,
       maxLogBytesPerStream: config.restServer.maxLogBytesPerStream,
-      bundlePrice: bundlePriceLookup(config),
       headersTimeout: config.restServer.headersTimeout,
       requestTimeout: config.restServer.requestTimeout,
       minUploadRate: config.restServer.minUploadRate,

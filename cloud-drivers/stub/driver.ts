@@ -123,6 +123,7 @@ export class StubCloud extends EventEmitter<StubCloudEvents> implements StubExec
       bootProbeCommand: "true",
       onRunnerStart: null,
       callLogLimit: 100_000,
+      priceHistory: null,
       ...knobs,
       capacityErrors: {
         instanceTypes: capacityErrors?.instanceTypes ?? new Set(),
@@ -466,6 +467,8 @@ class StubInstance implements Instance {
   }
 
   priceHistory(type: InstanceType): PricePoint[] {
+    const market = this.cloud.knobs.priceHistory;
+    if (market !== null) return market(this.vm, type);
     return [{ startTime: this.vm.createdAt, price: type.price }];
   }
 }

@@ -3,6 +3,7 @@
  * driverParameters).
  */
 import type { Clock } from "../../lib/clock.ts";
+import type { InstanceType, PricePoint } from "../types.ts";
 import type { StubVm } from "./vm.ts";
 
 /**
@@ -64,6 +65,8 @@ export interface StubKnobs {
   onRunnerStart: ((vm: StubVm, uuid: string, doc: unknown) => void | Promise<void>) | null;
   /** Most entries kept in `calls` (the oldest half is dropped past it); counts are always kept. */
   callLogLimit: number;
+  /** What an instance's priceHistory() says (a spot market); null: its type's price since its creation. */
+  priceHistory: ((vm: StubVm, type: InstanceType) => PricePoint[]) | null;
 }
 
 export interface StubCloudOptions extends Partial<Omit<StubKnobs, "capacityErrors">> {

@@ -2,11 +2,12 @@
  * What a worker (worker.ts) and its runners (remote-runner.ts) need of the fleet around them: the pool builds
  * one WorkerContext and hands it to every Worker.
  */
-import type { Instance } from "../../cloud-drivers/types.ts";
+import type { Instance, InstanceType } from "../../cloud-drivers/types.ts";
 import type { Config } from "../../config/schema.ts";
 import type { Clock } from "../../lib/clock.ts";
 import type { Executor } from "../../lib/executor.ts";
 import type { Logger } from "../../lib/logger.ts";
+import type { Bundle } from "../../store/types.ts";
 import type { BundleTransitions } from "../queue/transitions.ts";
 import type { PoolEvent, QueueView, WorkerView } from "../types.ts";
 import type { PoolMetrics } from "./metrics.ts";
@@ -20,6 +21,8 @@ export interface WorkerContext {
   /** The queue the dispatcher reads (a preempted runner's bundle, a starting runner's fate). */
   readonly queue: QueueView | undefined;
   readonly transitions: BundleTransitions;
+  /** What a bundle is charged per hour of running on an instance of a type at a price (chargePerHour). */
+  readonly chargePerHour: (bundle: Bundle, type: InstanceType, instancePrice: number) => number;
   readonly runner: { content: Buffer; sha256: string };
   readonly cmds: RunnerCommands;
   readonly runnerApiUrl: string;

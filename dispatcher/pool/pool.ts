@@ -18,6 +18,7 @@ import { formatDuration } from "../../lib/units.ts";
 import type { Db } from "../../store/db.ts";
 import type { Bundle } from "../../store/types.ts";
 import { type BundleTransitions, createBundleTransitions } from "../queue/transitions.ts";
+import { chargePerHour } from "../scheduler/eligible.ts";
 import type { CreateRefusal, CreateResult, PoolEvent, QueueView, WorkerView } from "../types.ts";
 import {
   IDLE_BEHAVIORS,
@@ -170,6 +171,7 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     metrics,
     queue,
     transitions: opts.transitions ?? createBundleTransitions({ db: opts.db, queue, logger: opts.logger }),
+    chargePerHour: chargePerHour(config),
     runner,
     cmds: runnerCommands(cloud.deployRunnerDirectory, runner.sha256),
     runnerApiUrl: opts.runnerApiUrl,

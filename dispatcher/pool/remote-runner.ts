@@ -42,6 +42,8 @@ export interface RunnerHost {
   readonly gone: boolean;
   readonly preempted: boolean;
   readonly spareSocket: string | null;
+  /** What the instance costs an hour at `now` (its spot price then, or its type's price). */
+  pricePerHour(now: number): number;
   /** A warm pool's socket named by `--detach`'s answer (null: none); the next `--list` says whether it is there. */
   learnSpareSocket(socket: string | null): void;
   /** When the last successful probe's `--list` was sent. */
@@ -173,6 +175,7 @@ export class RemoteRunner implements RunnerView {
           instanceId: w.id,
           instanceType: w.instanceType.name,
           gpuDevices: [...this.gpuDevices],
+          pricePerHour: ctx.chargePerHour(bundle, w.instanceType, w.pricePerHour(ctx.clock.now())),
         }),
       );
     } catch (err) {

@@ -44,7 +44,13 @@ describeEachDb("dispatcher claims", (getDb) => {
     });
     const results = await Promise.all(
       staged.map((b, i) =>
-        transitions.claim(b.uuid, { instanceId: `i-${i % 2}`, instanceType: "small", gpuDevices: [i] }),
+        transitions.claim(b.uuid, {
+          instanceId: `i-${i % 2}`,
+          instanceType: "small",
+          gpuDevices: [i],
+          // Each its own price, so a mix-up between the rows of the one statement shows.
+          pricePerHour: i === 3 ? null : 0.01 * (i + 1),
+        }),
       ),
     );
     // One grouped statement, then the one it did not move, asked alone.
@@ -57,6 +63,7 @@ describeEachDb("dispatcher claims", (getDb) => {
         attempt: 1,
         instanceId: `i-${i % 2}`,
         gpuDevices: [i],
+        pricePerHour: i === 3 ? null : 0.01 * (i + 1),
       });
       tokens.add(r.token);
       const row = await getDb().query<{ runner_token_hash: string }>(

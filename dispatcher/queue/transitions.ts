@@ -27,10 +27,18 @@ export type ClaimResult =
   | { ok: false; reason: "not_found" | "wrong_state" | "wrong_attempt"; current: Bundle | null };
 
 export interface BundleTransitions {
-  /** staged -> starting on an instance: the next attempt, the instance, its GPU devices, a new runner token. */
+  /**
+   * staged -> starting on an instance: the next attempt, the instance, its GPU devices, what the attempt is
+   * charged per hour of running (StartItem.pricePerHour; null: nothing), a new runner token.
+   */
   claim(
     uuid: string,
-    on: { instanceId: string; instanceType: string; gpuDevices: readonly number[] },
+    on: {
+      instanceId: string;
+      instanceType: string;
+      gpuDevices: readonly number[];
+      pricePerHour: number | null;
+    },
   ): Promise<ClaimResult>;
   /**
    * staged -> starting on a user's own worker (docs/workers.md): the next attempt, the worker, its GPU devices.
@@ -88,6 +96,7 @@ export function createBundleTransitions(opts: {
         instanceType: on.instanceType,
         runnerTokenHash: hashToken(token),
         gpuDevices: [...on.gpuDevices],
+        pricePerHour: on.pricePerHour,
       };
       // The claims of one pass go as one statement; one that it did not move is asked alone, which says why.
       const grouped = await claims.call(item);

@@ -29,7 +29,7 @@ export function demandOf(
  * The share of an instance of `type` a bundle of `demand` takes from every other bundle, 0..1: the largest of its
  * vCPUs, RAM and scratch (as the scheduler counts them) and GPU devices over the type's, and of one bundle slot
  * when `cloud.maxRunningBundlesPerInstance` (`perInstance`) is set. A bundle that fills any of them, or its slots,
- * takes the whole instance. What its cost is charged on (bundlePriceLookup, dispatcher/metrics.ts).
+ * takes the whole instance. What its cost is charged on (chargePerHour).
  */
 export function shareOfInstance(demand: Demand, type: InstanceType, perInstance: number): number {
   let share = perInstance > 0 ? 1 / perInstance : 0;
@@ -41,6 +41,21 @@ export function shareOfInstance(demand: Demand, type: InstanceType, perInstance:
   part(demand.scratch, type.scratch);
   part(demand.gpu?.deviceCount ?? 0, type.gpu?.deviceCount ?? 0);
   return Math.min(share, 1);
+}
+
+/**
+ * What a bundle is charged per hour of running on an instance of `type` that costs `instancePrice` an hour (its
+ * spot price now, or the type's price): that price x its share of the instance (shareOfInstance), so the bundles
+ * packed onto one instance are charged its price once between them, not once each. The dispatcher fixes it when it
+ * starts an attempt (StartItem.pricePerHour, store/transitions.ts).
+ */
+export function chargePerHour(
+  config: Pick<Config, "dispatcher" | "cloud">,
+): (bundle: Bundle, type: InstanceType, instancePrice: number) => number {
+  const { demand: opts } = eligibilityOptions(config);
+  const perInstance = config.cloud.maxRunningBundlesPerInstance;
+  return (bundle, type, instancePrice) =>
+    instancePrice * shareOfInstance(demandOf(bundle, opts), type, perInstance);
 }
 
 export type EligibleResult =
