@@ -5,6 +5,16 @@ import { type Bundle, type BundleEvent, isFinalState } from "../store/types.ts";
 
 const iso = (d: Date | null): string | null => (d === null ? null : d.toISOString());
 
+/**
+ * What a bundle has cost by `nowMs`: what its ended attempts were charged, plus, while an attempt runs, its price
+ * per hour x the time it has run so far (charged for good when it leaves `running`: store/transitions.ts).
+ */
+export function costSoFar(b: Bundle, nowMs: number): number | null {
+  const price = b.pricePerHour ?? null;
+  if (b.state !== "running" || price === null || b.runningAt === null) return b.costDollars;
+  return (b.costDollars ?? 0) + (price * Math.max(0, nowMs - b.runningAt.getTime())) / 3_600_000;
+}
+
 /** A bundle as the users' API shows it. The runner token hash never leaves the store. */
 export function bundleView(b: Bundle, nowMs: number) {
   const queuedUntil = b.startingAt ?? (isFinalState(b.state) ? b.finishedAt : null);
@@ -34,7 +44,7 @@ export function bundleView(b: Bundle, nowMs: number) {
     gpuDevices: b.gpuDevices,
     exitCode: b.exitCode,
     resourceUsage: b.resourceUsage,
-    costDollars: b.costDollars,
+    costDollars: costSoFar(b, nowMs),
     outputManifest: b.outputManifest ?? null,
     outputBytes: b.outputBytes ?? null,
     timings: {

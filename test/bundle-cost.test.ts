@@ -226,6 +226,15 @@ describe("costDollars through the dispatcher, on the stub cloud's spot market", 
       expect(two.b.instanceId).not.toBe(one.b.instanceId);
       expect(two.b).toMatchObject({ pricePerHour: 0.08 * 0.5, costDollars: lost.costDollars });
       await ranFor(db, uuid!, 30);
+      // While it runs, the users' view adds the running attempt so far to what the lost one was charged.
+      const runningView = await api.inject({
+        method: "GET",
+        url: `/api/v1/bundles/${uuid}`,
+        headers: { authorization: `Bearer ${userToken}` },
+      });
+      expect(runningView.json()).toMatchObject({ state: "running", attempt: 2 });
+      expect(runningView.json().costDollars).toBeCloseTo(0.02 * hoursOf(60) + 0.04 * hoursOf(30), 4);
+      expect((await getBundle(db, uuid!))!.costDollars).toBe(lost.costDollars);
       const kill = await api.inject({
         method: "POST",
         url: `/api/v1/bundles/${uuid}/kill`,
