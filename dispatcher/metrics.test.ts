@@ -212,6 +212,29 @@ describe("SSH command latency (sshexec/metrics.ts)", () => {
   });
 });
 
+/** Dispatcher metrics watching a MemoryQueue (and a pool of no workers); `changed` plays the queue's events. */
+function watchedMetrics(clock: FakeClock, isAtQuota: () => boolean = () => false) {
+  const registry = new Registry();
+  const m = createDispatcherMetrics({ registry, config: stubConfig(), clock, logger });
+  const queue = new MemoryQueue(clock);
+  const listeners = new Set<(changes: readonly QueueChange[]) => void>();
+  const parts: MetricParts = {
+    queue: Object.assign(queue, {
+      subscribe(fn: (changes: readonly QueueChange[]) => void) {
+        listeners.add(fn);
+        return () => listeners.delete(fn);
+      },
+    }),
+    pool: { workers: () => [], quota: () => ({ atQuota: isAtQuota() }), subscribe: () => () => {} },
+  };
+  /** The queue's typed events for these rows (from: the state the queue held). */
+  const changed = (...rows: { bundle: Bundle; from: BundleState | null }[]) => {
+    const changes = rows.map(({ bundle, from }) => ({ uuid: bundle.uuid, from, to: bundle.state, bundle }));
+    for (const fn of listeners) fn(changes);
+  };
+  return { registry, queue, watch: () => m.watch(parts), changed };
+}
+
 describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
   const getDb = useTestDb("pglite");
 
@@ -241,6 +264,8 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
       ]),
     );
     expect(s.get(`${DISPATCHER_METRIC.queueToRunner}_count`)?.get("")).toBe(0);
+    expect(s.get(DISPATCHER_METRIC.bundleCost)?.size).toBe(5);
+    expect([...s.get(DISPATCHER_METRIC.bundleCost)!.values()].every((v) => v === 0)).toBe(true);
     expect(s.get(INSTANCE_METRIC.price)?.size).toBe(6);
     expect(s.get(INSTANCE_METRIC.cost)?.size).toBe(4);
     expect(s.get(`${SSH_METRIC}_count`)?.size).toBe(6);
@@ -249,25 +274,8 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
   it("reads the queue, the quota and the store while watching the active parts", async () => {
     const db = getDb();
     const clock = new FakeClock(Date.UTC(2025, 11, 1, 1));
-    const registry = new Registry();
-    const m = createDispatcherMetrics({ registry, config: stubConfig(), clock, logger });
-    const queue = new MemoryQueue(clock);
-    const listeners = new Set<(changes: readonly QueueChange[]) => void>();
     let atQuota = true;
-    const parts: MetricParts = {
-      queue: Object.assign(queue, {
-        subscribe(fn: (changes: readonly QueueChange[]) => void) {
-          listeners.add(fn);
-          return () => listeners.delete(fn);
-        },
-      }),
-      pool: { workers: () => [], quota: () => ({ atQuota }), subscribe: () => () => {} },
-    };
-    /** The queue's typed events for these rows (from: the state the queue held). */
-    const changed = (...rows: { bundle: Bundle; from: BundleState | null }[]) => {
-      const changes = rows.map(({ bundle, from }) => ({ uuid: bundle.uuid, from, to: bundle.state, bundle }));
-      for (const fn of listeners) fn(changes);
-    };
+    const { registry, queue, watch, changed } = watchedMetrics(clock, () => atQuota);
     // A real bundle in the store, run to ready below.
     const owner = (await createTestUser(db)).uuid;
     const stored = await createTestBundle(db, owner);
@@ -277,7 +285,7 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
     const gpu = testBundle({ state: "staged", gpu: { deviceCount: 1 } });
     const huge = testBundle({ state: "staged", vcpus: 64 });
     queue.set(small, gpu, huge, staged);
-    const stop = m.watch(parts);
+    const stop = watch();
 
     let s = await series(registry);
     expect(s.get(DISPATCHER_METRIC.bundles)?.get("state=staged")).toBe(4);
@@ -337,5 +345,76 @@ describe("dispatcher metrics (dispatcher/metrics.ts)", () => {
     s = await series(registry);
     expect(s.get(DISPATCHER_METRIC.bundles)?.get("state=staged")).toBe(0);
     await flushMicrotasks();
+  });
+
+  it("counts each rise of a bundle's cost once, on its attempt's instance type", async () => {
+    const clock = new FakeClock(Date.UTC(2025, 11, 1, 1));
+    const { registry, queue, watch, changed } = watchedMetrics(clock);
+    const cost = async () => (await series(registry)).get(DISPATCHER_METRIC.bundleCost)!;
+    // Charged before this dispatcher watched: not counted again.
+    const earlier: Bundle = { ...testBundle({ state: "staged" }), costDollars: 0.3 };
+    queue.set(earlier);
+    const stop = watch();
+    const base = testBundle({ state: "staged" });
+    const at = (over: Partial<Bundle>): Bundle => ({ ...base, ...over });
+    changed({ bundle: at({ state: "starting", attempt: 1, instanceType: "medium" }), from: "staged" });
+    changed({ bundle: at({ state: "running", attempt: 1, instanceType: "medium" }), from: "starting" });
+    // The instance is lost: the row has no type any more; the attempt's is remembered.
+    changed({
+      bundle: at({ state: "staged", attempt: 1, instanceType: null, costDollars: 0.5 }),
+      from: "running",
+    });
+    // Seen again (a re-read): nothing new.
+    changed({
+      bundle: at({ state: "staged", attempt: 1, instanceType: null, costDollars: 0.5 }),
+      from: "staged",
+    });
+    changed({
+      bundle: at({ state: "running", attempt: 2, instanceType: "big", costDollars: 0.5 }),
+      from: "staged",
+    });
+    changed({
+      bundle: at({
+        state: "ready",
+        attempt: 2,
+        instanceType: "big",
+        costDollars: 0.9,
+        finishedAt: new Date(clock.now()),
+      }),
+      from: "running",
+    });
+    // The earlier one's next attempt ends: only its own part counts.
+    changed({
+      bundle: {
+        ...earlier,
+        state: "killed",
+        instanceType: "small",
+        costDollars: 0.4,
+        finishedAt: new Date(clock.now()),
+      },
+      from: "staged",
+    });
+    // One the queue never held, ended while watched: all of it; one that ended before: none.
+    const quick = testBundle({ state: "failed" });
+    changed({
+      bundle: { ...quick, instanceType: "gpu", costDollars: 1.2, finishedAt: new Date(clock.now()) },
+      from: null,
+    });
+    changed({
+      bundle: {
+        ...testBundle({ state: "ready" }),
+        instanceType: "gpu",
+        costDollars: 7,
+        finishedAt: new Date(0),
+      },
+      from: null,
+    });
+    const c = await cost();
+    expect(c.get("instance_type=medium")).toBeCloseTo(0.5, 10);
+    expect(c.get("instance_type=big")).toBeCloseTo(0.4, 10);
+    expect(c.get("instance_type=small")).toBeCloseTo(0.1, 10);
+    expect(c.get("instance_type=gpu")).toBeCloseTo(1.2, 10);
+    expect(c.get("instance_type=none")).toBe(0);
+    stop();
   });
 });

@@ -24,6 +24,7 @@ export const DISPATCHER_METRIC = {
   queueEntries: "dispatchcloud_queue_entries",
   longestWait: "dispatchcloud_queue_longest_wait_seconds",
   queueToRunner: "dispatchcloud_bundle_queue_to_runner_seconds",
+  bundleCost: "dispatchcloud_bundle_cost_dollars_total",
   atQuota: "dispatchcloud_at_quota",
   userWorkers: "dispatchcloud_user_workers",
   userWorkerCheckinAge: "dispatchcloud_user_worker_checkin_age_max_seconds",
@@ -177,6 +178,41 @@ export function createDispatcherMetrics(opts: {
       }),
   );
   for (const state of FINAL_STATES) finished.inc({ state }, 0);
+  const bundleCost = single(
+    DISPATCHER_METRIC.bundleCost,
+    () =>
+      new Counter({
+        name: DISPATCHER_METRIC.bundleCost,
+        help:
+          "What bundles' attempts were charged as they left running (costDollars: their share of their instance's " +
+          "price x the time they ran), by the attempt's instance type; dispatchcloud_instance_cost_dollars_total less " +
+          "this is what instances cost beyond the bundles on them.",
+        labelNames: ["instance_type"],
+        registers: [registry],
+      }),
+  );
+  for (const t of typeLabels) bundleCost.inc({ instance_type: t }, 0);
+  /**
+   * Per bundle in the queue with a cost or an instance type, the cost its row showed last and the instance type
+   * of its attempt (a lost attempt's row has none any more): each rise of the cost is counted once, on that type.
+   * Kept for starting and running bundles, and staged ones with earlier attempts charged: not the whole queue.
+   */
+  const charged = new Map<string, { cost: number; type: string | null }>();
+  const knownType = new Set(typeLabels);
+  const remember = (b: Bundle, type: string | null): void => {
+    const cost = b.costDollars ?? 0;
+    const active = (QUEUE_STATES as readonly string[]).includes(b.state);
+    if (active && (cost > 0 || type !== null)) charged.set(b.uuid, { cost, type });
+    else charged.delete(b.uuid);
+  };
+  const countCost = (b: Bundle): void => {
+    const last = charged.get(b.uuid);
+    const rise = (b.costDollars ?? 0) - (last?.cost ?? 0);
+    const type = b.instanceType ?? last?.type ?? null;
+    if (rise > 0)
+      bundleCost.inc({ instance_type: type !== null && knownType.has(type) ? type : NO_TYPE }, rise);
+    remember(b, type);
+  };
 
   /** Attempts whose queue-to-runner time is observed (`uuid/attempt`); forgotten once the bundle is final. */
   const observedRunning = new Set<string>();
@@ -199,13 +235,18 @@ export function createDispatcherMetrics(opts: {
   const onChanges = (changes: readonly QueueChange[]): void => {
     for (const c of changes) {
       const b = c.bundle;
+      const final = (FINAL_STATES as readonly string[]).includes(c.to);
+      // One that finished before this dispatcher watched (the queue's first read may show it) was counted before.
+      const seenEnd = b.finishedAt === null || b.finishedAt.getTime() >= watchingSince;
+      if (!final || seenEnd) countCost(b);
+      else charged.delete(b.uuid);
       if (c.to === "running") {
         observeRunning(b);
         continue;
       }
-      if (!(FINAL_STATES as readonly string[]).includes(c.to)) continue;
+      if (!final) continue;
       if (c.to !== "killed") observeRunning(b);
-      if (b.finishedAt === null || b.finishedAt.getTime() >= watchingSince) finished.inc({ state: c.to });
+      if (seenEnd) finished.inc({ state: c.to });
       for (let a = 0; a <= b.attempt; a++) observedRunning.delete(`${b.uuid}/${a}`);
     }
   };
@@ -216,8 +257,13 @@ export function createDispatcherMetrics(opts: {
     watch(p) {
       parts = p;
       observedRunning.clear();
+      charged.clear();
       watchingSince = clock.now();
-      for (const b of p.queue.all()) if (b.state === "running") observeRunning(b);
+      for (const b of p.queue.all()) {
+        if (b.state === "running") observeRunning(b);
+        // What was charged before this dispatcher watched is not counted again.
+        remember(b, b.instanceType);
+      }
       const unsubscribe = [p.queue.subscribe(onChanges), p.pool.subscribe(() => instances.update())];
       return () => {
         for (const u of unsubscribe) u();
