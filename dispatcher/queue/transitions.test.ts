@@ -1,7 +1,7 @@
 /**
  * The dispatcher's claims (staged -> starting with a fresh runner token) on a real store: the claims made
- * together (one scheduling pass) go to the database as one statement, each with its own token, instance and
- * devices; a claim the statement could not make is asked alone and says why.
+ * together (one scheduling pass) go to the database as one statement, each with its own token, instance, devices
+ * and price per hour; a claim the statement could not make is asked alone and says why.
  */
 import { expect, it } from "vitest";
 import { hashToken } from "../../lib/tokens.ts";
@@ -25,7 +25,7 @@ function counting(db: Db): { db: Db; claims: () => number } {
 }
 
 describeEachDb("dispatcher claims", (getDb) => {
-  it("claims made together are one statement; each gets its own token, instance and devices", async () => {
+  it("claims made together are one statement; each gets its own token, instance, devices and price", async () => {
     const owner = (await createTestUser(getDb())).uuid;
     const staged: Bundle[] = [];
     for (let i = 0; i < 6; i++) {
