@@ -236,6 +236,8 @@ interface EarlyStart {
   uuid: string;
   apiUrl: string;
   token: string;
+  /** The document's claimInFlight: an unknown token is asked for again (startsFor). */
+  claimInFlight: boolean;
   proc: SpareProc;
 }
 
@@ -448,7 +450,7 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
       if (doc === null) now.push({ spare, p });
       else {
         held.push({ spare, p });
-        early.push({ uuid: p.work.uuid, apiUrl: doc.apiUrl, token: doc.token, proc: spare.proc });
+        early.push({ uuid: p.work.uuid, ...doc, proc: spare.proc });
       }
     }
     if (early.length > 0)
@@ -635,12 +637,15 @@ export async function runWarmPool(opts: WarmPoolOptions): Promise<void> {
  * it does a supervisor's death (its hand-off was refused, so it runs `--detach`, whose supervisor's own `start`
  * under the same token succeeds; else the bundle is not listed and is requeued).
  */
-function startableDoc(work: SpareWork, paths: RunnerPaths): { apiUrl: string; token: string } | null {
+function startableDoc(
+  work: SpareWork,
+  paths: RunnerPaths,
+): Pick<EarlyStart, "apiUrl" | "token" | "claimInFlight"> | null {
   if (!BUNDLE_UUID_RE.test(work.uuid)) return null;
   try {
     const doc = parseStartDocument(work.doc, work.uuid);
     if (existsSync(paths.preemptedFile) || existsSync(lockFile(paths, work.uuid))) return null;
-    return doc;
+    return { apiUrl: doc.apiUrl, token: doc.token, claimInFlight: doc.claimInFlight };
   } catch {
     return null;
   }
@@ -680,33 +685,52 @@ async function startTogether(taken: EarlyStart[], give: () => void): Promise<voi
  */
 const HOLD_MAX_MS = 1000;
 
-/** The `start` answers for these runners, in their order (startTogether). */
+/**
+ * When the pool asks again for a token the server did not know, if its document says the claim was in flight
+ * (claimInFlight): ms after the first answer. Within HOLD_MAX_MS in all, so the spare still gets the answer.
+ */
+const UNKNOWN_TOKEN_RETRIES_MS = [2, 5, 10, 20, 50, 100, 200, 300];
+
+/**
+ * The `start` answers for these runners, in their order (startTogether): one `starts` call per server, then again
+ * for the tokens it did not know whose claim may still have been in flight (UNKNOWN_TOKEN_RETRIES_MS).
+ */
 async function startsFor(taken: readonly EarlyStart[]): Promise<PoolStart[]> {
   const out: PoolStart[] = taken.map(() => ({ ok: null, why: "no answer" }));
-  const byServer = new Map<string, { index: number; token: string }[]>();
-  for (const [index, { apiUrl, token }] of taken.entries()) {
+  const byServer = new Map<string, number[]>();
+  for (const [index, { apiUrl }] of taken.entries()) {
     const list = byServer.get(apiUrl) ?? [];
-    list.push({ index, token });
+    list.push(index);
     byServer.set(apiUrl, list);
   }
   await Promise.all(
-    [...byServer].map(async ([apiUrl, list]) => {
+    [...byServer].map(async ([apiUrl, all]) => {
+      let list = all;
       try {
         const { createRunnerClient } = await import("./api-client.ts");
         const client = createRunnerClient({ apiUrl, token: null, caller: "warm pool" });
-        const items = await client.starts(list.map((x) => x.token));
-        for (const [i, x] of list.entries()) {
-          const item = items[i];
-          if (item === undefined) continue;
-          out[x.index] = item.ok
-            ? item
-            : item.status >= 500
-              ? { ok: null, why: `${item.status} ${item.code}` }
-              : item;
+        for (let round = 0; ; round++) {
+          const items = await client.starts(list.map((index) => taken[index]!.token));
+          const again: number[] = [];
+          for (const [i, index] of list.entries()) {
+            const item = items[i];
+            if (item === undefined) continue;
+            out[index] = item.ok
+              ? item
+              : item.status >= 500
+                ? { ok: null, why: `${item.status} ${item.code}` }
+                : item;
+            if (!item.ok && item.code === "auth.invalid_token" && taken[index]!.claimInFlight)
+              again.push(index);
+          }
+          const wait = UNKNOWN_TOKEN_RETRIES_MS[round];
+          if (again.length === 0 || wait === undefined) return;
+          await new Promise((resolve) => setTimeout(resolve, wait));
+          list = again;
         }
       } catch (err) {
         const why = err instanceof Error ? err.message : String(err);
-        for (const x of list) out[x.index] = { ok: null, why };
+        for (const index of list) out[index] = { ok: null, why };
       }
     }),
   );

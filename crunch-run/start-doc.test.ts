@@ -46,6 +46,7 @@ describe("parseStartDocument", () => {
       containerLogMaxBytes: 256 * 2 ** 20,
       workerPid: 0,
       workerPidStart: "",
+      claimInFlight: false,
     });
   });
 
@@ -120,6 +121,12 @@ describe("parseStartDocument", () => {
     expect(parse({ preemptible: true, spotCheckIntervalMs: 0 })).toMatchObject({ spotCheckIntervalMs: 0 });
   });
 
+  it("takes claimInFlight (a hand-off made while the claim ran)", () => {
+    expect(parseStartDocument(JSON.stringify({ ...good, claimInFlight: true }), UUID).claimInFlight).toBe(
+      true,
+    );
+  });
+
   it.each([
     ["not json", "{", ""],
     ["an array", [], "(document)"],
@@ -134,6 +141,7 @@ describe("parseStartDocument", () => {
     ["no instance type", { ...good, instanceType: "" }, "instanceType"],
     ["a tiny heartbeat", { ...good, heartbeatIntervalMs: 1 }, "heartbeatIntervalMs"],
     ["a preemptible that is not a boolean", { ...good, preemptible: "yes" }, "preemptible"],
+    ["a claimInFlight that is not a boolean", { ...good, claimInFlight: 1 }, "claimInFlight"],
     ["a tiny spot check interval", { ...good, spotCheckIntervalMs: 5 }, "spotCheckIntervalMs"],
     ["a fractional spot check interval", { ...good, spotCheckIntervalMs: 100.5 }, "spotCheckIntervalMs"],
     ["a huge spot check interval", { ...good, spotCheckIntervalMs: 3_600_001 }, "spotCheckIntervalMs"],

@@ -95,6 +95,8 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
   }
   const preemptible = doc["preemptible"] ?? false;
   if (typeof preemptible !== "boolean") throw bad("preemptible", "must be true or false");
+  const claimInFlight = doc["claimInFlight"] ?? false;
+  if (typeof claimInFlight !== "boolean") throw bad("claimInFlight", "must be true or false");
   const spot = doc["spotCheckIntervalMs"] ?? DEFAULT_SPOT_CHECK_INTERVAL_MS;
   const { min, max } = SPOT_CHECK_INTERVAL_RANGE_MS;
   if (typeof spot !== "number" || !Number.isSafeInteger(spot) || (spot !== 0 && (spot < min || spot > max))) {
@@ -171,6 +173,7 @@ export function parseStartDocument(text: string, uuid: string): StartDocument {
     containerLogMaxBytes: logMax,
     workerPid,
     workerPidStart,
+    claimInFlight,
   };
 }
 

@@ -9,6 +9,7 @@
  * Nothing running is touched at start-up: probes rediscover runners, and sync requeues `starting` bundles that
  * run nowhere once staleLockTimeout has passed.
  */
+
 import { Registry } from "prom-client";
 import {
   createDefaultRegistry,
@@ -18,6 +19,7 @@ import {
 } from "../cloud-drivers/registry.ts";
 import type { Instance, InstanceSet } from "../cloud-drivers/types.ts";
 import type { Config } from "../config/schema.ts";
+import type { ClaimsInFlight } from "../lib/claims-in-flight.ts";
 import type { Clock } from "../lib/clock.ts";
 import type { Executor } from "../lib/executor.ts";
 import type { Logger } from "../lib/logger.ts";
@@ -65,6 +67,8 @@ export interface DispatcherOptions {
   runner: RunnerArtifact;
   /** The REST server URL runners call (put in every start document). */
   runnerApiUrl: string;
+  /** Where each claim is recorded until it answers, for a REST server in the same process (`serve`). */
+  claimsInFlight?: ClaimsInFlight;
   /** Standby lock retry interval (ms); default LOCK_RETRY_INTERVAL_MS. */
   lockRetryInterval?: number;
 }
@@ -219,7 +223,12 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
       logger: opts.logger,
       pollInterval: config.dispatcher.pollInterval,
     });
-    const transitions = createBundleTransitions({ db, queue, logger: opts.logger });
+    const transitions = createBundleTransitions({
+      db,
+      queue,
+      logger: opts.logger,
+      claimsInFlight: opts.claimsInFlight,
+    });
     const pool = createWorkerPool({
       config,
       instanceSet,

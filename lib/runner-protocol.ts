@@ -82,6 +82,13 @@ export interface StartDocument {
    */
   workerPid: number;
   workerPidStart: string;
+  /**
+   * The dispatcher handed this document over while its claim (the bundle `staged -> starting` with this token) was
+   * still in flight: a warm pool whose `start` call finds the token unknown asks again a few times in its first
+   * few hundred ms (the runner API it calls may be another process than the dispatcher's). false: the token is
+   * committed.
+   */
+  claimInFlight: boolean;
 }
 
 /** The fields crunch-run fills in with the defaults below when the document leaves them out. */
@@ -96,7 +103,8 @@ type Defaulted =
   | "imagePullRetryMs"
   | "containerLogMaxBytes"
   | "workerPid"
-  | "workerPidStart";
+  | "workerPidStart"
+  | "claimInFlight";
 /** What the dispatcher sends: the required fields, and the defaulted ones only where they differ. */
 export type StartDocumentSent = Omit<StartDocument, Defaulted> & Partial<Pick<StartDocument, Defaulted>>;
 
@@ -119,6 +127,7 @@ export const START_DOCUMENT_FIELDS: ReadonlySet<string> = new Set<keyof StartDoc
   "containerLogMaxBytes",
   "workerPid",
   "workerPidStart",
+  "claimInFlight",
 ]);
 
 export const DEFAULT_HEARTBEAT_INTERVAL_MS = 5000;

@@ -2,6 +2,7 @@
  * What the REST server's routes need (routes-users.ts, routes-runner.ts, routes-tokens.ts), built once by
  * createRestServer (server.ts), which registers the routes.
  */
+import type { ClaimsInFlight } from "../lib/claims-in-flight.ts";
 import type { Db } from "../store/db.ts";
 import type { Bundle } from "../store/types.ts";
 import type { TokenCache } from "./auth.ts";
@@ -51,6 +52,11 @@ export interface RouteContext {
    * still reads the whole rows back from its insert, for the listener.
    */
   bundlesWritten: ((bundles: readonly Bundle[]) => void) | null;
+  /**
+   * The claims of a dispatcher in the same process still in flight (`serve`; null otherwise): a runner's `start`
+   * waits here for its token's claim before it looks the token up (lib/claims-in-flight.ts).
+   */
+  claimsInFlight: ClaimsInFlight | null;
   /** Live tokens looked up in the last second (auth.ts); cleared when a token is revoked. */
   tokenCache: TokenCache;
   /** Largest body of a batch submission (restServer.maxBatchRequestBodySize). */

@@ -226,6 +226,8 @@ export function registerRunnerRoutes(app: FastifyInstance, ctx: RouteContext): v
     tokenHash: string,
     log: FastifyRequest["log"],
   ): Promise<{ uuid: string; state: string; attempt: number }> => {
+    // Its claim may still be in flight (the dispatcher hands a warm pool the document while it claims).
+    await ctx.claimsInFlight?.settled(tokenHash);
     const b = await starts.call(tokenHash);
     if (b !== null) {
       log.info({ bundleUuid: b.uuid, attempt: b.attempt, instanceId: b.instanceId }, "bundle running");

@@ -4,6 +4,7 @@
  * mistake is always a 4xx. Bodies are JSON in valid UTF-8 (the runner's raw uploads aside); what clients send
  * is timed (lib/http-timeouts.ts), what the server answers is not.
  */
+
 import { isUtf8 } from "node:buffer";
 import { join } from "node:path";
 import Fastify, { type FastifyBaseLogger, type FastifyInstance } from "fastify";
@@ -11,6 +12,7 @@ import { pino } from "pino";
 import type { Registry } from "prom-client";
 import { defaultConfig } from "../config/load.ts";
 import { createAuthRefusals } from "../lib/auth-refusals.ts";
+import type { ClaimsInFlight } from "../lib/claims-in-flight.ts";
 import type { Clock } from "../lib/clock.ts";
 import { systemClock } from "../lib/clock.ts";
 import { DispatchCloudError } from "../lib/errors.ts";
@@ -105,6 +107,11 @@ export interface RestServerOptions {
    * queue, which then need not wait for the NOTIFY and its read. Default: nobody.
    */
   onBundlesWritten?: (bundles: readonly Bundle[]) => void;
+  /**
+   * The claims of the dispatcher in the same process (`serve`), which a runner's `start` waits for before it
+   * looks its token up (RouteContext.claimsInFlight). Default: none.
+   */
+  claimsInFlight?: ClaimsInFlight;
   /** containers.unavailableImageRequeues (default its default). */
   unavailableImageRequeues?: number;
   /** Users' own workers (docs/workers.md). */
@@ -201,6 +208,7 @@ export async function createRestServer(opts: RestServerOptions): Promise<Fastify
               logger.error({ err, count: bundles.length }, "telling of written bundles failed");
             }
           },
+    claimsInFlight: opts.claimsInFlight ?? null,
     tokenCache: new TokenCache(),
     maxBatchBodySize: opts.maxBatchRequestBodySize ?? defaults.maxBatchRequestBodySize,
     maxTokensPerUser: opts.quotas?.maxTokensPerUser ?? DEFAULT_MAX_TOKENS_PER_USER,

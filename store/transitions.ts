@@ -211,12 +211,15 @@ export function startBundle(
     gpuDevices: readonly number[];
     /** What the attempt is charged per hour of running (StartItem.pricePerHour); none: nothing. */
     pricePerHour?: number | null;
+    /** The attempt the bundle must be at now (StartItem.fromAttempt); none: any. */
+    fromAttempt?: number | null;
     actor: string;
   },
 ): Promise<TransitionResult> {
   return transition(db, uuid, {
     from: ["staged"],
     to: "'starting'",
+    ...(args.fromAttempt === undefined || args.fromAttempt === null ? {} : { attempt: args.fromAttempt }),
     guard: "b.attempt < b.max_attempts",
     guardFailed: (b) => b.attempt >= b.maxAttempts,
     set: [
@@ -254,6 +257,11 @@ export interface StartItem {
    * dispatcher/scheduler/eligible.ts). Absent or null: no price is known, and running costs it nothing.
    */
   pricePerHour?: number | null;
+  /**
+   * The attempt the bundle must be at now (the claim makes the next one), when the start document naming the next
+   * attempt left before the claim was made (dispatcher/pool/remote-runner.ts); absent or null: any.
+   */
+  fromAttempt?: number | null;
 }
 
 /**
@@ -273,10 +281,11 @@ export async function startBundles(
   // (KEYED_LOCKS): the state is checked in upd, on the locked row.
   const { rows } = await db.query<BundleRow>(
     prepared(`WITH want AS (
-       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $8::float8[])
-         AS w(uuid, instance_id, instance_type, token_hash, gpu_devices, price)
+       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $8::float8[], $9::int[])
+         AS w(uuid, instance_id, instance_type, token_hash, gpu_devices, price, from_attempt)
      ), cur AS (
-       SELECT b.uuid, b.state AS from_state, w.instance_id, w.instance_type, w.token_hash, w.gpu_devices, w.price
+       SELECT b.uuid, b.state AS from_state, w.instance_id, w.instance_type, w.token_hash, w.gpu_devices, w.price,
+         w.from_attempt
        FROM bundles b JOIN want w ON w.uuid = b.uuid
        ORDER BY b.uuid FOR UPDATE OF b
      ), upd AS (
@@ -285,6 +294,7 @@ export async function startBundles(
          runner_token_hash = cur.token_hash, gpu_devices = cur.gpu_devices::int[], price_per_hour = cur.price,
          starting_at = ${NOW}, running_at = NULL, exit_code = NULL
        FROM cur WHERE b.uuid = cur.uuid AND cur.from_state = 'staged' AND b.attempt < b.max_attempts
+         AND (cur.from_attempt IS NULL OR b.attempt = cur.from_attempt)
        RETURNING b.*, cur.from_state AS transition_from_state
      ), ${eventsAndNotifies("$6", "$7")}`),
     [
@@ -296,6 +306,7 @@ export async function startBundles(
       actor,
       BUNDLE_CHANNEL,
       items.map((i) => i.pricePerHour ?? null),
+      items.map((i) => i.fromAttempt ?? null),
     ],
   );
   return new Map(rows.map((r) => [r.runner_token_hash ?? "", bundleFromRow(r)]));

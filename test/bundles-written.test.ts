@@ -7,9 +7,11 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { pino } from "pino";
 import { describe, expect, it } from "vitest";
+import { ClaimsInFlight } from "../lib/claims-in-flight.ts";
+import { hashToken, newRunnerToken } from "../lib/tokens.ts";
 import { createRestServer } from "../rest-server/server.ts";
-import { insertBundleRows } from "../store/queries.ts";
-import { stageBundle } from "../store/transitions.ts";
+import { getBundle, insertBundleRows } from "../store/queries.ts";
+import { stageBundle, startBundle } from "../store/transitions.ts";
 import type { Bundle } from "../store/types.ts";
 import {
   createTestBundle,
@@ -155,6 +157,64 @@ for (const kind of ["pg", "pglite"] as const)
         }
       } finally {
         await app.close();
+      }
+    });
+
+    it("a runner's `starts` waits for its token's claim still in flight in the process; elsewhere the token is unknown", async () => {
+      const db = getDb();
+      const claimsInFlight = new ClaimsInFlight();
+      const basics = restServerBasics(db, join(tmpdir(), "dispatch-cloud-claims-in-flight"));
+      const withClaims = await createRestServer({ ...basics, claimsInFlight });
+      const without = await createRestServer(basics);
+      try {
+        const owner = (await createTestUser(db)).uuid;
+        /** A staged bundle whose claim (with a new token) is made once `open` is called, recorded in flight. */
+        const heldClaim = async () => {
+          const b = await createTestBundle(db, owner);
+          await stageBundle(db, b.uuid, { actor: "test" });
+          const token = newRunnerToken();
+          let open: () => void = () => {};
+          const gate = new Promise<void>((r) => {
+            open = r;
+          });
+          const claim = gate.then(() =>
+            startBundle(db, b.uuid, {
+              instanceId: "i-1",
+              instanceType: "t",
+              runnerTokenHash: hashToken(token),
+              gpuDevices: [],
+              actor: "test",
+            }),
+          );
+          claimsInFlight.add(hashToken(token), claim);
+          return { uuid: b.uuid, token, open, claim };
+        };
+        const x = await heldClaim();
+        const answer = injectClient(withClaims)("POST", "/api/v1/runner/starts", undefined, {
+          tokens: [x.token],
+        });
+        await new Promise((r) => setTimeout(r, 50));
+        expect((await getBundle(db, x.uuid))?.state).toBe("staged");
+        x.open();
+        expect((await x.claim).ok).toBe(true);
+        const res = await answer;
+        expect(res.status).toBe(200);
+        expect(res.body).toMatchObject({ items: [{ uuid: x.uuid, state: "running", attempt: 1 }] });
+        expect(claimsInFlight.size).toBe(0);
+
+        // A REST server that is not the dispatcher's (no claims in flight) answers at once: the token is unknown.
+        const y = await heldClaim();
+        const refused = await injectClient(without)("POST", "/api/v1/runner/starts", undefined, {
+          tokens: [y.token],
+        });
+        expect(refused.body).toMatchObject({
+          items: [{ status: 401, error: { code: "auth.invalid_token" } }],
+        });
+        y.open();
+        await y.claim;
+      } finally {
+        await withClaims.close();
+        await without.close();
       }
     });
 

@@ -35,6 +35,8 @@ export interface RunnerHarness {
   newStartingBundle(
     overrides?: Partial<NewBundle>,
   ): Promise<{ uuid: string; token: string; attempt: number }>;
+  /** A new bundle of the harness's user, staged (not yet claimed): its uuid. */
+  newStagedBundle(overrides?: Partial<NewBundle>): Promise<string>;
   /** `crunch-run --detach uuid` with the start document on stdin. */
   detach(
     bundle: { uuid: string; token: string; attempt: number },
@@ -140,15 +142,21 @@ export async function startRunnerHarness(db: Db, limits: HarnessLimits = {}): Pr
     }
   };
 
+  const newStagedBundle = async (overrides: Partial<NewBundle> = {}): Promise<string> => {
+    const uuid = testBundleUuid();
+    await insertBundle(db, uuid, testNewBundle(user.uuid, overrides), "created");
+    const staged = await stageBundle(db, uuid, { actor: "test" });
+    if (!staged.ok) throw new Error(`cannot stage ${uuid}`);
+    return uuid;
+  };
+
   return {
     apiUrl,
     root,
     env,
+    newStagedBundle,
     async newStartingBundle(overrides = {}) {
-      const uuid = testBundleUuid();
-      await insertBundle(db, uuid, testNewBundle(user.uuid, overrides), "created");
-      const staged = await stageBundle(db, uuid, { actor: "test" });
-      if (!staged.ok) throw new Error(`cannot stage ${uuid}`);
+      const uuid = await newStagedBundle(overrides);
       const { token, bundle } = await startWithRunnerToken(db, uuid, { instanceId: "i-test", actor: "test" });
       return { uuid, token, attempt: bundle.attempt };
     },

@@ -25,8 +25,9 @@ import {
   parseManyAnswers,
   parsePidAnswer,
 } from "../lib/runner-protocol.ts";
-import { newRunnerToken } from "../lib/tokens.ts";
+import { hashToken, newRunnerToken } from "../lib/tokens.ts";
 import { getBundle } from "../store/queries.ts";
+import { startBundle } from "../store/transitions.ts";
 import { type RunnerHarness, startRunnerHarness, stopProcessesOf } from "./crunch-run-harness.ts";
 import { useTestDb } from "./db.ts";
 
@@ -321,6 +322,39 @@ describe("crunch-run warm pool (process runtime)", () => {
       expect((await getBundle(getDb(), y.uuid))?.state).toBe("starting");
     } finally {
       await refused.close();
+    }
+  });
+
+  it("the pool asks again for a token the server does not know yet when the document says its claim is in flight", async () => {
+    await poolOf(1);
+    const socket = await socketOf();
+    const proxy = await apiProxy(h.apiUrl, "/api/v1/runner/start", {});
+    try {
+      // Handed over before the claim (the dispatcher's early hand-off): the token is in no row yet.
+      const uuid = await h.newStagedBundle({ command: ["true"] });
+      const token = newRunnerToken();
+      const answered = handOff(
+        socket,
+        "start",
+        uuid,
+        doc({ uuid, token, attempt: 1 }, { apiUrl: proxy.url, claimInFlight: true }),
+      );
+      await waitFor(async () => proxy.answered() >= 1, 5000, 1);
+      // The claim commits after the pool's first call was answered (the token unknown): a later call finds it.
+      const claim = {
+        instanceId: "i-test",
+        instanceType: "small",
+        runnerTokenHash: hashToken(token),
+        gpuDevices: [],
+      };
+      expect((await startBundle(getDb(), uuid, { ...claim, actor: "test" })).ok).toBe(true);
+      expect(await answered).toBeGreaterThan(0);
+      expect((await h.waitFinal(uuid)).state).toBe("ready");
+      // Every call was the pool's (at least two); the spare made none of its own.
+      expect(proxy.callers.length).toBeGreaterThanOrEqual(2);
+      expect(new Set(proxy.callers)).toEqual(new Set(["/api/v1/runner/starts crunch-run (warm pool)"]));
+    } finally {
+      await proxy.close();
     }
   });
 
@@ -836,12 +870,20 @@ async function apiProxy(
   target: string,
   path: string,
   opts: { delayMs?: number; drop?: (userAgent: string) => boolean },
-): Promise<{ url: string; held: Promise<void>; callers: string[]; close(): Promise<void> }> {
+): Promise<{
+  url: string;
+  held: Promise<void>;
+  callers: string[];
+  /** How many of the calls to `path` the server has answered (the answers are on their way back). */
+  answered: () => number;
+  close(): Promise<void>;
+}> {
   let holding = () => {};
   const held = new Promise<void>((resolve) => {
     holding = resolve;
   });
   const callers: string[] = [];
+  let answered = 0;
   const server = http.createServer((req, res) => {
     const mine = (req.url ?? "").startsWith(path);
     if (mine) {
@@ -862,6 +904,7 @@ async function apiProxy(
             new URL(req.url ?? "/", target),
             { method: req.method, headers: req.headers },
             (answer) => {
+              if (mine) answered++;
               res.writeHead(answer.statusCode ?? 502, answer.headers);
               answer.pipe(res);
             },
@@ -879,6 +922,7 @@ async function apiProxy(
     url: `http://127.0.0.1:${port}`,
     held,
     callers,
+    answered: () => answered,
     close: () => {
       server.closeAllConnections();
       return new Promise((resolve) => server.close(() => resolve()));

@@ -26,7 +26,7 @@ import { LIST_REQUEST, manyAnswer, parseHandOffs, pidAnswer, refusedAnswer } fro
 import { hashToken } from "../lib/tokens.ts";
 import type { Db } from "../store/db.ts";
 import { findBundleByRunnerTokenHash, getBundle, listEvents } from "../store/queries.ts";
-import { markRunning, requeueStarting, stageBundle } from "../store/transitions.ts";
+import { markRunning, requeueStarting, stageBundle, startBundle } from "../store/transitions.ts";
 import type { Bundle } from "../store/types.ts";
 import { createTestBundle, createTestUser, describeEachDb, openTestDb, type TestDb } from "./db.ts";
 import { FakeClock, flushMicrotasks } from "./fake-clock.ts";
@@ -1074,24 +1074,116 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
     refuse = bundles[1]!.uuid;
     for (const b of [...bundles, lost]) h.pool.startBundle(id, b, []);
     await h.pool.settled();
-    // One exchange for the three claimed (the lost one's document is left out), each with its own document.
+    // One exchange for the four, each with its own document, sent as the claims left (claimInFlight): the lost
+    // one's too, whose token the server never learns, so its pool's `start` call is refused and nothing runs.
     expect(exchanges).toHaveLength(1);
     const sent = parseHandOffs(exchanges[0]!) ?? [];
-    expect(sent.map((x) => x.uuid).sort()).toEqual(bundles.map((b) => b.uuid).sort());
+    expect(sent.map((x) => x.uuid).sort()).toEqual([...bundles, lost].map((b) => b.uuid).sort());
     for (const x of sent) {
       expect(x.mode).toBe("start");
-      expect(JSON.parse(x.doc)).toMatchObject({ uuid: x.uuid, attempt: 1, apiUrl: API_URL });
+      expect(JSON.parse(x.doc)).toMatchObject({
+        uuid: x.uuid,
+        attempt: 1,
+        apiUrl: API_URL,
+        claimInFlight: true,
+      });
     }
-    // The refused one was started by --detach; the others by the pool, with no command.
+    // The refused one was started by --detach; the others by the pool, with no command; the lost one not at all.
     const detached = commandsTo(h, id).filter((c) => c.includes("--detach"));
     expect(detached).toHaveLength(1);
     expect(detached[0]).toContain(refuse);
+    expect(h.pool.worker(id)?.runners.has(lost.uuid)).toBe(false);
     for (const b of bundles) {
       expect(h.events).toContainEqual(expect.objectContaining({ type: "runner:started", uuid: b.uuid }));
     }
     expect(h.events).toContainEqual(
       expect.objectContaining({ type: "runner:start_failed", uuid: lost.uuid }),
     );
+  });
+
+  /** An executor whose listing names a warm pool, and whose pool answers each hand-off with a pid. */
+  const withPool =
+    (onExchange: (text: string) => void) =>
+    (exec: Executor): Executor =>
+      Object.assign(Object.create(exec) as Executor, {
+        execute: async (command: string, opts?: Parameters<Executor["execute"]>[1]) => {
+          const res = await exec.execute(command, opts);
+          if (!command.endsWith("--list")) return res;
+          return {
+            ...res,
+            stdout: Buffer.concat([res.stdout, Buffer.from("spare /run/dc/cr-spare-test.sock\n")]),
+          };
+        },
+        exchange: async (_socket: string, payload: string | Promise<string | null>) => {
+          const text = await payload;
+          if (text === null || text === LIST_REQUEST) throw new Error("no pool listing");
+          onExchange(text);
+          const hs = parseHandOffs(text) ?? [];
+          return Buffer.from(hs.map((x, i) => manyAnswer(x.uuid, pidAnswer(4000 + i))).join(""));
+        },
+      });
+
+  it("hands a warm pool the start document while the claim is in flight: the token and attempt the claim then makes", async () => {
+    const sent: string[] = [];
+    let release: () => void = () => {};
+    const held = new Promise<void>((r) => {
+      release = r;
+    });
+    let claimed = false;
+    const h = harness(getDb(), {
+      executor: withPool((text) => sent.push(text)),
+      transitions: (t) => ({
+        ...t,
+        claim: async (uuid, on) => {
+          await held;
+          const result = await t.claim(uuid, on);
+          claimed = true;
+          return result;
+        },
+      }),
+    });
+    const [id = ""] = await h.ready();
+    const bundle = await stagedBundle(getDb());
+    h.pool.startBundle(id, bundle, []);
+    // The pool has the document; the claim has not even been made.
+    for (let i = 0; i < 20 && sent.length === 0; i++) await flushMicrotasks();
+    expect(sent).toHaveLength(1);
+    expect(claimed).toBe(false);
+    expect((await getBundle(getDb(), bundle.uuid))?.state).toBe("staged");
+    const doc = JSON.parse(parseHandOffs(sent[0]!)?.[0]?.doc ?? "{}") as { token: string; attempt: number };
+    expect(doc).toMatchObject({ uuid: bundle.uuid, attempt: 1, claimInFlight: true });
+    release();
+    await h.pool.settled();
+    // The claim stored the hash of the token the pool already had, at the attempt the document named.
+    const row = await findBundleByRunnerTokenHash(getDb(), hashToken(doc.token));
+    expect(row).toMatchObject({ uuid: bundle.uuid, state: "starting", attempt: 1, instanceId: id });
+    expect(h.events).toContainEqual(expect.objectContaining({ type: "runner:started", uuid: bundle.uuid }));
+  });
+
+  it("a claim made for a warm pool asks for the attempt its document named: a bundle that moved on is not claimed", async () => {
+    const sent: string[] = [];
+    const h = harness(getDb(), { executor: withPool((text) => sent.push(text)) });
+    const [id = ""] = await h.ready();
+    const bundle = await stagedBundle(getDb());
+    // Another attempt was made and given back since the dispatcher read the bundle (attempt 0 in its view).
+    const other = {
+      instanceId: "i-other",
+      instanceType: "t",
+      runnerTokenHash: "h",
+      gpuDevices: [],
+      actor: "test",
+    };
+    expect((await startBundle(getDb(), bundle.uuid, other)).ok).toBe(true);
+    expect((await requeueStarting(getDb(), bundle.uuid, 1, { actor: "test", reason: "given back" })).ok).toBe(
+      true,
+    );
+    h.pool.startBundle(id, bundle, []);
+    await h.pool.settled();
+    expect(JSON.parse(parseHandOffs(sent[0]!)?.[0]?.doc ?? "{}")).toMatchObject({ attempt: 1 });
+    expect(await getBundle(getDb(), bundle.uuid)).toMatchObject({ state: "staged", attempt: 1 });
+    expect(h.pool.worker(id)?.runners.size).toBe(0);
+    expect(h.events.at(-1)).toMatchObject({ type: "runner:start_failed", uuid: bundle.uuid });
+    expect((h.events.at(-1) as { reason: string }).reason).toMatch(/wrong_attempt/);
   });
 
   it("drops the runner when the start transition is lost, sending nothing", async () => {

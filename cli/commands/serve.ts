@@ -6,6 +6,7 @@ import { Registry } from "prom-client";
 import { loadConfig } from "../../config/load.ts";
 import type { Config } from "../../config/schema.ts";
 import { createDispatcher } from "../../dispatcher/main.ts";
+import { ClaimsInFlight } from "../../lib/claims-in-flight.ts";
 import { systemClock } from "../../lib/clock.ts";
 import { lockDataDir, preparePrivateDir } from "../../lib/data-dir.ts";
 import { DispatchCloudError } from "../../lib/errors.ts";
@@ -217,10 +218,13 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
           ];
     // The dispatcher `serve` starts below learns of new bundles from the REST server at once (no NOTIFY wait).
     let bundlesWritten: ((bundles: readonly Bundle[]) => void) | null = null;
+    // Its runners' `start` calls wait for the dispatcher's claims in flight (lib/claims-in-flight.ts).
+    const claimsInFlight = mode === "serve" ? new ClaimsInFlight() : undefined;
     const app = await createRestServer({
       db,
       logger,
       onBundlesWritten: (bundles) => bundlesWritten?.(bundles),
+      ...(claimsInFlight === undefined ? {} : { claimsInFlight }),
       clusterId: config.clusterId,
       maxRequestBodySize: config.restServer.maxRequestBodySize,
       maxBatchRequestBodySize: config.restServer.maxBatchRequestBodySize,
@@ -285,6 +289,7 @@ export async function serveCommand(io: CliIo, mode: "serve" | "rest-server"): Pr
         registry,
         runner: runner!,
         runnerApiUrl: config.restServer.publicUrl !== "" ? config.restServer.publicUrl : address,
+        ...(claimsInFlight === undefined ? {} : { claimsInFlight }),
       });
       opened.push({ what: "the dispatcher", close: () => dispatcher.stop() });
       bundlesWritten = (bundles) => dispatcher.bundlesWritten(bundles);

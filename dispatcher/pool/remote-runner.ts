@@ -26,6 +26,7 @@ import {
   type RegistryAuth,
   type StartDocumentSent,
 } from "../../lib/runner-protocol.ts";
+import { newRunnerToken } from "../../lib/tokens.ts";
 import type { Bundle } from "../../store/types.ts";
 import type { RunnerView } from "../types.ts";
 import type { WorkerContext } from "./context.ts";
@@ -148,8 +149,11 @@ export class RemoteRunner implements RunnerView {
 
   /**
    * Starts the bundle here (beside the worker's probes and other starts): claims it (staged -> starting with a
-   * fresh runner token), then hands the start document to the spare or runs `--detach`. A lost claim drops the
-   * runner; a failed start requeues the bundle (event runner:start_failed).
+   * fresh runner token) and hands the start document to the warm pool, or once claimed runs `--detach`. The
+   * document goes to a warm pool as the claim leaves (`claimInFlight`; the claim then asks for the attempt the
+   * document names): the pool's `start` call for it finds the claim made, by waiting for it on a REST server in
+   * this process or by asking again. A lost claim drops the runner (a pool that got its document is refused
+   * its `start`, so nothing runs); a failed start requeues the bundle (event runner:start_failed).
    */
   async start(bundle: Bundle): Promise<void> {
     const w = this.worker;
@@ -167,6 +171,17 @@ export class RemoteRunner implements RunnerView {
         sendHandOff = resolve;
       }),
     );
+    // To a warm pool, the start document goes before the claim answers (its token and attempt are known now): the
+    // pool's `start` call for it waits for the claim on the server (lib/claims-in-flight.ts), or asks again.
+    const early = handOffPossible(w) ? { token: newRunnerToken(), fromAttempt: bundle.attempt } : null;
+    const earlyDoc =
+      early === null
+        ? null
+        : JSON.stringify({
+            ...this.startDocument(bundle, early.fromAttempt + 1, early.token),
+            claimInFlight: true,
+          } satisfies StartDocumentSent);
+    if (earlyDoc !== null) sendHandOff(earlyDoc);
     let claim: Awaited<ReturnType<typeof ctx.transitions.claim>>;
     try {
       claim = await withinClaimTimeout(
@@ -176,6 +191,7 @@ export class RemoteRunner implements RunnerView {
           instanceType: w.instanceType.name,
           gpuDevices: [...this.gpuDevices],
           pricePerHour: ctx.chargePerHour(bundle, w.instanceType, w.pricePerHour(ctx.clock.now())),
+          ...(early ?? {}),
         }),
       );
     } catch (err) {
@@ -191,36 +207,7 @@ export class RemoteRunner implements RunnerView {
       return;
     }
     const started = claim.bundle;
-    const cloud = ctx.config.cloud;
-    const doc: StartDocumentSent = {
-      uuid,
-      attempt: started.attempt,
-      apiUrl: ctx.runnerApiUrl,
-      token: claim.token,
-      instanceType: w.instanceType.name,
-      gpuDevices: [...this.gpuDevices],
-      runtimeEngine: ctx.config.dispatcher.runtimeEngine,
-      // Only the process runtime uses them (crunch-run's defaults equal the config's).
-      ...(ctx.config.dispatcher.runtimeEngine === "docker"
-        ? {}
-        : {
-            processUidFirst: ctx.config.dispatcher.processRuntimeFirstUid,
-            processUidCount: ctx.config.dispatcher.processRuntimeUidCount,
-          }),
-      warmSupervisors: warmSupervisorsFor(w.instanceType, ctx.config),
-      // Only preemptible types' runners watch for spot interruption notices (crunch-run's defaults: off, 5 s).
-      ...(w.instanceType.preemptible
-        ? { preemptible: true, spotCheckIntervalMs: spotCheckIntervalMs(cloud.spotInterruptionCheckInterval) }
-        : {}),
-      // Only the bundle's own image's registry (the document is never logged: it holds the token, and this).
-      ...registryAuthDoc(registryAuthFor(started.image, ctx.config, (msg) => log.warn(msg))),
-      ...(pullRetryMs(ctx.config) === DEFAULT_IMAGE_PULL_RETRY_MS
-        ? {}
-        : { imagePullRetryMs: pullRetryMs(ctx.config) }),
-      ...(containerLogMaxBytes(ctx.config) === DEFAULT_CONTAINER_LOG_MAX_BYTES
-        ? {}
-        : { containerLogMaxBytes: containerLogMaxBytes(ctx.config) }),
-    };
+    const doc = earlyDoc ?? JSON.stringify(this.startDocument(started, started.attempt, claim.token));
     let failure: string | null = null;
     let via: "spare" | "detach" = "spare";
     try {
@@ -228,11 +215,11 @@ export class RemoteRunner implements RunnerView {
         sendHandOff(null);
         throw new Error("the instance is shutting down");
       }
-      sendHandOff(JSON.stringify(doc));
+      sendHandOff(doc);
       if (!(await handed)) {
         via = "detach";
         const res = await w.executor().execute(ctx.cmds.detach(uuid), {
-          stdin: `${JSON.stringify(doc)}\n`,
+          stdin: `${doc}\n`,
           timeoutMs: PROBE_COMMAND_TIMEOUT_MS,
         });
         if (res.exitCode !== 0)
@@ -265,6 +252,44 @@ export class RemoteRunner implements RunnerView {
     this.dropStarting(failure);
   }
 
+  /** The start document of `bundle`'s attempt `attempt` here, with its runner token (never logged: it holds it). */
+  private startDocument(bundle: Bundle, attempt: number, token: string): StartDocumentSent {
+    const w = this.worker;
+    const ctx = w.ctx;
+    const cloud = ctx.config.cloud;
+    return {
+      uuid: bundle.uuid,
+      attempt,
+      apiUrl: ctx.runnerApiUrl,
+      token,
+      instanceType: w.instanceType.name,
+      gpuDevices: [...this.gpuDevices],
+      runtimeEngine: ctx.config.dispatcher.runtimeEngine,
+      // Only the process runtime uses them (crunch-run's defaults equal the config's).
+      ...(ctx.config.dispatcher.runtimeEngine === "docker"
+        ? {}
+        : {
+            processUidFirst: ctx.config.dispatcher.processRuntimeFirstUid,
+            processUidCount: ctx.config.dispatcher.processRuntimeUidCount,
+          }),
+      warmSupervisors: warmSupervisorsFor(w.instanceType, ctx.config),
+      // Only preemptible types' runners watch for spot interruption notices (crunch-run's defaults: off, 5 s).
+      ...(w.instanceType.preemptible
+        ? { preemptible: true, spotCheckIntervalMs: spotCheckIntervalMs(cloud.spotInterruptionCheckInterval) }
+        : {}),
+      // Only the bundle's own image's registry.
+      ...registryAuthDoc(
+        registryAuthFor(bundle.image, ctx.config, (msg) => w.log.warn({ uuid: bundle.uuid }, msg)),
+      ),
+      ...(pullRetryMs(ctx.config) === DEFAULT_IMAGE_PULL_RETRY_MS
+        ? {}
+        : { imagePullRetryMs: pullRetryMs(ctx.config) }),
+      ...(containerLogMaxBytes(ctx.config) === DEFAULT_CONTAINER_LOG_MAX_BYTES
+        ? {}
+        : { containerLogMaxBytes: containerLogMaxBytes(ctx.config) }),
+    };
+  }
+
   /**
    * Hands a start document straight to the instance's warm spare supervisor (crunch-run/spare.ts) over the
    * SSH connection, which skips starting a `crunch-run --detach` process. The hand-offs of one instance made in
@@ -277,7 +302,7 @@ export class RemoteRunner implements RunnerView {
     const w = this.worker;
     const socket = w.spareSocket;
     const executor = w.executor();
-    if (socket === null || executor.exchange === undefined) return false;
+    if (socket === null || !handOffPossible(w)) return false;
     const log = w.log.child({ uuid: this.uuid });
     // From the moment the hand-off is made (the claim is back), not from the channel's opening.
     let t0 = w.ctx.clock.now();
@@ -336,6 +361,11 @@ export class RemoteRunner implements RunnerView {
     }
     return false;
   }
+}
+
+/** The instance's warm pool is known and can be spoken to over its connection (else starts go by `--detach`). */
+function handOffPossible(w: RunnerHost): boolean {
+  return w.spareSocket !== null && w.executor().exchange !== undefined;
 }
 
 /** One `--kill 15 <uuid>` to the worker's instance (also for a runner the pool does not know yet). */

@@ -6,6 +6,7 @@
  * next pass need not wait for NOTIFY. The pool, sync and the scheduler ask this module; none writes a
  * transition itself. Database errors are thrown (each caller has its own retry rule).
  */
+import type { ClaimsInFlight } from "../../lib/claims-in-flight.ts";
 import { groupCalls } from "../../lib/group-calls.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { hashToken, newRunnerToken } from "../../lib/tokens.ts";
@@ -29,7 +30,9 @@ export type ClaimResult =
 export interface BundleTransitions {
   /**
    * staged -> starting on an instance: the next attempt, the instance, its GPU devices, what the attempt is
-   * charged per hour of running (StartItem.pricePerHour; null: nothing), a new runner token.
+   * charged per hour of running (StartItem.pricePerHour; null: nothing), a runner token (`token`, made by a
+   * caller that sends it before the claim answers; else a new one). With `fromAttempt`, only a bundle at that
+   * attempt now is claimed (the caller has named the next one already).
    */
   claim(
     uuid: string,
@@ -38,6 +41,8 @@ export interface BundleTransitions {
       instanceType: string;
       gpuDevices: readonly number[];
       pricePerHour: number | null;
+      token?: string;
+      fromAttempt?: number;
     },
   ): Promise<ClaimResult>;
   /**
@@ -66,6 +71,8 @@ export function createBundleTransitions(opts: {
   /** Where rows are applied (the dispatcher's BundleQueue); none: nothing is applied. */
   queue?: Pick<QueueView, "apply"> | undefined;
   logger: Logger;
+  /** Where each claim is recorded until it answers (a REST server in the same process waits there). */
+  claimsInFlight?: ClaimsInFlight | undefined;
 }): BundleTransitions {
   const { db, queue } = opts;
   const log = opts.logger.child({ component: "transitions" });
@@ -88,8 +95,8 @@ export function createBundleTransitions(opts: {
   });
 
   return {
-    async claim(uuid, on) {
-      const token = newRunnerToken();
+    claim(uuid, on) {
+      const token = on.token ?? newRunnerToken();
       const item: StartItem = {
         uuid,
         instanceId: on.instanceId,
@@ -97,17 +104,22 @@ export function createBundleTransitions(opts: {
         runnerTokenHash: hashToken(token),
         gpuDevices: [...on.gpuDevices],
         pricePerHour: on.pricePerHour,
+        fromAttempt: on.fromAttempt ?? null,
       };
-      // The claims of one pass go as one statement; one that it did not move is asked alone, which says why.
-      const grouped = await claims.call(item);
-      const result: TransitionResult =
-        grouped !== null
-          ? { ok: true, bundle: grouped }
-          : await startBundle(db, uuid, { ...item, actor: ACTOR });
-      applied(result, "claimed", uuid);
-      return result.ok
-        ? { ok: true, bundle: result.bundle, token }
-        : { ok: false, reason: result.reason, current: result.current };
+      const claimed = (async (): Promise<ClaimResult> => {
+        // The claims of one pass go as one statement; one that it did not move is asked alone, which says why.
+        const grouped = await claims.call(item);
+        const result: TransitionResult =
+          grouped !== null
+            ? { ok: true, bundle: grouped }
+            : await startBundle(db, uuid, { ...item, actor: ACTOR });
+        applied(result, "claimed", uuid);
+        return result.ok
+          ? { ok: true, bundle: result.bundle, token }
+          : { ok: false, reason: result.reason, current: result.current };
+      })();
+      opts.claimsInFlight?.add(item.runnerTokenHash, claimed);
+      return claimed;
     },
     async claimOnWorker(uuid, on) {
       const result = await startBundleOnWorker(db, uuid, {
