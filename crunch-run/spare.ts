@@ -687,9 +687,12 @@ const HOLD_MAX_MS = 1000;
 
 /**
  * When the pool asks again for a token the server did not know, if its document says the claim was in flight
- * (claimInFlight): ms after the first answer. Within HOLD_MAX_MS in all, so the spare still gets the answer.
+ * (claimInFlight; a REST server other than the dispatcher's own): ms after each answer, the last repeated, for at
+ * most UNKNOWN_TOKEN_RETRY_FOR_MS after the first call left. Within HOLD_MAX_MS + POOL_START_WAIT_MS, so the
+ * spare still has the pool's answer before it would call itself.
  */
-const UNKNOWN_TOKEN_RETRIES_MS = [2, 5, 10, 20, 50, 100, 200, 300];
+const UNKNOWN_TOKEN_RETRIES_MS = [2, 5, 10, 20, 50, 100, 200, 300, 500];
+const UNKNOWN_TOKEN_RETRY_FOR_MS = 2500;
 
 /**
  * The `start` answers for these runners, in their order (startTogether): one `starts` call per server, then again
@@ -709,6 +712,7 @@ async function startsFor(taken: readonly EarlyStart[]): Promise<PoolStart[]> {
       try {
         const { createRunnerClient } = await import("./api-client.ts");
         const client = createRunnerClient({ apiUrl, token: null, caller: "warm pool" });
+        const until = Date.now() + UNKNOWN_TOKEN_RETRY_FOR_MS;
         for (let round = 0; ; round++) {
           const items = await client.starts(list.map((index) => taken[index]!.token));
           const again: number[] = [];
@@ -723,8 +727,8 @@ async function startsFor(taken: readonly EarlyStart[]): Promise<PoolStart[]> {
             if (!item.ok && item.code === "auth.invalid_token" && taken[index]!.claimInFlight)
               again.push(index);
           }
-          const wait = UNKNOWN_TOKEN_RETRIES_MS[round];
-          if (again.length === 0 || wait === undefined) return;
+          const wait = UNKNOWN_TOKEN_RETRIES_MS[Math.min(round, UNKNOWN_TOKEN_RETRIES_MS.length - 1)]!;
+          if (again.length === 0 || Date.now() + wait > until) return;
           await new Promise((resolve) => setTimeout(resolve, wait));
           list = again;
         }

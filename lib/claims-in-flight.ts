@@ -1,9 +1,10 @@
 /**
  * The dispatcher's claims (staged -> starting, each with a fresh runner token) whose statement has not answered
- * yet, by the token's hash. The dispatcher hands a start document to an instance's warm pool while the claim runs
- * (dispatcher/pool/remote-runner.ts), so the pool's `start` call for that token can reach the runner API before
- * the claim has committed. A REST server in the same process (`serve`) waits here for the claim before it looks
- * the token up; another process cannot, and the warm pool asks again (crunch-run/spare.ts, `claimInFlight`).
+ * yet, by the token's hash. Under `serve` the dispatcher hands a start document to an instance's warm pool while the
+ * claim runs (dispatcher/pool/remote-runner.ts), so the pool's `start` call for that token can reach the runner
+ * API before the claim has committed: the REST server in the same process waits here for the claim before it
+ * looks the token up. Another REST server behind the same URL cannot; the warm pool asks it again for a while
+ * (crunch-run/spare.ts, `claimInFlight`).
  */
 export class ClaimsInFlight {
   readonly #byHash = new Map<string, Promise<void>>();

@@ -84,9 +84,8 @@ export interface StartDocument {
   workerPidStart: string;
   /**
    * The dispatcher handed this document over while its claim (the bundle `staged -> starting` with this token) was
-   * still in flight: a warm pool whose `start` call finds the token unknown asks again a few times in its first
-   * few hundred ms (the runner API it calls may be another process than the dispatcher's). false: the token is
-   * committed.
+   * still in flight: a warm pool whose `start` call finds the token unknown asks again for up to 2.5 s (the runner
+   * API it calls may be another REST server than the dispatcher's own). false: the token is committed.
    */
   claimInFlight: boolean;
 }

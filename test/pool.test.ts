@@ -103,6 +103,8 @@ function harness(
     executor?: (exec: Executor, instance: Instance) => Executor;
     /** Wraps the pool's bundle transitions (to delay what they do). */
     transitions?: (t: BundleTransitions) => BundleTransitions;
+    /** PoolOptions.handOffWithClaim (a REST server in the process waits for the claims in flight). */
+    handOffWithClaim?: boolean;
   } = {},
 ): Harness {
   const clock = opts.reuse?.clock ?? new FakeClock();
@@ -126,6 +128,7 @@ function harness(
     },
     runner: RUNNER,
     runnerApiUrl: API_URL,
+    ...(opts.handOffWithClaim === undefined ? {} : { handOffWithClaim: opts.handOffWithClaim }),
     dispatcherPublicKey: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPoolTestKey pool@test",
     ...(opts.transitions
       ? { transitions: opts.transitions(createBundleTransitions({ db, queue, logger: silentLogger })) }
@@ -1074,25 +1077,19 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
     refuse = bundles[1]!.uuid;
     for (const b of [...bundles, lost]) h.pool.startBundle(id, b, []);
     await h.pool.settled();
-    // One exchange for the four, each with its own document, sent as the claims left (claimInFlight): the lost
-    // one's too, whose token the server never learns, so its pool's `start` call is refused and nothing runs.
+    // One exchange for the three claimed (the lost one's document is left out), each with its own document.
     expect(exchanges).toHaveLength(1);
     const sent = parseHandOffs(exchanges[0]!) ?? [];
-    expect(sent.map((x) => x.uuid).sort()).toEqual([...bundles, lost].map((b) => b.uuid).sort());
+    expect(sent.map((x) => x.uuid).sort()).toEqual(bundles.map((b) => b.uuid).sort());
     for (const x of sent) {
       expect(x.mode).toBe("start");
-      expect(JSON.parse(x.doc)).toMatchObject({
-        uuid: x.uuid,
-        attempt: 1,
-        apiUrl: API_URL,
-        claimInFlight: true,
-      });
+      expect(JSON.parse(x.doc)).toMatchObject({ uuid: x.uuid, attempt: 1, apiUrl: API_URL });
+      expect(JSON.parse(x.doc).claimInFlight).toBeUndefined();
     }
-    // The refused one was started by --detach; the others by the pool, with no command; the lost one not at all.
+    // The refused one was started by --detach; the others by the pool, with no command.
     const detached = commandsTo(h, id).filter((c) => c.includes("--detach"));
     expect(detached).toHaveLength(1);
     expect(detached[0]).toContain(refuse);
-    expect(h.pool.worker(id)?.runners.has(lost.uuid)).toBe(false);
     for (const b of bundles) {
       expect(h.events).toContainEqual(expect.objectContaining({ type: "runner:started", uuid: b.uuid }));
     }
@@ -1123,46 +1120,51 @@ describeEachDb("pool: starting and killing runners", (getDb) => {
         },
       });
 
-  it("hands a warm pool the start document while the claim is in flight: the token and attempt the claim then makes", async () => {
-    const sent: string[] = [];
-    let release: () => void = () => {};
-    const held = new Promise<void>((r) => {
-      release = r;
-    });
-    let claimed = false;
-    const h = harness(getDb(), {
-      executor: withPool((text) => sent.push(text)),
-      transitions: (t) => ({
-        ...t,
-        claim: async (uuid, on) => {
-          await held;
-          const result = await t.claim(uuid, on);
-          claimed = true;
-          return result;
-        },
-      }),
-    });
-    const [id = ""] = await h.ready();
-    const bundle = await stagedBundle(getDb());
-    h.pool.startBundle(id, bundle, []);
-    // The pool has the document; the claim has not even been made.
-    for (let i = 0; i < 20 && sent.length === 0; i++) await flushMicrotasks();
-    expect(sent).toHaveLength(1);
-    expect(claimed).toBe(false);
-    expect((await getBundle(getDb(), bundle.uuid))?.state).toBe("staged");
-    const doc = JSON.parse(parseHandOffs(sent[0]!)?.[0]?.doc ?? "{}") as { token: string; attempt: number };
-    expect(doc).toMatchObject({ uuid: bundle.uuid, attempt: 1, claimInFlight: true });
-    release();
-    await h.pool.settled();
-    // The claim stored the hash of the token the pool already had, at the attempt the document named.
-    const row = await findBundleByRunnerTokenHash(getDb(), hashToken(doc.token));
-    expect(row).toMatchObject({ uuid: bundle.uuid, state: "starting", attempt: 1, instanceId: id });
-    expect(h.events).toContainEqual(expect.objectContaining({ type: "runner:started", uuid: bundle.uuid }));
+  it("with handOffWithClaim, hands a warm pool the start document while the claim is in flight; without, once it is back", async () => {
+    for (const handOffWithClaim of [true, false]) {
+      const sent: string[] = [];
+      let release: () => void = () => {};
+      const held = new Promise<void>((r) => {
+        release = r;
+      });
+      let claimed = false;
+      const h = harness(getDb(), {
+        handOffWithClaim,
+        executor: withPool((text) => sent.push(text)),
+        transitions: (t) => ({
+          ...t,
+          claim: async (uuid, on) => {
+            await held;
+            const result = await t.claim(uuid, on);
+            claimed = true;
+            return result;
+          },
+        }),
+      });
+      const [id = ""] = await h.ready();
+      const bundle = await stagedBundle(getDb());
+      h.pool.startBundle(id, bundle, []);
+      for (let i = 0; i < 20 && sent.length === 0; i++) await flushMicrotasks();
+      expect(claimed).toBe(false);
+      expect((await getBundle(getDb(), bundle.uuid))?.state).toBe("staged");
+      // With it, the pool has the document before the claim is even made; without, nothing has left yet.
+      expect(sent).toHaveLength(handOffWithClaim ? 1 : 0);
+      release();
+      await h.pool.settled();
+      expect(sent).toHaveLength(1);
+      const doc = JSON.parse(parseHandOffs(sent[0]!)?.[0]?.doc ?? "{}") as { token: string; attempt: number };
+      expect(doc).toMatchObject({ uuid: bundle.uuid, attempt: 1 });
+      expect((doc as { claimInFlight?: boolean }).claimInFlight).toBe(handOffWithClaim ? true : undefined);
+      // The claim stored the hash of the token the pool has, at the attempt the document named.
+      const row = await findBundleByRunnerTokenHash(getDb(), hashToken(doc.token));
+      expect(row).toMatchObject({ uuid: bundle.uuid, state: "starting", attempt: 1, instanceId: id });
+      expect(h.events).toContainEqual(expect.objectContaining({ type: "runner:started", uuid: bundle.uuid }));
+    }
   });
 
   it("a claim made for a warm pool asks for the attempt its document named: a bundle that moved on is not claimed", async () => {
     const sent: string[] = [];
-    const h = harness(getDb(), { executor: withPool((text) => sent.push(text)) });
+    const h = harness(getDb(), { handOffWithClaim: true, executor: withPool((text) => sent.push(text)) });
     const [id = ""] = await h.ready();
     const bundle = await stagedBundle(getDb());
     // Another attempt was made and given back since the dispatcher read the bundle (attempt 0 in its view).

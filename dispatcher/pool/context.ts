@@ -26,6 +26,12 @@ export interface WorkerContext {
   readonly runner: { content: Buffer; sha256: string };
   readonly cmds: RunnerCommands;
   readonly runnerApiUrl: string;
+  /**
+   * Hand a warm pool its start document as the claim leaves rather than once it is back: only when a REST server in
+   * this process waits for the claims in flight (lib/claims-in-flight.ts), so the pool's `start` call never comes
+   * before the claim it needs (another REST process could only be asked again, against a deadline).
+   */
+  readonly handOffWithClaim: boolean;
   connect(instance: Instance, expectedSecret: string): Executor;
   emit(event: PoolEvent): void;
   /** Runs `p` in the background: tracked for the pool's settled(), errors logged. */

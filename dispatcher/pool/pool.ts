@@ -60,6 +60,11 @@ export interface WorkerPoolOptions {
   runner: { content: Buffer; sha256: string };
   /** REST server URL put in the start document. */
   runnerApiUrl: string;
+  /**
+   * A REST server in this process waits for the claims in flight (`serve`): a warm pool then gets its start
+   * document as the claim leaves (WorkerContext.handOffWithClaim). Default false: once the claim is back.
+   */
+  handOffWithClaim?: boolean;
   /** One authorized_keys line installed on new instances when cloud.deployPublicKey is on. */
   dispatcherPublicKey?: string;
 }
@@ -175,6 +180,7 @@ export function createWorkerPool(opts: WorkerPoolOptions): WorkerPool {
     runner,
     cmds: runnerCommands(cloud.deployRunnerDirectory, runner.sha256),
     runnerApiUrl: opts.runnerApiUrl,
+    handOffWithClaim: opts.handOffWithClaim ?? false,
     connect: opts.connect,
     emit,
     track,

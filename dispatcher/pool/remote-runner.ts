@@ -149,11 +149,12 @@ export class RemoteRunner implements RunnerView {
 
   /**
    * Starts the bundle here (beside the worker's probes and other starts): claims it (staged -> starting with a
-   * fresh runner token) and hands the start document to the warm pool, or once claimed runs `--detach`. The
-   * document goes to a warm pool as the claim leaves (`claimInFlight`; the claim then asks for the attempt the
-   * document names): the pool's `start` call for it finds the claim made, by waiting for it on a REST server in
-   * this process or by asking again. A lost claim drops the runner (a pool that got its document is refused
-   * its `start`, so nothing runs); a failed start requeues the bundle (event runner:start_failed).
+   * fresh runner token) and hands the start document to the warm pool, or once claimed runs `--detach`. With
+   * handOffWithClaim (`serve`) the document goes to a warm pool as the claim leaves (`claimInFlight`; the claim then
+   * asks for the attempt the document names): the REST server in this process waits for the claim before it
+   * answers the pool's `start` call (another REST server answers 401 and the pool asks again). A lost claim drops
+   * the runner (a pool that got its document is refused its `start`, so nothing runs); a failed start requeues the
+   * bundle (event runner:start_failed).
    */
   async start(bundle: Bundle): Promise<void> {
     const w = this.worker;
@@ -171,9 +172,12 @@ export class RemoteRunner implements RunnerView {
         sendHandOff = resolve;
       }),
     );
-    // To a warm pool, the start document goes before the claim answers (its token and attempt are known now): the
-    // pool's `start` call for it waits for the claim on the server (lib/claims-in-flight.ts), or asks again.
-    const early = handOffPossible(w) ? { token: newRunnerToken(), fromAttempt: bundle.attempt } : null;
+    // To a warm pool, the start document goes before the claim answers (its token and attempt are known now) when
+    // the REST server in this process waits for the claims in flight (lib/claims-in-flight.ts).
+    const early =
+      ctx.handOffWithClaim && handOffPossible(w)
+        ? { token: newRunnerToken(), fromAttempt: bundle.attempt }
+        : null;
     const earlyDoc =
       early === null
         ? null
