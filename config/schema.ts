@@ -385,6 +385,10 @@ const Dispatcher = Section("Queue and scheduler.", {
     0,
     64,
   ),
+  handOffWithClaim: Bool(
+    true,
+    "serve only: hand an instance's warm pool a bundle's start document as the claim that makes the bundle starting leaves, not once it is back (a burst starts a few ms sooner); serve's REST server waits for that claim before it answers the pool's start call. Turn it off when other REST servers (rest-server) answer restServer.publicUrl too: they cannot wait, the pool asks them again for 2.5 s, and a claim slower than that costs the bundle an attempt. A dispatcher in a process of its own never does this.",
+  ),
   containerLogMaxSize: Size(
     "The docker runtime's cap on docker's own log of a bundle's container, kept by the daemon on the instance's disk in two json-file files of this size (the bundle's log as users see it is restServer.maxLogBytesPerStream's business). Below 1MiB counts as 1MiB, above 1TiB as 1TiB.",
     "256MiB",

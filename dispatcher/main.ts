@@ -242,7 +242,7 @@ export async function createDispatcher(opts: DispatcherOptions): Promise<Dispatc
       connect,
       runner,
       runnerApiUrl: opts.runnerApiUrl,
-      handOffWithClaim: opts.claimsInFlight !== undefined,
+      handOffWithClaim: opts.claimsInFlight !== undefined && config.dispatcher.handOffWithClaim,
       ...(publicKey === undefined ? {} : { dispatcherPublicKey: publicKey }),
     });
     const userWorkers = createUserWorkers({ db, queue, transitions, clock, logger: opts.logger, config });
