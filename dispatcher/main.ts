@@ -9,7 +9,6 @@
  * Nothing running is touched at start-up: probes rediscover runners, and sync requeues `starting` bundles that
  * run nowhere once staleLockTimeout has passed.
  */
-
 import { Registry } from "prom-client";
 import {
   createDefaultRegistry,

@@ -298,8 +298,8 @@ export class RemoteRunner implements RunnerView {
    * Hands a start document straight to the instance's warm spare supervisor (crunch-run/spare.ts) over the
    * SSH connection, which skips starting a `crunch-run --detach` process. The hand-offs of one instance made in
    * the same turn (one pass's starts) share one exchange with its pool (handOffTogether); its channel opens at
-   * once, and the documents (`payload`, which never rejects; null for a claim that was lost) are sent once every
-   * claim is back. True when a spare took this one; false (no hand-off, no spare known, the executor cannot, the
+   * once, and the documents (`payload`, which never rejects; null for a claim that was lost) are sent once all are
+   * known: at once with handOffWithClaim, else once every claim is back. True when a spare took this one; false (no hand-off, no spare known, the executor cannot, the
    * spare is gone or busy or refused) means use --detach.
    */
   private async handToSpare(payload: Promise<string | null>): Promise<boolean> {
@@ -308,7 +308,7 @@ export class RemoteRunner implements RunnerView {
     const executor = w.executor();
     if (socket === null || !handOffPossible(w)) return false;
     const log = w.log.child({ uuid: this.uuid });
-    // From the moment the hand-off is made (the claim is back), not from the channel's opening.
+    // From the moment the document is known (at once, or once the claim is back), not from the channel's opening.
     let t0 = w.ctx.clock.now();
     void payload.then(() => {
       t0 = w.ctx.clock.now();
