@@ -4,7 +4,7 @@
  * dispatcher send them (`start <uuid>\n<document>`, and several at once: `many <n>\n...`).
  */
 import { spawn } from "node:child_process";
-import { readFileSync, statSync } from "node:fs";
+import { readFileSync, rmSync, statSync } from "node:fs";
 import { readFile } from "node:fs/promises";
 import http from "node:http";
 import net from "node:net";
@@ -802,6 +802,49 @@ describe("crunch-run warm pool (process runtime)", () => {
       await stopped.done();
     }
   }, 90_000);
+
+  it("a connection held idle, as the dispatcher opens one ahead, carries a hand-off written later; one written as the pool closes is refused", async () => {
+    for (const pid of pidsTitled(h.root, "crunch-run warm-pool")) kill(pid);
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 0, 10_000);
+    const spares = await poolOf(2);
+    const socket = await socketOf();
+    const connectTo = async () => {
+      const sock = net.connect(socket);
+      sock.setEncoding("utf8");
+      sock.on("error", () => {});
+      await new Promise<void>((resolve) => sock.on("connect", resolve));
+      let answer = "";
+      sock.on("data", (d: string) => {
+        answer += d;
+      });
+      const answered = new Promise<string>((resolve) => sock.on("close", () => resolve(answer)));
+      return { sock, answered };
+    };
+    // Held open and idle while a hand-off and a probe's listing go on connections of their own.
+    const held = await connectTo();
+    const a = await h.newStartingBundle({ command: ["true"] });
+    const pidA = await handOff(socket, "start", a.uuid, doc(a, { warmSupervisors: 2 }));
+    expect(spares).toContain(pidA);
+    expect(await exchange(socket, LIST_REQUEST)).toContain(`spare ${socket}`);
+    await new Promise((r) => setTimeout(r, 500));
+    const b = await h.newStartingBundle({ command: ["true"] });
+    held.sock.end(formatHandOff({ mode: "start", uuid: b.uuid, doc: doc(b, { warmSupervisors: 2 }) }));
+    const pidB = parsePidAnswer(await held.answered);
+    expect(spares).toContain(pidB);
+    expect(pidB).not.toBe(pidA);
+    for (const x of [a, b]) expect((await h.waitFinal(x.uuid)).state).toBe("ready");
+
+    // The pool closes once its socket is gone (its idle spares go at once); until it exits, a hand-off on a
+    // connection it had accepted is refused rather than left unanswered.
+    const late = await connectTo();
+    const pool = pidsTitled(h.root, "crunch-run warm-pool");
+    rmSync(socket);
+    await waitFor(async () => pidsTitled(h.root, "crunch-run spare").length === 0, 10_000);
+    const c = await h.newStartingBundle({ command: ["true"] });
+    late.sock.end(formatHandOff({ mode: "start", uuid: c.uuid, doc: doc(c, { warmSupervisors: 2 }) }));
+    expect(await late.answered).toBe("refused the warm pool is closing\n");
+    await waitFor(async () => pool.every((pid) => !isAlive(pid)), 10_000);
+  });
 
   it("--detach with warmSupervisors 0 starts no pool and names none in its answer", async () => {
     expect(await stopProcessesOf(h.root)).toEqual([]);

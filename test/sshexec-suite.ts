@@ -266,6 +266,71 @@ export function sshExecutorSuite(kind: ServerKind): void {
       }
     });
 
+    it("with exchangeAhead, holds a channel to the last exchange's socket open for the next one", async () => {
+      const sockA = vm.file("var/run/ahead-a.sock");
+      const sockB = vm.file("var/run/ahead-b.sock");
+      // Each server's connections in the order accepted: what came on each, and whether it has closed.
+      type Seen = { sock: net.Socket; text: string; closed: boolean };
+      const listen = async (path: string) => {
+        const seen: Seen[] = [];
+        const server = net.createServer({ allowHalfOpen: true }, (c) => {
+          const one: Seen = { sock: c, text: "", closed: false };
+          seen.push(one);
+          c.on("error", () => {});
+          c.on("data", (d: Buffer) => {
+            one.text += d.toString();
+          });
+          c.on("end", () => c.end(`got ${one.text}`));
+          c.on("close", () => {
+            one.closed = true;
+          });
+        });
+        await new Promise<void>((ok) => server.listen(path, ok));
+        chmodSync(path, 0o777);
+        return { server, seen };
+      };
+      const a = await listen(sockA);
+      const b = await listen(sockB);
+      try {
+        const exec = executor({ exchangeAhead: true });
+        expect((await exec.exchange(sockA, "one")).toString()).toBe("got one");
+        // The next channel is accepted while idle, and the next exchange's payload goes on it.
+        await vi.waitFor(() => expect(a.seen.length).toBe(2));
+        expect(a.seen[1]).toMatchObject({ text: "", closed: false });
+        expect((await exec.exchange(sockA, Promise.resolve("two"))).toString()).toBe("got two");
+        expect(a.seen[1]?.text).toBe("two");
+        await vi.waitFor(() => expect(a.seen.length).toBe(3));
+
+        // The socket's server drops the idle channel (a pool going away): the executor lets it go, and the next
+        // exchange opens a channel of its own.
+        a.seen[2]?.sock.destroy();
+        await vi.waitFor(() => expect(exec.stats().channelAhead).toBe(false));
+        expect((await exec.exchange(sockA, "three")).toString()).toBe("got three");
+        expect(a.seen[3]?.text).toBe("three");
+        await vi.waitFor(() => expect(a.seen.length).toBe(5));
+
+        // An exchange with another socket closes the one held for the first, and holds one for itself.
+        expect((await exec.exchange(sockB, "four")).toString()).toBe("got four");
+        await vi.waitFor(() => expect(a.seen[4]?.closed).toBe(true));
+        await vi.waitFor(() => expect(b.seen.length).toBe(2));
+        expect(exec.stats()).toMatchObject({ channelAhead: true, connections: 1, running: 0 });
+
+        // Closing the executor closes the channel held.
+        await exec.close();
+        await vi.waitFor(() => expect(b.seen[1]?.closed).toBe(true));
+        expect(a.seen.map((s) => s.text)).toEqual(["one", "two", "", "three", ""]);
+
+        // Without exchangeAhead nothing is opened beyond the exchange's own channel.
+        const plain = executor();
+        expect((await plain.exchange(sockB, "five")).toString()).toBe("got five");
+        expect(plain.stats().channelAhead).toBe(false);
+        expect(b.seen.length).toBe(3);
+      } finally {
+        a.server.close();
+        b.server.close();
+      }
+    });
+
     it("gives each leg of an exchange its own deadline; a payload never made is not the instance's error", async () => {
       const sock = vm.file("var/run/slow.sock");
       const server = net.createServer({ allowHalfOpen: true }, (c) => {

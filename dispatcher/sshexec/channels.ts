@@ -1,7 +1,7 @@
 /**
  * One SSH channel's mechanics for the executor (executor.ts): opening exec and streamlocal channels, telling a
- * refused open from a dead connection, signalling, racing a promise with a deadline, ending a client. Nothing
- * here knows about instances, identity or limits.
+ * refused open from a dead connection, signalling, racing a promise with a deadline, ending a client, holding one
+ * streamlocal channel open ahead of its use (ChannelAhead). Nothing here knows about instances, identity or limits.
  */
 import type { ClientChannel, Client as SshClient } from "ssh2";
 import type { Clock } from "../../lib/clock.ts";
@@ -90,6 +90,81 @@ export function sendSignal(channel: ClientChannel, name: string): void {
   } catch {
     // The channel is going away anyway.
   }
+}
+
+/**
+ * One streamlocal channel opened ahead of the next exchange with a socket (the warm pool's, to which the
+ * dispatcher hands each pass's start documents), so that exchange writes at once instead of waiting one round
+ * trip for the channel to open. At most one is held, to the socket the last exchange opened; it is dropped when
+ * it closes (the socket's server went away, the connection dropped) and never reopened until an exchange has
+ * opened a channel to that socket again. An idle streamlocal channel is not one of sshd's sessions (MaxSessions
+ * counts shells, commands and subsystems), and the executor's channel slots count it only while it is in use.
+ */
+export class ChannelAhead {
+  private held: Held | null = null;
+
+  /** True while a channel is held (opening or open). */
+  get holding(): boolean {
+    return this.held !== null;
+  }
+
+  /** The channel held for `path` on `client`, once open; null when none is (or it went away meanwhile). */
+  take(client: SshClient, path: string): Promise<ClientChannel | null> | null {
+    const held = this.held;
+    if (held === null || held.client !== client || held.path !== path) return null;
+    this.held = null;
+    // The idle watch stops in the same turn as the taker goes on, before it reads from the channel.
+    return held.opened.then((o) => {
+      if (o === null) return null;
+      for (const event of IDLE_EVENTS) o.channel.off(event, o.leave);
+      return o.gone() ? null : o.channel;
+    });
+  }
+
+  /** Opens the next one to `path` on `client`, unless it is held already; one held elsewhere is closed. */
+  open(client: SshClient, path: string): void {
+    if (this.held?.client === client && this.held.path === path) return;
+    this.drop();
+    // While idle the channel is read, so that its end is seen (ssh2 says `close` only once the stream has been
+    // read to its end): a socket's server says nothing before a payload, so any data or an end means it is no
+    // longer one to hand out.
+    let gone = false;
+    const held: Held = {
+      client,
+      path,
+      opened: openStreamLocal(client, path).then(
+        (channel) => {
+          const leave = () => {
+            gone = true;
+            if (this.held === held) this.held = null;
+            channel.close();
+          };
+          for (const event of IDLE_EVENTS) channel.on(event, leave);
+          return { channel, leave, gone: () => gone };
+        },
+        () => {
+          if (this.held === held) this.held = null;
+          return null;
+        },
+      ),
+    };
+    this.held = held;
+  }
+
+  /** Closes the channel held, if any. */
+  drop(): void {
+    const held = this.held;
+    this.held = null;
+    void held?.opened.then((o) => o?.channel.close());
+  }
+}
+
+const IDLE_EVENTS = ["error", "data", "end", "close"] as const;
+
+interface Held {
+  client: SshClient;
+  path: string;
+  opened: Promise<{ channel: ClientChannel; leave: () => void; gone: () => boolean } | null>;
 }
 
 /** Races `promise` with `signal`; rejects with the signal's reason. `onLate` gets a value that came too late. */

@@ -15,6 +15,7 @@ import { INSTANCE_SECRET_SHELL_PATH } from "../../lib/runner-protocol.ts";
 import { constantTimeEqual } from "../../lib/tokens.ts";
 import {
   abortable,
+  ChannelAhead,
   endClient,
   errMessage,
   isOpenRefusal,
@@ -69,6 +70,11 @@ export interface SshExecutorOptions {
   backoff?: Partial<BackoffOptions>;
   /** Delay before retrying a channel the server refused to open (default 100 ms). */
   channelRetryMs?: number;
+  /**
+   * Keeps a channel to the socket of the last exchange open ahead of the next one (ChannelAhead, channels.ts),
+   * saving that exchange one round trip (default false; the dispatcher's executors, sshConnector, set it).
+   */
+  exchangeAhead?: boolean;
   /** SSH keepalive interval; three missed replies drop the connection (default 15 s; 0 disables). */
   keepaliveIntervalMs?: number;
   /**
@@ -97,6 +103,8 @@ export interface SshExecutorStats {
   queued: number;
   /** Successful (identity-checked) connections made so far. */
   connections: number;
+  /** A channel is held open (or opening) ahead of the next exchange (exchangeAhead). */
+  channelAhead: boolean;
   lastError: { code: string; message: string; at: number } | null;
 }
 
@@ -169,6 +177,7 @@ export function sshConnector(opts: {
       privateKey: opts.privateKey,
       expectedSecret,
       defaultPort: opts.sshPort,
+      exchangeAhead: true,
       logger: opts.logger.child({ component: "sshexec", instanceId: instance.id }),
       clock: opts.clock,
       ...(opts.connectLimits === undefined ? {} : { connectLimits: opts.connectLimits }),
@@ -211,6 +220,7 @@ class SshExecutorImpl implements SshExecutor {
   private readonly closing = new AbortController();
 
   private readonly slots: ChannelSlots;
+  private readonly ahead: ChannelAhead | null;
   private openChannels = 0;
   private peakChannels = 0;
   private connections = 0;
@@ -234,6 +244,7 @@ class SshExecutorImpl implements SshExecutor {
     this.log = opts.logger.child({ component: "sshexec", instance: this.name });
     this.backoff = { ...DEFAULT_BACKOFF, ...opts.backoff };
     this.slots = new ChannelSlots(Math.max(1, opts.maxChannels ?? 8));
+    this.ahead = opts.exchangeAhead === true ? new ChannelAhead() : null;
     this.connectTimeoutMs = opts.connectTimeoutMs ?? 60_000;
     this.commandTimeoutMs = opts.commandTimeoutMs ?? 600_000;
     this.maxOutputBytes = opts.maxOutputBytes ?? 64 * 1024 * 1024;
@@ -249,6 +260,7 @@ class SshExecutorImpl implements SshExecutor {
       running: this.slots.running,
       queued: this.slots.queued,
       connections: this.connections,
+      channelAhead: this.ahead?.holding ?? false,
       lastError: this.lastError,
     };
   }
@@ -336,9 +348,15 @@ class SshExecutorImpl implements SshExecutor {
     try {
       const opening = arm("no channel");
       const conn = await abortable(this.connection(), opening);
-      const stream = await abortable(openStreamLocal(conn.client, socketPath), opening, (late) =>
-        late.close(),
-      );
+      const held = this.ahead?.take(conn.client, socketPath) ?? null;
+      const stream =
+        (held === null ? null : await abortable(held, opening, (late) => late?.close())) ??
+        (await abortable(openStreamLocal(conn.client, socketPath), opening, (late) => late.close()));
+      // The socket is there: the next exchange with it finds its channel open (opened once this one is over,
+      // so as not to compete with it on either side).
+      const openNext = () => {
+        if (this.conn === conn && !this.closed) this.ahead?.open(conn.client, socketPath);
+      };
       try {
         const answered = new Promise<Buffer>((resolve, reject) => {
           const chunks: Buffer[] = [];
@@ -359,10 +377,15 @@ class SshExecutorImpl implements SshExecutor {
           text = await abortable(payload, arm("nothing to send"));
           waitingForPayload = false;
         }
-        if (text === null) return Buffer.alloc(0);
+        if (text === null) {
+          openNext();
+          return Buffer.alloc(0);
+        }
         const answering = arm("no answer");
         stream.end(text);
-        return await abortable(answered, answering);
+        const answer = await abortable(answered, answering);
+        openNext();
+        return answer;
       } finally {
         stream.close();
       }
@@ -383,6 +406,7 @@ class SshExecutorImpl implements SshExecutor {
     this.closed = true;
     this.closing.abort(new SshError("ssh.closed", `the executor for ${this.name} is closed`));
     this.slots.rejectAll(this.closedError());
+    this.ahead?.drop();
     this.pendingClient?.destroy();
     const conn = this.conn;
     this.conn = null;
