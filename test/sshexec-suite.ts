@@ -320,6 +320,35 @@ export function sshExecutorSuite(kind: ServerKind): void {
         await vi.waitFor(() => expect(b.seen[1]?.closed).toBe(true));
         expect(a.seen.map((s) => s.text)).toEqual(["one", "two", "", "three", ""]);
 
+        // A socket's server that speaks before it is sent anything (not a warm pool; odd bytes): its idle
+        // channel is dropped, never handed to the next exchange with what it said.
+        const sockC = vm.file("var/run/ahead-c.sock");
+        const chatty: string[] = [];
+        const c = net.createServer({ allowHalfOpen: true }, (conn) => {
+          let text = "";
+          conn.on("error", () => {});
+          conn.write("\x00\xffunasked\n");
+          conn.on("data", (d: Buffer) => {
+            text += d.toString();
+          });
+          conn.on("end", () => {
+            chatty.push(text);
+            conn.end(`got ${text}`);
+          });
+        });
+        await new Promise<void>((ok) => c.listen(sockC, ok));
+        chmodSync(sockC, 0o777);
+        try {
+          const talker = executor({ exchangeAhead: true });
+          expect((await talker.exchange(sockC, "six")).toString()).toContain("got six");
+          await vi.waitFor(() => expect(talker.stats().channelAhead).toBe(false));
+          const seven = (await talker.exchange(sockC, "seven")).toString();
+          expect(seven).toBe("\x00\xffunasked\ngot seven");
+          expect(chatty).toContain("seven");
+        } finally {
+          c.close();
+        }
+
         // Without exchangeAhead nothing is opened beyond the exchange's own channel.
         const plain = executor();
         expect((await plain.exchange(sockB, "five")).toString()).toBe("got five");
