@@ -10,7 +10,7 @@ import http from "node:http";
 import net from "node:net";
 import { join } from "node:path";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { findPids, isAlive, readCmdline } from "../cloud-drivers/local/procs.ts";
+import { findPids, isAlive, processState, readCmdline } from "../cloud-drivers/local/procs.ts";
 import { holderAlive, parseLock, readLockText } from "../crunch-run/lock.ts";
 import { lockFile, runnerPaths } from "../crunch-run/paths.ts";
 import { spareSocketPath } from "../crunch-run/spare.ts";
@@ -33,7 +33,10 @@ import { useTestDb } from "./db.ts";
 
 type Started = { uuid: string; token: string; attempt: number };
 
-describe("crunch-run warm pool (process runtime)", () => {
+// Each test starts real processes (a spare is a Node process: 1-3 s on a slow machine, several times that while
+// the rest of the suite runs beside it) and some wait out the pool's own delays: the bounds are generous so that
+// a loaded machine is not taken for a pool that fails.
+describe("crunch-run warm pool (process runtime)", { timeout: 120_000 }, () => {
   const getDb = useTestDb("pglite");
   let h: RunnerHarness;
   beforeAll(async () => {
@@ -86,8 +89,10 @@ describe("crunch-run warm pool (process runtime)", () => {
     await waitFor(async () => {
       spares = pidsTitled(h.root, "crunch-run spare");
       return spares.length === k;
-    }, 20_000).catch(() => {
-      throw new Error(`the pool has ${spares.length} ready spares after 20 s, not ${k}`);
+    }).catch(() => {
+      throw new Error(
+        `the pool has ${spares.length} ready spares after 60 s, not ${k}; ${runnerProcesses(h.root)}`,
+      );
     });
     // --detach named the pool it started: the socket --list shows.
     expect(detachAnswerSpare(res.stdout)).toBe(await socketOf());
@@ -770,7 +775,7 @@ describe("crunch-run warm pool (process runtime)", () => {
       await waitFor(async () => {
         spares = pidsTitled(h.root, "crunch-run spare");
         return spares.length === 1;
-      }, 20_000);
+      });
       expect(spares).not.toContain(lent);
     } finally {
       expect((await h.crunchRun(["--kill", "TERM", x.uuid])).code).toBe(0);
@@ -796,12 +801,12 @@ describe("crunch-run warm pool (process runtime)", () => {
       await waitFor(async () => {
         spares = pidsTitled(h.root, "crunch-run spare");
         return spares.length === 1;
-      }, 20_000);
+      });
       expect(spares).not.toContain(stuck);
     } finally {
       await stopped.done();
     }
-  }, 90_000);
+  }, 150_000);
 
   it("a connection held idle, as the dispatcher opens one ahead, carries a hand-off written later; one written as the pool closes is refused", async () => {
     for (const pid of pidsTitled(h.root, "crunch-run warm-pool")) kill(pid);
@@ -895,6 +900,14 @@ function sparePids(root: string): number[] {
     const args = readCmdline(pid) ?? [];
     return args.join(" ") === "crunch-run spare" || args.at(-1) === "--spare";
   });
+}
+
+/** The processes of the runner under `root`, each as `pid title (state)`: what a failed wait says it found. */
+function runnerProcesses(root: string): string {
+  const procs = findPids({ env: ["DISPATCH_VM_ROOT", root] }).map(
+    (pid) => `${pid} ${(readCmdline(pid) ?? []).join(" ")} (${processState(pid) ?? "gone"})`,
+  );
+  return `the runner's processes: ${procs.join(", ") || "none"}`;
 }
 
 /** Processes of the instance whose root is `root` whose title is `title`. */

@@ -24,7 +24,9 @@ const IMAGE = "dctest/busybox:1";
 const MAX_FILES = 20_000;
 const MAX_LOG = 256 * 1024;
 
-describe("hostile bundles (docker runtime)", () => {
+// Each test runs Docker containers (and one waits out a victim bundle's 20 s): the bound is generous so that a
+// machine loaded by the rest of the suite is not taken for a failure.
+describe("hostile bundles (docker runtime)", { timeout: 120_000 }, () => {
   const getDb = useTestDb("pglite");
   const docker = createDockerClient(process.env);
   let h: RunnerHarness;

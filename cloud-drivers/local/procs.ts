@@ -16,6 +16,11 @@ function stat(pid: number): { state: string; pgrp: number } | undefined {
   }
 }
 
+/** A process's state letter (R, S, T for stopped, Z...), or undefined if it is gone. */
+export function processState(pid: number): string | undefined {
+  return stat(pid)?.state;
+}
+
 /** Whether a process (pid > 0) or any member of a process group (pid < 0) exists and is not a zombie. */
 export function isAlive(pid: number): boolean {
   if (pid > 0) {
