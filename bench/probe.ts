@@ -14,7 +14,8 @@
  * connection set up: TCP, key exchange, authentication, identity check, then the boot probe as above), a round
  * of `--list` probes over the open connections at once, the same probes one at a time, the executor alone, and,
  * without the dispatcher, one plain SSH exec round trip of the same `--list` on one raw ssh2 connection and the
- * same command on raw connections to every server at once, with the ratios.
+ * same command on raw connections to every server at once, with the ratios. Then, not as a target, each of those
+ * instances gets a warm pool (poolPhase): probes that ask it, on channels the executor holds open ahead of them.
  *
  * Prints the dispatcher's RSS (and the memory per connected instance). BENCH_CPU_PROF=DIR writes a CPU profile of
  * phase 2's dispatcher process into DIR. Targets (issue 21): 10,000 instances
@@ -22,10 +23,13 @@
  */
 import { type ChildProcess, fork } from "node:child_process";
 import { once } from "node:events";
+import { mkdtempSync, rmSync } from "node:fs";
+import net from "node:net";
 import { pino } from "pino";
 import { Registry } from "prom-client";
 import ssh2 from "ssh2";
 import { StubCloud } from "../cloud-drivers/stub/driver.ts";
+import { stubListing } from "../cloud-drivers/stub/executor.ts";
 import type { Config } from "../config/schema.ts";
 import { instanceTypesFromConfig } from "../dispatcher/instance-types.ts";
 import { createWorkerPool, type WorkerPool } from "../dispatcher/pool/pool.ts";
@@ -34,6 +38,7 @@ import { artifactOf } from "../dispatcher/runner-artifact.ts";
 import { createConnectLimits, sshConnector } from "../dispatcher/sshexec/executor.ts";
 import { systemClock } from "../lib/clock.ts";
 import type { Executor } from "../lib/executor.ts";
+import { LIST_REQUEST } from "../lib/runner-protocol.ts";
 import { generateKeyPair } from "../lib/ssh-keys.ts";
 import { MemoryQueue } from "../test/stub-pool.ts";
 import { benchArgs } from "./args.ts";
@@ -79,8 +84,11 @@ async function until(done: () => boolean): Promise<void> {
   while (!done()) await new Promise((r) => setTimeout(r, 10));
 }
 
-/** Executors that record how long each `--list` took (on the open connection, as the executor sees it). */
-function timingLists(connect: (i: never, s: string) => Executor, lists: number[]) {
+/**
+ * Executors that record how long each `--list` took (on the open connection, as the executor sees it), and each
+ * listing asked of a warm pool's socket (`exchanges`).
+ */
+function timingLists(connect: (i: never, s: string) => Executor, lists: number[], exchanges: number[]) {
   return (instance: never, secret: string): Executor => {
     const inner = connect(instance, secret);
     const wrapped: Executor = {
@@ -94,8 +102,28 @@ function timingLists(connect: (i: never, s: string) => Executor, lists: number[]
     };
     const open = inner.connect;
     if (open !== undefined) wrapped.connect = () => open.call(inner);
+    const exchange = inner.exchange;
+    if (exchange !== undefined)
+      wrapped.exchange = async (socketPath, payload, opts) => {
+        const t = performance.now();
+        const answer = await exchange.call(inner, socketPath, payload, opts);
+        exchanges.push(performance.now() - t);
+        return answer;
+      };
     return wrapped;
   };
+}
+
+/** Probes the first `count` workers one after another; the time of each, to the pool settled again. */
+async function oneAtATime(pool: WorkerPool, count: number): Promise<number[]> {
+  const times: number[] = [];
+  for (const w of pool.workers().slice(0, count)) {
+    const t = performance.now();
+    pool.probeNow(w.id);
+    await pool.settled();
+    times.push(performance.now() - t);
+  }
+  return times;
 }
 
 interface Rounds {
@@ -219,23 +247,66 @@ async function serveSsh(): Promise<void> {
   const cloud = new StubCloud({ clock: systemClock, seed: 2, callLogLimit: 1000 });
   const set = cloud.instanceSet("bench");
   const type = instanceTypesFromConfig(benchConfig(1))[0]!;
+  // The warm pools' sockets (short paths: a socket's path holds at most 107 bytes).
+  const poolDir = mkdtempSync("/tmp/bench-pools-");
+  const ids: string[] = [];
+  /** Connections open to the pools' sockets: the channels the dispatcher holds open ahead, once they are idle. */
+  let poolConnections = 0;
+  const openPools = async () => {
+    for (const [i, id] of ids.entries()) {
+      const vm = cloud.vm(id)!;
+      const socket = `${poolDir}/${i}.sock`;
+      const server = net.createServer((conn) => {
+        poolConnections++;
+        conn.on("close", () => poolConnections--);
+        conn.on("error", () => {});
+        let text = "";
+        conn.on("data", (d) => {
+          text += d.toString();
+          if (text.length > LIST_REQUEST.length) conn.destroy();
+        });
+        // As crunch-run's pool: one exchange per connection, read to its end.
+        conn.on("end", () => conn.end(text === LIST_REQUEST ? stubListing(vm) : ""));
+      });
+      await new Promise<void>((ok) => server.listen(socket, ok));
+      vm.spareSocket = socket;
+    }
+  };
   process.on(
     "message",
-    async (m: { vms?: Array<{ initCommand: string; publicKey: string }>; rss?: true }) => {
+    async (m: {
+      vms?: Array<{ initCommand: string; publicKey: string }>;
+      rss?: true;
+      pools?: true;
+      held?: true;
+    }) => {
       if (m.rss) {
         send({ rss: settledRss() });
+        return;
+      }
+      if (m.pools) {
+        await openPools();
+        send({ pools: ids.length });
+        return;
+      }
+      if (m.held) {
+        send({ held: poolConnections });
         return;
       }
       const addresses: string[] = [];
       for (const v of m.vms ?? []) {
         const inst = await set.create(type, "img", {}, v.initCommand, v.publicKey);
-        const server = await cloud.startSshServer(inst.id);
+        const server = await cloud.startSshServer(inst.id, { streamLocalUnder: poolDir });
+        ids.push(inst.id);
         addresses.push(`${server.host}:${server.port}`);
       }
       send({ addresses });
     },
   );
-  process.on("disconnect", () => process.exit(0));
+  process.on("disconnect", () => {
+    rmSync(poolDir, { recursive: true, force: true });
+    process.exit(0);
+  });
   send({ ready: true });
 }
 
@@ -333,6 +404,7 @@ async function sshPhase(n: number): Promise<void> {
       clock: systemClock,
     });
     const lists: number[] = [];
+    const exchanges: number[] = [];
     const connect = timingLists(
       sshConnector({
         privateKey: key.privateKey,
@@ -342,6 +414,7 @@ async function sshPhase(n: number): Promise<void> {
         connectLimits: limits,
       }),
       lists,
+      exchanges,
     );
     const pool = createWorkerPool({
       config: fleet.config as Config,
@@ -379,13 +452,7 @@ async function sshPhase(n: number): Promise<void> {
     // probeNow probes an instance at most once a second: let that second pass first.
     await new Promise((r) => setTimeout(r, 1100));
     const seqCount = Math.min(n, 200);
-    const seq: number[] = [];
-    for (const w of pool.workers().slice(0, seqCount)) {
-      const t = performance.now();
-      pool.probeNow(w.id);
-      await pool.settled();
-      seq.push(performance.now() - t);
-    }
+    const seq = await oneAtATime(pool, seqCount);
     const listCommand = runnerCommands(fleet.config.cloud.deployRunnerDirectory, runner.sha256).list;
     const plain = await plainRoundTrips(vms[0]!.address, key.privateKey, listCommand, 200);
     const plainP50 = median(plain);
@@ -429,11 +496,63 @@ async function sshPhase(n: number): Promise<void> {
         `${((rss1 - rss0) / n / 1024).toFixed(0)} KiB per connected instance, so ${((((rss1 - rss0) / n) * 10_000) / GiB).toFixed(2)} GiB ` +
         `more at 10,000); the servers' process ${mib(childRss)}`,
     );
+    await poolPhase(pool, n, child, { plainP50, rss1, exchanges });
     await pool.stop();
   } finally {
     child.disconnect();
     child.kill();
   }
+}
+
+/**
+ * Not a target: the same instances with a warm pool each (a socket in the servers' process that answers a
+ * listing as crunch-run's pool does): once a probe's `--list` has named the socket, each probe asks the pool over
+ * a channel to it, and the executor keeps one channel to it open ahead of the next (exchangeAhead). Times rounds
+ * at once and probes one at a time on that path, and counts the channels held open and what they cost in RSS.
+ */
+async function poolPhase(
+  pool: WorkerPool,
+  n: number,
+  child: ChildProcess,
+  { plainP50, rss1, exchanges }: { plainP50: number; rss1: number; exchanges: number[] },
+): Promise<void> {
+  const pause = () => new Promise((r) => setTimeout(r, 1100));
+  const round = async () => {
+    const t = performance.now();
+    for (const w of pool.workers()) pool.probeNow(w.id);
+    await pool.settled();
+    return performance.now() - t;
+  };
+  await request<number>(child, { pools: true }, "pools");
+  // A round of --list probes names each pool's socket; the next one asks the pools (each opening its channel).
+  await pause();
+  await round();
+  await pause();
+  const firstAsk = await round();
+  await pause();
+  const held = await request<number>(child, { held: true }, "held");
+  const asked = exchanges.length;
+  const all = await round();
+  const viaPool = exchanges.length - asked;
+  await pause();
+  const seqCount = Math.min(n, 200);
+  const seq = await oneAtATime(pool, seqCount);
+  const rss2 = settledRss();
+  const heldAfter = await request<number>(child, { held: true }, "held");
+  say(`  with a warm pool on each instance (not a target; probes ask the pool, no process on the VM):`);
+  say(
+    `    first round asking the pools: ${sec(firstAsk)}; the next, with ${held} channels held open ahead of it: ` +
+      `${sec(all)} (${ms(all / n)} per probe, ${viaPool} of ${n} through the pools; ` +
+      `${(all / n / plainP50).toFixed(2)} x the plain round trip)`,
+  );
+  say(
+    `    one probe at a time (${seqCount}): median ${ms(median(seq))}, p99 ${ms(p99(seq))} ` +
+      `(${(median(seq) / plainP50).toFixed(2)} x the plain round trip)`,
+  );
+  say(
+    `    channels held open ahead after those: ${heldAfter}; dispatcher RSS ${mib(rss2)} ` +
+      `(${((rss2 - rss1) / n / 1024).toFixed(1)} KiB per instance more than after the --list rounds)`,
+  );
 }
 
 async function main(): Promise<void> {

@@ -180,9 +180,13 @@ export class StubCloud extends EventEmitter<StubCloudEvents> implements StubExec
    * Serves the VM's stub executor through a real (embedded ssh2) SSH server on 127.0.0.1, accepting the
    * public key the VM was created with, and sets the VM's address to it, so the real SSH executor can run
    * commands on a stub VM. A command to a VM that is not up exits 255 with the reason on stderr.
-   * `close()` stops every server started this way.
+   * `close()` stops every server started this way. `streamLocalUnder`: channels to unix sockets under it are
+   * allowed (a warm pool's socket, which a bench serves).
    */
-  async startSshServer(vm: StubVm | string, opts: { logger?: Logger } = {}): Promise<EmbeddedSshServer> {
+  async startSshServer(
+    vm: StubVm | string,
+    opts: { logger?: Logger; streamLocalUnder?: string } = {},
+  ): Promise<EmbeddedSshServer> {
     const target = typeof vm === "string" ? this.vms.get(vm) : vm;
     if (target === undefined) throw new Error(`stub cloud has no VM ${String(vm)}`);
     const exec = this.executorFor(target.id);
@@ -192,6 +196,7 @@ export class StubCloud extends EventEmitter<StubCloudEvents> implements StubExec
       hostKey: generateKeyPair().privateKey,
       authorizedKeys: [target.publicKey],
       ...(opts.logger === undefined ? {} : { logger: opts.logger }),
+      ...(opts.streamLocalUnder === undefined ? {} : { streamLocalUnder: opts.streamLocalUnder }),
       onExec: async (command, session) => {
         try {
           const res = await exec.execute(command, { stdin: session.stdin });

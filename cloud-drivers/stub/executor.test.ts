@@ -1,4 +1,8 @@
 import { createHash, randomBytes } from "node:crypto";
+import { mkdtempSync, rmSync } from "node:fs";
+import net from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { Readable } from "node:stream";
 import { afterEach, describe, expect, it } from "vitest";
 import { initScript, newInstanceSecret } from "../../dispatcher/pool/bootstrap.ts";
@@ -6,10 +10,12 @@ import { createSshExecutor, IDENTITY_COMMAND } from "../../dispatcher/sshexec/ex
 import { type Clock, systemClock } from "../../lib/clock.ts";
 import { SshError } from "../../lib/executor.ts";
 import { createLogger } from "../../lib/logger.ts";
+import { LIST_REQUEST, parseList } from "../../lib/runner-protocol.ts";
 import { FakeClock } from "../../test/fake-clock.ts";
 import { generateKeyPair } from "../ssh-server.ts";
 import type { InstanceType } from "../types.ts";
 import { StubCloud } from "./driver.ts";
+import { stubListing } from "./executor.ts";
 import { parseShell, ShellSyntaxError } from "./shell.ts";
 
 const TYPE: InstanceType = {
@@ -259,6 +265,44 @@ describe("stub VM over real SSH", () => {
       await expect(impostor.execute("true")).rejects.toMatchObject({ code: "ssh.host_mismatch" });
     } finally {
       await impostor.close();
+    }
+  });
+
+  it("names a warm pool's socket in its listing, and lets the executor reach sockets under streamLocalUnder only", async () => {
+    const key = generateKeyPair();
+    const made = await vmWithExecutor(systemClock, key.publicKey);
+    cloud = made.cloud;
+    const dir = mkdtempSync(join(tmpdir(), "stub-pool-"));
+    const socket = join(dir, "pool.sock");
+    // A pool as crunch-run's answers: one exchange per connection, read to its end.
+    const pool = net.createServer((conn) => {
+      let got = "";
+      conn.on("data", (d) => {
+        got += d.toString();
+      });
+      conn.on("end", () => conn.end(got === LIST_REQUEST ? stubListing(made.vm) : "refused\n"));
+    });
+    await new Promise<void>((ok) => pool.listen(socket, ok));
+    made.vm.spareSocket = socket;
+    await cloud.startSshServer(made.vm, { streamLocalUnder: dir });
+    const ssh = createSshExecutor({
+      address: made.vm.address,
+      user: "root",
+      privateKey: key.privateKey,
+      expectedSecret: made.secret,
+      logger: createLogger({ level: "silent", format: "json" }),
+      clock: systemClock,
+    });
+    try {
+      expect(stubListing(made.vm)).toBe(`spare ${socket}\n`);
+      const answer = (await ssh.exchange(socket, LIST_REQUEST)).toString("utf8");
+      expect(parseList(answer).spare).toBe(socket);
+      // Outside the directory the server allows: refused, as sshd refuses a path it does not permit.
+      await expect(ssh.exchange(join(tmpdir(), "elsewhere.sock"), LIST_REQUEST)).rejects.toThrow();
+    } finally {
+      await ssh.close();
+      pool.close();
+      rmSync(dir, { recursive: true, force: true });
     }
   });
 });

@@ -396,20 +396,7 @@ class Run {
       return 1;
     }
     if (args.includes("--list")) {
-      for (const r of vm.runners.values()) {
-        if (r.state === "running") write(io.stdout, `${r.uuid}\n`);
-        else if (r.state === "stale") write(io.stdout, `${r.uuid} stale\n`);
-      }
-      if (vm.broken) write(io.stdout, "broken\n");
-      if (vm.preempted) write(io.stdout, "preempted\n");
-      const cache = formatList({
-        runners: new Map(),
-        broken: false,
-        preempted: false,
-        spare: null,
-        cachedManifests: vm.cachedManifests,
-      });
-      for (const line of vm.cacheLine === null ? cache : [vm.cacheLine]) write(io.stdout, `${line}\n`);
+      write(io.stdout, stubListing(vm));
       return 0;
     }
     if (args.includes("--version")) {
@@ -517,4 +504,25 @@ async function readAll(stdin: ExecOptions["stdin"]): Promise<Buffer> {
     stream.once("end", () => resolve(concat(chunks)));
     stream.once("error", reject);
   });
+}
+
+/** What the stub VM's `crunch-run --list` prints (and a warm pool of a bench answers a listing with). */
+export function stubListing(vm: StubVm): string {
+  const lines: string[] = [];
+  for (const r of vm.runners.values()) {
+    if (r.state === "running") lines.push(r.uuid);
+    else if (r.state === "stale") lines.push(`${r.uuid} stale`);
+  }
+  if (vm.broken) lines.push("broken");
+  if (vm.preempted) lines.push("preempted");
+  if (vm.spareSocket !== null) lines.push(`spare ${vm.spareSocket}`);
+  const cache = formatList({
+    runners: new Map(),
+    broken: false,
+    preempted: false,
+    spare: null,
+    cachedManifests: vm.cachedManifests,
+  });
+  lines.push(...(vm.cacheLine === null ? cache : [vm.cacheLine]));
+  return lines.map((l) => `${l}\n`).join("");
 }

@@ -88,6 +88,8 @@ export class StubVm extends EventEmitter<StubVmEvents> {
    */
   cachedManifests: string[] = [];
   cacheLine: string | null = null;
+  /** A warm pool's socket (a bench serves one): `crunch-run --list` names it on its `spare` line. */
+  spareSocket: string | null = null;
   /** Every command fails (exit 2, "cannot fork"). */
   commandsFail = false;
   /** SSH answers but the boot probe never passes. */
