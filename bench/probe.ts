@@ -114,6 +114,14 @@ function timingLists(connect: (i: never, s: string) => Executor, lists: number[]
   };
 }
 
+/** Probes every worker at once (probeNow, the loop's path); the time until the pool has settled again. */
+async function probeAll(pool: WorkerPool): Promise<number> {
+  const t = performance.now();
+  for (const w of pool.workers()) pool.probeNow(w.id);
+  await pool.settled();
+  return performance.now() - t;
+}
+
 /** Probes the first `count` workers one after another; the time of each, to the pool settled again. */
 async function oneAtATime(pool: WorkerPool, count: number): Promise<number[]> {
   const times: number[] = [];
@@ -155,10 +163,7 @@ async function firstRounds(pool: WorkerPool, n: number, label: string): Promise<
   );
   const before = new Map(pool.workers().map((w) => [w.id, w.probedAt ?? 0]));
   const cpu0 = process.cpuUsage();
-  const t1 = performance.now();
-  for (const w of pool.workers()) pool.probeNow(w.id);
-  await pool.settled();
-  const all = performance.now() - t1;
+  const all = await probeAll(pool);
   const cpu = process.cpuUsage(cpu0);
   const again = pool.workers().filter((w) => (w.probedAt ?? 0) > (before.get(w.id) ?? 0)).length;
   if (again !== n) throw new Error(`${label}: only ${again} of ${n} instances were probed again`);
@@ -517,22 +522,16 @@ async function poolPhase(
   { plainP50, rss1, exchanges }: { plainP50: number; rss1: number; exchanges: number[] },
 ): Promise<void> {
   const pause = () => new Promise((r) => setTimeout(r, 1100));
-  const round = async () => {
-    const t = performance.now();
-    for (const w of pool.workers()) pool.probeNow(w.id);
-    await pool.settled();
-    return performance.now() - t;
-  };
   await request<number>(child, { pools: true }, "pools");
   // A round of --list probes names each pool's socket; the next one asks the pools (each opening its channel).
   await pause();
-  await round();
+  await probeAll(pool);
   await pause();
-  const firstAsk = await round();
+  const firstAsk = await probeAll(pool);
   await pause();
   const held = await request<number>(child, { held: true }, "held");
   const asked = exchanges.length;
-  const all = await round();
+  const all = await probeAll(pool);
   const viaPool = exchanges.length - asked;
   await pause();
   const seqCount = Math.min(n, 200);

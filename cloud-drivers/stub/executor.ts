@@ -508,21 +508,15 @@ async function readAll(stdin: ExecOptions["stdin"]): Promise<Buffer> {
 
 /** What the stub VM's `crunch-run --list` prints (and a warm pool of a bench answers a listing with). */
 export function stubListing(vm: StubVm): string {
-  const lines: string[] = [];
-  for (const r of vm.runners.values()) {
-    if (r.state === "running") lines.push(r.uuid);
-    else if (r.state === "stale") lines.push(`${r.uuid} stale`);
-  }
-  if (vm.broken) lines.push("broken");
-  if (vm.preempted) lines.push("preempted");
-  if (vm.spareSocket !== null) lines.push(`spare ${vm.spareSocket}`);
-  const cache = formatList({
-    runners: new Map(),
-    broken: false,
-    preempted: false,
-    spare: null,
-    cachedManifests: vm.cachedManifests,
+  const runners = new Map<string, "running" | "stale">();
+  for (const r of vm.runners.values()) if (r.state !== "exited") runners.set(r.uuid, r.state);
+  const lines = formatList({
+    runners,
+    broken: vm.broken,
+    preempted: vm.preempted,
+    spare: vm.spareSocket,
+    cachedManifests: vm.cacheLine === null ? vm.cachedManifests : [],
   });
-  lines.push(...(vm.cacheLine === null ? cache : [vm.cacheLine]));
+  if (vm.cacheLine !== null) lines.push(vm.cacheLine);
   return lines.map((l) => `${l}\n`).join("");
 }
