@@ -34,6 +34,8 @@ export function defaultsYamlText(): string {
 function accepts(schema: AnnotatedSchema): string {
   switch (schema["unit"]) {
     case "duration":
+      if (typeof schema["offOrAtLeast"] === "string")
+        return `Duration: 0 (off) or >= ${schema["offOrAtLeast"]}.`;
       return schema["format"] === "dc-duration-positive" ? "Duration, > 0." : "Duration.";
     case "size":
       return "Size.";

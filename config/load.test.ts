@@ -74,6 +74,23 @@ describe("parseConfig", () => {
     });
   });
 
+  it("takes 0 (off) or at least 1s for the intervals whose every run costs the database a pass", () => {
+    expect(onlyProblem("database:\n  embeddedMaintenanceInterval: 20ms\n")).toMatchObject({
+      code: "config.invalid_value",
+      path: "database.embeddedMaintenanceInterval",
+      message: 'must be 0 (off) or at least 1s; got "20ms"',
+    });
+    expect(onlyProblem("cas:\n  gcInterval: 999ms\n")).toMatchObject({ path: "cas.gcInterval" });
+    expect(onlyProblem("cas:\n  gcInterval: 1m5\n").message).toContain("a number without a unit");
+    for (const ok of ['"0"', "0s", "1s", "90m"]) {
+      const { config, problems } = parseConfig(
+        `database:\n  embeddedMaintenanceInterval: ${ok}\ncas:\n  gcInterval: ${ok}\n`,
+      );
+      expect(problems).toEqual([]);
+      expect(config?.cas.gcInterval).toBe(ok === "90m" ? 5_400_000 : ok === "1s" ? 1000 : 0);
+    }
+  });
+
   it("reports a bad size unit with the valid units", () => {
     const p = onlyProblem("dispatcher:\n  reserveExtraRam: 4XB\n");
     expect(p).toMatchObject({ code: "config.invalid_value", path: "dispatcher.reserveExtraRam", line: 2 });

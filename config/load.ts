@@ -183,6 +183,9 @@ function valueMessage(schema: AnnotatedSchema, value: unknown): string {
     case "duration":
       try {
         parseDuration(value as string);
+        if (typeof schema["offOrAtLeast"] === "string") {
+          return `must be 0 (off) or at least ${schema["offOrAtLeast"]}; got ${JSON.stringify(value)}`;
+        }
         return "must be greater than 0";
       } catch (e) {
         return (e as Error).message;

@@ -59,6 +59,21 @@ FormatRegistry.Set("dc-duration-positive", (v) => {
     return false;
   }
 });
+/** A duration that is 0 (off) or at least `minMs`: the format `dc-duration-off-or-<minMs>`, registered on first use. */
+function offOrAtLeastFormat(minMs: number): string {
+  const name = `dc-duration-off-or-${minMs}`;
+  if (!FormatRegistry.Has(name)) {
+    FormatRegistry.Set(name, (v) => {
+      try {
+        const ms = parseDuration(v);
+        return ms === 0 || ms >= minMs;
+      } catch {
+        return false;
+      }
+    });
+  }
+  return name;
+}
 FormatRegistry.Set("dc-size", (v) => succeeds(() => parseSize(v)));
 FormatRegistry.Set("dc-secret", (v) => secretRefProblem(v) === undefined);
 FormatRegistry.Set("dc-host-port", (v) => {
@@ -78,15 +93,34 @@ FormatRegistry.Set("dc-http-url-or-empty", (v) => {
 
 // ---- Building blocks -------------------------------------------------------------------------------------
 
-function Duration(def: string, description: string, opts: { positive?: boolean } = {}) {
+/**
+ * A duration leaf. `positive`: 0 is refused. `offOrAtLeast` (a duration): 0 means off, and anything else must be
+ * at least that long (an interval whose every run costs the database a pass, where a typo such as "1ms" would
+ * keep it busy).
+ */
+function Duration(
+  def: string,
+  description: string,
+  opts: { positive?: boolean; offOrAtLeast?: string } = {},
+) {
   const positive = opts.positive === true;
+  const minMs = opts.offOrAtLeast === undefined ? undefined : parseDuration(opts.offOrAtLeast);
+  const format =
+    minMs !== undefined ? offOrAtLeastFormat(minMs) : positive ? "dc-duration-positive" : "dc-duration";
+  const expected =
+    minMs !== undefined
+      ? `${DURATION_FORMAT}: 0 (off) or at least ${opts.offOrAtLeast}`
+      : positive
+        ? `${DURATION_FORMAT}, greater than 0`
+        : DURATION_FORMAT;
   return Type.Transform(
     Type.String({
-      format: positive ? "dc-duration-positive" : "dc-duration",
+      format,
       default: def,
       description,
       unit: "duration",
-      expected: positive ? `${DURATION_FORMAT}, greater than 0` : DURATION_FORMAT,
+      expected,
+      ...(minMs === undefined ? {} : { offOrAtLeast: opts.offOrAtLeast }),
     }),
   )
     .Decode((v) => parseDuration(v))
@@ -176,6 +210,7 @@ const Database = Section("Where bundles, users and events are stored.", {
     "PGlite only (PostgreSQL's autovacuum and checkpointer do this themselves): how often `serve` vacuums and " +
       "analyzes the embedded database's tables due by autovacuum's rules, and checkpoints it by the " +
       "checkpointer's; 0 = never (its tables and its write-ahead log then grow without bound).",
+    { offOrAtLeast: "1s" },
   ),
 });
 
@@ -286,7 +321,9 @@ const Cas = Section("The content-addressed store of bundle inputs and outputs (d
     "How long a blob lives after it was last uploaded or asked about when no live manifest names it (a manifest lives as long as it was touched within this or is a bundle's output).",
     { positive: true },
   ),
-  gcInterval: Duration("1h", "How often the REST server collects garbage in the store; 0 = never.", {}),
+  gcInterval: Duration("1h", "How often the REST server collects garbage in the store; 0 = never.", {
+    offOrAtLeast: "1s",
+  }),
   maxBatchBytes: Size(
     "Largest batch upload or read: the bytes of its blobs (each blob at most 1 MiB).",
     "4MiB",
