@@ -35,7 +35,8 @@ import type { RunnerArtifact } from "./runner-artifact.ts";
 export type { RunnerArtifact } from "./runner-artifact.ts";
 
 import { createScheduler, type Scheduler } from "./scheduler/scheduler.ts";
-import { createConnectLimits, sshConnector } from "./sshexec/executor.ts";
+import { createConnectLimits } from "./sshexec/connect-limits.ts";
+import { sshConnector } from "./sshexec/executor.ts";
 import { createSync, type Sync } from "./sync.ts";
 import { createUserWorkers, type UserWorkers } from "./workers/user-workers.ts";
 

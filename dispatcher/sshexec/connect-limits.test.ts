@@ -9,13 +9,8 @@ import { startEmbeddedSshServer } from "../../cloud-drivers/ssh-server.ts";
 import { generateKeyPair } from "../../lib/ssh-keys.ts";
 import { FakeClock, flushMicrotasks } from "../../test/fake-clock.ts";
 import { silentLogger as logger } from "../../test/fixtures.ts";
-import {
-  CONNECT_COUNTS_FOR_MS,
-  type ConnectLimits,
-  createConnectLimits,
-  createSshExecutor,
-  type SshExecutor,
-} from "./executor.ts";
+import { CONNECT_COUNTS_FOR_MS, type ConnectLimits, createConnectLimits } from "./connect-limits.ts";
+import { createSshExecutor, type SshExecutor } from "./executor.ts";
 
 const pair = generateKeyPair();
 const cleanups: (() => Promise<void>)[] = [];

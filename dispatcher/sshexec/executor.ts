@@ -2,14 +2,15 @@
  * The SSH executor: one multiplexed connection per instance. It connects (with back-off), proves the host is
  * the instance it was created as (the secret, before any other command), then runs commands and streamlocal
  * exchanges on channels of that connection, within the channel limit (slots.ts), output caps and deadlines.
- * About 600 lines on purpose: connecting, the identity check and running a command share one connection's
- * state (the client, its running commands, the refusal); the channel mechanics are in channels.ts.
+ * About 700 lines on purpose: connecting, the identity check and running a command share one connection's
+ * state (the client, its running commands, the refusal). The channel mechanics are in channels.ts, the limits
+ * on connecting that all executors share in connect-limits.ts.
  */
 import type { Readable } from "node:stream";
 import ssh2, { type Client as SshClient } from "ssh2";
 import type { Clock } from "../../lib/clock.ts";
 import { type ExecOptions, type ExecResult, type Executor, SshError } from "../../lib/executor.ts";
-import { ConcurrencyLimit, type Permit, RateLimit } from "../../lib/limits.ts";
+import type { Permit } from "../../lib/limits.ts";
 import type { Logger } from "../../lib/logger.ts";
 import { INSTANCE_SECRET_SHELL_PATH } from "../../lib/runner-protocol.ts";
 import { constantTimeEqual } from "../../lib/tokens.ts";
@@ -25,6 +26,7 @@ import {
   type StdinState,
   sendSignal,
 } from "./channels.ts";
+import type { ConnectLimits } from "./connect-limits.ts";
 import { ChannelSlots, type Slot } from "./slots.ts";
 import {
   type BackoffOptions,
@@ -117,46 +119,6 @@ export interface SshExecutor extends Executor {
     opts?: { timeoutMs?: number },
   ): Promise<Buffer>;
   stats(): SshExecutorStats;
-}
-
-/**
- * Connection set-up limits shared by many executors: at most `maxPerSecond` connect attempts start per second
- * and at most `maxConcurrent` are under way at once (one slower than CONNECT_COUNTS_FOR_MS stops counting, so an
- * unreachable instance never holds up the others); 0 = no limit.
- */
-export interface ConnectLimits {
-  /** Waits for a connect attempt's turn; release the permit when the attempt has ended either way. */
-  acquire(signal: AbortSignal): Promise<Permit>;
-  stats(): { connecting: number; waiting: number; peak: number; slow: number };
-}
-
-/** How long one connect attempt counts against maxConcurrent; past it, it goes on without a slot. */
-export const CONNECT_COUNTS_FOR_MS = 5000;
-
-export function createConnectLimits(opts: {
-  maxPerSecond: number;
-  maxConcurrent: number;
-  clock: Clock;
-}): ConnectLimits {
-  const rate = new RateLimit(opts.maxPerSecond, opts.clock);
-  const slots = new ConcurrencyLimit({
-    max: opts.maxConcurrent,
-    countForMs: CONNECT_COUNTS_FOR_MS,
-    clock: opts.clock,
-  });
-  return {
-    async acquire(signal) {
-      const permit = await slots.acquire(signal);
-      try {
-        await rate.take(signal);
-      } catch (err) {
-        permit.release();
-        throw err;
-      }
-      return permit;
-    },
-    stats: () => ({ connecting: slots.active, waiting: slots.waiting, peak: slots.peak, slow: slots.slow }),
-  };
 }
 
 /**
