@@ -173,6 +173,7 @@ describe("end to end: PostgreSQL, OpenSSH VMs, Docker", () => {
     for (let i = 0; i < 3; i++) {
       expect((await sys.waitState(await sh("true"))).state).toBe("ready");
     }
-    expect(sys.output()).toMatch(/"via":"spare","msg":"runner started"/);
+    // A dispatcher in a process of its own hands the document over once the claim is back.
+    expect(sys.output()).toMatch(/"via":"spare","withClaim":false,"msg":"runner started"/);
   }, 120_000);
 });

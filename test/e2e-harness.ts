@@ -27,6 +27,8 @@ export interface SystemOptions {
   extraYaml?: string;
   /** More cloud: keys (indented by the caller with two spaces). */
   cloudYaml?: string;
+  /** More dispatcher: keys (indented by the caller with two spaces). */
+  dispatcherYaml?: string;
   /** cloud.timeoutIdle (default 10m) and cloud.maxInstances (default 3). */
   timeoutIdle?: string;
   /** cloud.probeInterval (default 500ms). */
@@ -128,6 +130,7 @@ export class E2eSystem {
       `restServer:\n  listen: "127.0.0.1:${port}"`,
       "logging:\n  level: info",
       `dispatcher:\n  runtimeEngine: ${opts.runtimeEngine}\n  pollInterval: 2s\n  staleLockTimeout: 20s`,
+      ...(opts.dispatcherYaml === undefined ? [] : [opts.dispatcherYaml]),
       "cloud:",
       ...(opts.driverYaml !== undefined
         ? [opts.driverYaml]

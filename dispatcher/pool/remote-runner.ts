@@ -240,6 +240,8 @@ export class RemoteRunner implements RunnerView {
         {
           attempt: started.attempt,
           via,
+          // Whether a spare's document left as the claim did (handOffWithClaim) or once it was back.
+          ...(via === "spare" ? { withClaim: earlyDoc !== null } : {}),
           ...(this.placement === undefined ? {} : { placement: this.placement }),
         },
         "runner started",
